@@ -1,0 +1,3 @@
+from fedmvp.cli import main
+
+main()

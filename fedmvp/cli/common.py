@@ -1,0 +1,38 @@
+"""Shared CLI plumbing: one-line errors with meaningful exit codes, JSON output."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the work ran and (part of) it failed
+EXIT_BAD_INPUT = 2  # bad arguments, files or presets: nothing was done
+
+
+class BadInput(click.ClickException):
+    """A one-line error about the user's input; exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def quiet_open_clip_logging() -> None:
+    """open_clip logs a warning for every random-init model; the CLI says what it loads itself."""
+    import logging
+
+    logging.getLogger().setLevel(logging.ERROR)
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)

@@ -1,0 +1,220 @@
+"""Loading the frozen CLIP backbone through open_clip, offline first.
+
+A backbone is a model name plus one weights source: an open_clip pretrained tag
+(``openai``), a tag that fedmvp ships (``fedmvp-tiny`` / ``synthetic``), an
+``hf-hub:`` or ``local-dir:`` model name, a local weights file (safetensors, or a
+torch state dict read with ``weights_only=True``), or nothing (random init).
+Nothing is downloaded unless the caller allows it; a source that would need the
+network fails with one line that says what to pass instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import open_clip
+import torch
+from torch import nn
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+MODEL_CONFIG_DIR = PACKAGE_DIR / "model_configs"
+REGISTRY = json.loads((MODEL_CONFIG_DIR / "registry.json").read_text())
+open_clip.add_model_config(MODEL_CONFIG_DIR)
+
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+class ClipLoadError(RuntimeError):
+    """The backbone could not be built or its weights could not be found offline."""
+
+
+@dataclass
+class LoadedClip:
+    """A frozen open_clip model with what is needed to use it."""
+
+    model: nn.Module
+    preprocess: Callable  # PIL image -> normalised tensor (open_clip's eval transform)
+    tokenizer: Callable  # list[str] -> LongTensor[N, context_length]
+    name: str
+    pretrained: str | None
+    identity: str | None  # stable id of the weights for on-disk caches; None for random init
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.model.visual.output_dim)
+
+    @property
+    def vision_width(self) -> int:
+        return int(self.model.visual.conv1.out_channels)
+
+    @property
+    def image_size(self) -> int:
+        size = self.model.visual.image_size
+        return int(size[0] if isinstance(size, (tuple, list)) else size)
+
+    @property
+    def num_patches(self) -> int:
+        gh, gw = self.model.visual.grid_size
+        return int(gh * gw)
+
+
+def shipped_weights(name: str, tag: str) -> Path | None:
+    """Path of weights fedmvp ships for (name, tag), if any."""
+    rel = REGISTRY["pretrained"].get(name, {}).get(tag)
+    return PACKAGE_DIR / rel if rel else None
+
+
+def build_tokenizer(name: str) -> Callable:
+    """The model's own tokenizer: a registered compact one, else open_clip's."""
+    spec = REGISTRY["tokenizers"].get(name)
+    if spec and spec["type"] == "compact":
+        from fedmvp.tokenizer import CompactTokenizer
+
+        text_cfg = open_clip.get_model_config(name)["text_cfg"]
+        return CompactTokenizer.from_file(PACKAGE_DIR / spec["vocab"], text_cfg["vocab_size"],
+                                          text_cfg["context_length"])
+    return open_clip.get_tokenizer(name)
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A CLIP state dict from safetensors or a torch file, never unpickling arbitrary objects."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    import pickle
+    import zipfile
+
+    try:
+        obj: Any = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError) as err:
+        # OpenAI's original checkpoints are TorchScript archives (code + tensors, no pickled objects).
+        if not (zipfile.is_zipfile(path) and "constants.pkl" in "".join(zipfile.ZipFile(path).namelist())):
+            raise ClipLoadError(f"{path}: not a weights-only torch file; refusing to unpickle it "
+                                f"(convert it to safetensors)") from err
+        obj = torch.jit.load(str(path), map_location="cpu").state_dict()
+    if isinstance(obj, dict) and "state_dict" in obj:
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise ClipLoadError(f"{path}: expected a state dict, found {type(obj).__name__}")
+    state = {k.removeprefix("module."): v for k, v in obj.items()}
+    for key in ("input_resolution", "context_length", "vocab_size"):
+        state.pop(key, None)
+    return state
+
+
+@contextlib.contextmanager
+def _offline(allow_download: bool):
+    """Keep Hugging Face hub calls local unless downloads are allowed."""
+    if allow_download:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """CLIP is never trained: no gradients, eval mode (no dropout)."""
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+def _create(name: str, pretrained: str | None, allow_download: bool, cache_dir: str | None):
+    try:
+        with _offline(allow_download):
+            model, _, preprocess = open_clip.create_model_and_transforms(
+                name, pretrained=pretrained, cache_dir=cache_dir)
+    except RuntimeError as err:
+        if "Unknown model" in str(err) or "not found" in str(err).lower():
+            raise ClipLoadError(f"unknown CLIP model '{name}'; known: fedmvp-tiny, ViT-B-16, ... "
+                                f"(see `open_clip.list_models()`)") from err
+        raise
+    return model, preprocess
+
+
+def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.device = "cpu",
+              allow_download: bool = False, cache_dir: str | None = None) -> LoadedClip:
+    """Build a frozen CLIP. ``pretrained``: None (random init), a tag, or a weights file path."""
+    is_schema = name.startswith(("hf-hub:", "local-dir:"))
+    if not is_schema and name not in open_clip.list_models():
+        raise ClipLoadError(f"unknown CLIP model '{name}'; try fedmvp-tiny or ViT-B-16 "
+                            f"(all names: python -c 'import open_clip; print(open_clip.list_models())')")
+    identity: str | None = None
+    weights_path: Path | None = None
+    if is_schema:
+        identity = name
+    elif pretrained:
+        shipped = shipped_weights(name, pretrained)
+        candidate = Path(pretrained).expanduser()
+        if shipped is not None:
+            if not shipped.is_file():
+                raise ClipLoadError(f"{shipped}: shipped weights for {name}/{pretrained} are missing; "
+                                    f"rebuild them with `fedmvp pretrain-tiny`")
+            weights_path, identity = shipped, f"{name}:{pretrained}"
+        elif candidate.suffix in WEIGHT_SUFFIXES or candidate.exists():
+            if not candidate.is_file():
+                raise ClipLoadError(f"{candidate}: weights file not found")
+            weights_path = candidate
+            identity = f"{name}:sha256:{file_sha256(candidate)}"
+        else:
+            tags = open_clip.list_pretrained_tags_by_model(name)
+            if pretrained not in tags:
+                raise ClipLoadError(f"'{pretrained}' is neither a pretrained tag of {name} "
+                                    f"(tags: {', '.join(tags) or 'none'}) nor a weights file")
+            identity = f"{name}:{pretrained}"
+
+    if weights_path is not None:
+        model, preprocess = _create(name, None, allow_download, cache_dir)
+        state = read_state_dict(weights_path)
+        if "logit_scale" in state and state["logit_scale"].ndim != model.logit_scale.ndim:
+            state["logit_scale"] = state["logit_scale"].reshape(model.logit_scale.shape)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            first = str(err).splitlines()[0] if str(err) else "shape or key mismatch"
+            raise ClipLoadError(f"{weights_path}: does not fit {name}: {first}") from err
+    else:
+        tag = pretrained if (pretrained and not is_schema) else None
+        try:
+            model, preprocess = _create(name, tag, allow_download, cache_dir)
+        except ClipLoadError:
+            raise
+        except Exception as err:  # hub / url download attempted while offline
+            if allow_download:
+                raise ClipLoadError(f"could not fetch {name} / {pretrained}: {err}") from err
+            raise ClipLoadError(
+                f"{name} with pretrained '{pretrained}' is not in the local cache and downloads are off; "
+                f"pass a weights file (--pretrained /path/to/{name}.safetensors) or allow downloads "
+                f"(--allow-download / FEDMVP_ALLOW_DOWNLOAD=1)") from err
+    model = freeze(model.to(device))
+    tokenizer = open_clip.get_tokenizer(name) if is_schema else build_tokenizer(name)
+    return LoadedClip(model=model, preprocess=preprocess, tokenizer=tokenizer, name=name,
+                      pretrained=pretrained, identity=identity)
+
+
+def downloads_allowed() -> bool:
+    return os.environ.get("FEDMVP_ALLOW_DOWNLOAD", "") not in ("", "0", "false")

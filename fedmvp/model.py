@@ -1,0 +1,180 @@
+"""FedMVP: frozen CLIP + PromptFormer (+ peft LoRA), the attribute classifier and the loss.
+
+SPEC sections 2-5. The only trainable tensors are the PromptFormer's (before the LoRA
+switch) or its LoRA's (after). They travel under stable names, ``promptformer.*`` and
+``lora.*``, identical in checkpoints, Flower messages, bundles and update files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from fedmvp.clip import LoadedClip
+from fedmvp.prompted_vit import encode_tokens, patch_embeds
+from fedmvp.promptformer import PromptFormer, PromptFormerConfig
+
+PROMPTFORMER_PREFIX = "promptformer."
+LORA_PREFIX = "lora."
+
+
+@dataclass
+class FedMVPConfig:
+    """Method hyper-parameters (SPEC defaults)."""
+
+    num_prompts: int = field(default=4, metadata={"help": "m, prompt tokens appended per image"})
+    heads: int = field(default=4, metadata={"help": "attention heads in the PromptFormer"})
+    ff_mult: int = field(default=4, metadata={"help": "GEGLU inner width = ff_mult * vision width"})
+    alpha: float = field(default=10.0, metadata={"help": "weight of the consistency loss; 0 turns it off"})
+    flip_prob: float = field(default=0.5, metadata={"help": "per-sample horizontal flip for the consistency view"})
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank on the cross-attention q/k/v"})
+    lora_targets: tuple[str, ...] = field(default=("to_q", "to_k", "to_v"),
+                                          metadata={"help": "PromptFormer Linear layers that get LoRA"})
+    use_lora: bool = field(default=True, metadata={"help": "False reproduces the 'w/o LoRA' ablation"})
+
+
+def autocast_for(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (fp32 master weights stay fp32); nothing on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def flip_views(images: torch.Tensor, flip_prob: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A horizontally flipped view for each sample with probability ``flip_prob`` (not one coin per batch)."""
+    coins = torch.rand(images.shape[0], generator=generator, device="cpu") < flip_prob
+    coins = coins.to(images.device).view(-1, 1, 1, 1)
+    return torch.where(coins, images.flip(-1), images)
+
+
+class FedMVP(nn.Module):
+    """Prompted CLIP classifier over attribute sentences."""
+
+    def __init__(self, clip: LoadedClip, config: FedMVPConfig | None = None):
+        super().__init__()
+        self.config = config or FedMVPConfig()
+        self.clip = clip.model
+        self.clip_info = clip
+        pf_config = PromptFormerConfig(text_dim=clip.embed_dim, width=clip.vision_width,
+                                       heads=self.config.heads, ff_mult=self.config.ff_mult,
+                                       num_patches=clip.num_patches, num_prompts=self.config.num_prompts)
+        self.promptformer = PromptFormer(pf_config)
+        if self.config.use_lora:
+            lora = LoraConfig(r=self.config.lora_rank, lora_alpha=self.config.lora_rank, lora_dropout=0.0,
+                              target_modules=list(self.config.lora_targets), bias="none")
+            inject_adapter_in_model(lora, self.promptformer)
+        self.register_buffer("text_features", torch.zeros(0, 1, clip.embed_dim), persistent=False)
+        self.lora_active = False
+        self._set_trainable(promptformer=True, lora=False)
+
+    # ---- trainable tensors and their stable names -------------------------------------------
+    def _named_promptformer_tensors(self) -> dict[str, nn.Parameter]:
+        out = {}
+        for name, param in self.promptformer.named_parameters():
+            if "lora_" in name:
+                key = LORA_PREFIX + name.replace(".default", "")
+            else:
+                key = PROMPTFORMER_PREFIX + name.replace(".base_layer", "")
+            out[key] = param
+        return out
+
+    def _set_trainable(self, promptformer: bool, lora: bool) -> None:
+        for key, param in self._named_promptformer_tensors().items():
+            param.requires_grad_(lora if key.startswith(LORA_PREFIX) else promptformer)
+
+    def use_lora(self) -> None:
+        """The switch (SPEC section 4): freeze the PromptFormer, train only LoRA from now on."""
+        if not self.config.use_lora:
+            raise RuntimeError("this model was built without LoRA (use_lora=False)")
+        self.lora_active = True
+        self._set_trainable(promptformer=False, lora=True)
+
+    def state(self, kind: str = "trainable") -> dict[str, torch.Tensor]:
+        """Tensors by stable name: 'trainable' (what a client sends now), 'promptformer', 'lora' or 'all'."""
+        if kind == "trainable":
+            kind = "lora" if self.lora_active else "promptformer"
+        tensors = self._named_promptformer_tensors()
+        prefixes = {"promptformer": (PROMPTFORMER_PREFIX,), "lora": (LORA_PREFIX,),
+                    "all": (PROMPTFORMER_PREFIX, LORA_PREFIX)}[kind]
+        return {k: v.detach().clone() for k, v in tensors.items() if k.startswith(prefixes)}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], strict: bool = False) -> list[str]:
+        """Copy tensors in by stable name; returns names of model tensors not provided."""
+        own = self._named_promptformer_tensors()
+        unknown = sorted(set(tensors) - set(own))
+        if unknown:
+            raise KeyError(f"unknown tensors: {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+        for name, value in tensors.items():
+            if own[name].shape != value.shape:
+                raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(own[name].shape)}")
+            with torch.no_grad():
+                own[name].copy_(value.to(own[name].device, own[name].dtype))
+        missing = sorted(set(own) - set(tensors))
+        if strict and missing:
+            raise KeyError(f"missing tensors: {', '.join(missing[:5])}")
+        return missing
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.promptformer.parameters() if p.requires_grad]
+
+    # ---- classifier ---------------------------------------------------------------------------
+    def set_text_features(self, features: torch.Tensor) -> None:
+        """[C, K, E] normalised attribute features of the candidate classes (label order)."""
+        if features.dim() != 3:
+            raise ValueError(f"text features must be [C, K, E], got {tuple(features.shape)}")
+        device = self.clip.logit_scale.device
+        self.text_features = features.detach().to(device, torch.float32)
+
+    @property
+    def class_weights(self) -> torch.Tensor:
+        """[C, E] = mean_k t_ck: logit_c = s * f . mean_k t_ck = s * mean_k cos(f, t_ck)."""
+        return self.text_features.mean(dim=1)
+
+    @property
+    def logit_scale(self) -> torch.Tensor:
+        return self.clip.logit_scale.exp()
+
+    def logits(self, image_features: torch.Tensor) -> torch.Tensor:
+        return self.logit_scale * image_features @ self.class_weights.t().to(image_features.dtype)
+
+    # ---- image features -------------------------------------------------------------------------
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalised prompted image feature f_prompted(x)."""
+        if self.text_features.shape[0] == 0:
+            raise RuntimeError("call set_text_features() before encoding images")
+        visual = self.clip.visual
+        tokens = patch_embeds(visual, images)
+        prompts = self.promptformer(tokens[:, 1:], self.text_features.to(tokens.dtype))
+        return F.normalize(encode_tokens(visual, tokens, prompts), dim=-1)
+
+    @torch.no_grad()
+    def encode_frozen(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalised unprompted CLIP feature (the consistency target)."""
+        return F.normalize(self.clip.encode_image(images), dim=-1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.encode(images))
+
+    def loss(self, images: torch.Tensor, labels: torch.Tensor, frozen_targets: torch.Tensor | None = None,
+             generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """L = CE + alpha * (1 - cos(f_prompted(x), f_CLIP(x'))), x' a per-sample flipped view."""
+        features = self.encode(images)
+        ce = F.cross_entropy(self.logits(features), labels)
+        consistency = torch.zeros((), device=images.device)
+        if self.config.alpha > 0:
+            if frozen_targets is None:
+                frozen_targets = self.encode_frozen(flip_views(images, self.config.flip_prob, generator))
+            consistency = (1 - F.cosine_similarity(features.float(), frozen_targets.float(), dim=-1)).mean()
+        return {"loss": ce + self.config.alpha * consistency, "ce": ce, "consistency": consistency}
+
+    def train(self, mode: bool = True) -> "FedMVP":
+        """CLIP stays in eval mode whatever the PromptFormer does."""
+        super().train(mode)
+        self.clip.eval()
+        return self
