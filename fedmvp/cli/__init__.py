@@ -10,6 +10,7 @@ from fedmvp.cli.lazy import LazyGroup
 SUBCOMMANDS = {
     "info": "fedmvp.cli.info:info",
     "demo": "fedmvp.cli.demo:demo",
+    "attributes": "fedmvp.cli.attributes:attributes",
 }
 
 

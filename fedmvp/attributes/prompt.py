@@ -1,0 +1,155 @@
+"""The versioned LLM prompt for class attributes, its JSON schema and the answer contract.
+
+The prompt text is part of the experiment: change any wording here and bump
+``PROMPT_VERSION`` so files written before and after can be told apart (the version is
+recorded in each file's metadata block). The schema and ``parse_answer`` define the same
+contract twice on purpose: servers that ignore ``response_format`` (some
+OpenAI-compatible ones do) are still held to it by local validation.
+"""
+
+from __future__ import annotations
+
+import json
+
+PROMPT_VERSION = "fedmvp-attributes-v1"
+DEFAULT_K = 10
+MAX_PHRASE_CHARS = 80
+MAX_PHRASE_WORDS = 10
+SCHEMA_NAME = "class_attributes"
+OFFLINE_VERSION = "fedmvp-offline-template-v1"
+
+SYSTEM_PROMPT = (
+    "You describe what object classes look like, for a vision-language model that "
+    "matches images against sentences. You answer with short visual attribute "
+    "phrases only."
+)
+
+_USER_TEMPLATE = """\
+List exactly {k} distinct visual attributes of "{name}" that help recognise it in an image{domain_clause}.
+
+Rules for every attribute:
+- a short noun phrase of 2 to 6 words, lowercase, no final period;
+- it must read naturally after "a photo of a {name}, which has ...", \
+e.g. for a giraffe: "exceptionally long neck", "brown patches on yellow fur";
+- describe what is visible (shape, parts, colour, texture, pattern, typical context), \
+not behaviour, facts or the name itself;
+- no two attributes may say the same thing.
+
+Answer with a JSON object {{"attributes": [...]}} holding exactly {k} strings."""
+
+_DOMAIN_CLAUSE = (
+    " when it is depicted as {domain}; prefer attributes that remain visible in that "
+    "style of depiction"
+)
+
+
+class InvalidAnswer(ValueError):
+    """The model's answer broke the contract; the message says how, to re-ask with it."""
+
+
+def display_name(class_name: str) -> str:
+    """Folder-style names ('red_circle') are asked about as words."""
+    return class_name.replace("_", " ").strip()
+
+
+def build_messages(class_name: str, k: int = DEFAULT_K,
+                   domain: str | None = None) -> list[dict[str, str]]:
+    """System + user messages asking for ``k`` attributes of one class (optionally in a domain)."""
+    clause = _DOMAIN_CLAUSE.format(domain=display_name(domain)) if domain else ""
+    user = _USER_TEMPLATE.format(k=k, name=display_name(class_name), domain_clause=clause)
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+def reask_message(reason: str, k: int = DEFAULT_K) -> dict[str, str]:
+    """Follow-up user turn after an invalid answer: says what was wrong so the retry can fix it."""
+    return {"role": "user", "content": (
+        f"That answer was invalid: {reason}. Reply again with a JSON object "
+        f'{{"attributes": [...]}} holding exactly {k} distinct, non-empty phrases of at most '
+        f"{MAX_PHRASE_WORDS} words each.")}
+
+
+def response_schema(k: int = DEFAULT_K) -> dict:
+    """JSON schema of one answer: ``{"attributes": [k strings]}``."""
+    return {
+        "type": "object",
+        "properties": {
+            "attributes": {
+                "type": "array",
+                "items": {"type": "string"},
+                "minItems": k,
+                "maxItems": k,
+            },
+        },
+        "required": ["attributes"],
+        "additionalProperties": False,
+    }
+
+
+def response_format(k: int = DEFAULT_K) -> dict:
+    """The ``response_format`` argument of ``chat.completions.create`` (structured output)."""
+    return {"type": "json_schema",
+            "json_schema": {"name": SCHEMA_NAME, "strict": True, "schema": response_schema(k)}}
+
+
+def clean_phrase(phrase: str) -> str:
+    """Whitespace collapsed, surrounding quotes/bullets and a final period dropped."""
+    text = " ".join(phrase.split()).strip("\"'`").lstrip("-*• ").rstrip(".").strip()
+    return text
+
+
+def phrase_problems(phrases: list[str], k: int | None = DEFAULT_K) -> list[str]:
+    """Every way ``phrases`` breaks the contract (empty list = valid)."""
+    problems: list[str] = []
+    if k is not None and len(phrases) != k:
+        problems.append(f"expected {k} phrases, got {len(phrases)}")
+    seen: dict[str, int] = {}
+    for i, phrase in enumerate(phrases):
+        if not isinstance(phrase, str) or not phrase.strip():
+            problems.append(f"phrase {i + 1} is empty")
+            continue
+        if len(phrase) > MAX_PHRASE_CHARS or len(phrase.split()) > MAX_PHRASE_WORDS:
+            problems.append(f"phrase {i + 1} is too long ({len(phrase)} chars, "
+                            f"max {MAX_PHRASE_CHARS} chars / {MAX_PHRASE_WORDS} words)")
+        key = phrase.strip().lower()
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] == 2:
+            problems.append(f"duplicate phrase {phrase!r}")
+    return problems
+
+
+def parse_answer(content: str | None, k: int = DEFAULT_K) -> list[str]:
+    """The cleaned phrases of one answer, or ``InvalidAnswer`` naming what is wrong."""
+    if content is None or not content.strip():
+        raise InvalidAnswer("the answer was empty")
+    try:
+        data = json.loads(content)
+    except json.JSONDecodeError as exc:
+        raise InvalidAnswer(f"the answer was not valid JSON ({exc.msg})") from None
+    if isinstance(data, dict):
+        data = data.get("attributes")
+    if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+        raise InvalidAnswer('the answer was not {"attributes": [strings]}')
+    phrases = [clean_phrase(p) for p in data]
+    problems = phrase_problems(phrases, k)
+    if problems:
+        raise InvalidAnswer("; ".join(problems))
+    return phrases
+
+
+# Offline placeholders: generic but valid phrases, replaced by a later online run.
+OFFLINE_TEMPLATES = (
+    "the typical shape of {a} {name}", "the characteristic colors of {a} {name}",
+    "the distinctive texture of {a} {name}", "the usual size of {a} {name}",
+    "the recognizable outline of {a} {name}", "the typical parts of {a} {name}",
+    "the distinctive details of {a} {name}", "the common surroundings of {a} {name}",
+    "the typical pattern of {a} {name}", "the overall look of {a} {name}",
+)
+
+
+def offline_attributes(class_name: str, k: int = DEFAULT_K) -> list[str]:
+    """K template phrases from the class name alone, so training can run without an LLM."""
+    name = display_name(class_name)
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    phrases = [t.format(a=article, name=name) for t in OFFLINE_TEMPLATES]
+    phrases += [f"visual detail {i + 1} of {article} {name}" for i in range(len(phrases), k)]
+    return phrases[:k]
