@@ -1,8 +1,40 @@
-"""`edge-client` command line."""
+"""`edge-client` command line: infer, train, rollback, info.
+
+Exit codes: 0 ok; 1 some files failed (infer), training failed, nothing to roll back;
+2 bad input (unreadable or tampered bundle, unknown class, unavailable provider, bad
+options); 130 interrupted. `infer` and `rollback` never import torch; `train` imports it
+when it starts training, `info` only to report on it.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
 import click
+
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+_BUNDLE_HELP = "Bundle directory (default: $FEDMVP_BUNDLE, then ./bundle)."
+
+
+def _bundle_option(f: Any) -> Any:
+    return click.option("--bundle", "bundle", type=click.Path(path_type=Path, file_okay=False), default=None,
+                        help=_BUNDLE_HELP)(f)
+
+
+def _json_option(f: Any) -> Any:
+    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output (JSON).")(f)
+
+
+def _fail(as_json: bool, code: int, message: str, **extra: Any) -> None:
+    message = " ".join(str(message).split())
+    if as_json:
+        click.echo(json.dumps({"ok": False, "error": message, **extra}, sort_keys=True))
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -11,5 +43,238 @@ def main() -> None:
 
     `infer` classifies images with ONNX Runtime (no torch needed); `train` updates
     only the LoRA tensors on local labelled images and writes an update file that
-    the federation's server can aggregate.
+    the federation's server can aggregate; `rollback` undoes the last personalisation;
+    `info` describes the bundle and this device.
     """
+
+
+# ---- infer ---------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("paths", nargs=-1, required=True)
+@_bundle_option
+@click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True, help="Classes shown per image.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Images per ONNX Runtime call.")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda", "tensorrt"], case_sensitive=False),
+              default="auto", show_default=True,
+              help="Execution provider; auto takes TensorRT, then CUDA, then CPU. A named one that cannot load "
+                   "is an error.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for ONNX Runtime (default: the cores this process may use).")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=None,
+              help="Refuse images with more pixels (decompression bombs; default 100,000,000).")
+@click.option("--bundle-lora", is_flag=True, help="Run the bundle's exported LoRA, not this device's personalised one.")
+@_json_option
+def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: int, provider: str,
+          threads: int | None, max_pixels: int | None, bundle_lora: bool, as_json: bool) -> None:
+    """Classify images: PATHS are files, directories (recursive) and glob patterns.
+
+    Prints a table (or with --json one JSON line per file: path, top_k classes with
+    probabilities, latency_ms). A file that cannot be read gets a one-line error and
+    the others are still classified; the exit code is then 1.
+    """
+    from edge_client.bundle import BundleError
+    from edge_client.images import DEFAULT_MAX_PIXELS
+    from edge_client.infer import FileFailure, Prediction, Predictor
+    from edge_client.runtime import ProviderError
+
+    try:
+        predictor = Predictor(bundle, provider=provider.lower(), threads=threads, personalised=not bundle_lora)
+    except (BundleError, ProviderError, ImportError) as err:
+        _fail(as_json, EXIT_INPUT, str(err))
+    except Exception as err:  # noqa: BLE001 - ORT's own load errors (e.g. a model it cannot parse)
+        _fail(as_json, EXIT_INPUT, f"cannot load the model: {err}")
+    if not as_json:
+        click.echo(f"provider: {predictor.provider}  ·  bundle: {predictor.bundle.path} (round {predictor.round}, "
+                   f"{predictor.bundle.precision})  ·  LoRA: {predictor.lora.describe()}", err=True)
+
+    def stream(item: Prediction | FileFailure) -> None:
+        if as_json:
+            click.echo(json.dumps({**item.to_json(), "provider": predictor.provider}, ensure_ascii=False))
+        elif isinstance(item, FileFailure):
+            click.echo(f"error: {item.error}", err=True)
+
+    result = predictor.infer(list(paths), top_k=top_k, batch_size=batch_size,
+                             max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
+                             progress=not as_json and sys.stderr.isatty(), on_result=stream)
+    if not as_json:
+        _print_table(result.predictions)
+    s = result.summary()
+    rate = f", {s['images_per_second']:.1f} images/s" if s["images_per_second"] else ""
+    click.echo(f"{s['images']} classified, {s['failed']} failed in {s['seconds']:.2f} s{rate}", err=True)
+    sys.exit(EXIT_FAILED if result.errors else EXIT_OK)
+
+
+def _print_table(predictions: list) -> None:
+    if not predictions:
+        return
+    paths = [str(p.path) for p in predictions]
+    width = min(max(len("PATH"), *(len(p) for p in paths)), 60)
+    cwidth = max(len("CLASS"), *(len(c) for p in predictions for c, _ in p.top_k))
+    click.echo(f"{'PATH':<{width}}  {'CLASS':<{cwidth}}  {'PROB':>7}  {'LATENCY':>10}")
+    for pred, path in zip(predictions, paths):
+        shown = path if len(path) <= width else "..." + path[-(width - 3):]
+        for rank, (name, prob) in enumerate(pred.top_k):
+            first = rank == 0
+            latency = f"{pred.latency_ms:.1f} ms" if first else ""
+            row = f"{shown if first else '':<{width}}  {name:<{cwidth}}  {100 * prob:6.2f}%  {latency:>10}"
+            click.echo(row.rstrip())
+
+
+# ---- train ---------------------------------------------------------------------------------------------
+class _BatchSize(click.ParamType):
+    name = "auto|N"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or str(value).lower() == "auto":
+            return value if isinstance(value, int) else "auto"
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not 'auto' or a positive integer", param, ctx)
+        if number < 1:
+            self.fail(f"{value!r} is not 'auto' or a positive integer", param, ctx)
+        return number
+
+
+@main.command()
+@click.option("--data", type=click.Path(path_type=Path), required=True,
+              help="ImageFolder tree of local labelled images: DATA/<class>/<image>; classes must be the bundle's.")
+@_bundle_option
+@click.option("--epochs", type=click.IntRange(min=1), default=5, show_default=True, help="Local epochs.")
+@click.option("--batch-size", type=_BatchSize(), default="auto", show_default=True,
+              help="Images per step; auto: on CUDA the largest under --max-memory-gb, on CPU 32.")
+@click.option("--max-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="GPU memory (GiB) --batch-size auto may use (default: 90% of what is free).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("updates"), show_default=True,
+              help="Directory for the update file (or a path ending in .safetensors).")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.003, show_default=True,
+              help="SGD learning rate (momentum 0.9, weight decay 1e-5).")
+@click.option("--alpha", type=click.FloatRange(min=0), default=None,
+              help="Weight of the consistency loss (default: the bundle's, else 10).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"], case_sensitive=False), default="auto",
+              show_default=True, help="Where to train (auto: CUDA when torch sees a GPU).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Shuffling and flip augmentation seed.")
+@click.option("--from-bundle", is_flag=True,
+              help="Start from the bundle's exported LoRA instead of this device's active (personalised) one.")
+@click.option("--no-apply", is_flag=True, help="Only write the update file; keep the device's active LoRA.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
+@_json_option
+def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, max_memory_gb: float | None,
+          out: Path, lr: float, alpha: float | None, device: str, seed: int, from_bundle: bool, no_apply: bool,
+          threads: int | None, as_json: bool) -> None:
+    """Train only the LoRA tensors on local labelled images (needs torch: fedmvp[edge-train]).
+
+    Loss: cross-entropy over the bundle's classes + alpha * (1 - cos(prompted, frozen CLIP
+    feature of a flipped view)). Writes an update file (safetensors: the LoRA tensors and
+    metadata: bundle id and round, number of examples, mean loss, time), then makes the
+    new LoRA the device's own for `infer` (the previous one is kept: `edge-client rollback`).
+    Nothing is written until training has finished: an interrupted run changes nothing.
+    """
+    from edge_client.bundle import BundleError
+    from edge_client.train import TrainingError, TrainInputError, train_local
+    from edge_client.update import UpdateError
+
+    try:
+        result = train_local(data, bundle, epochs=epochs, batch_size=batch_size, max_memory_gb=max_memory_gb,
+                             out=out, lr=lr, alpha=alpha, device=device.lower(), seed=seed,
+                             apply=not no_apply, start="bundle" if from_bundle else "active", threads=threads,
+                             progress=not as_json)
+    except KeyboardInterrupt:
+        _fail(as_json, EXIT_INTERRUPTED, "interrupted: nothing was written, the bundle is unchanged")
+    except (TrainInputError, BundleError, UpdateError) as err:
+        _fail(as_json, EXIT_INPUT, str(err))
+    except TrainingError as err:
+        _fail(as_json, EXIT_FAILED, str(err))
+    if as_json:
+        click.echo(json.dumps(result.to_json(), sort_keys=True, ensure_ascii=False))
+        return
+    for line in result.skipped:
+        click.echo(f"skipped: {line}", err=True)
+    losses = result.epoch_losses
+    classes, epochs = len(result.classes), result.epochs
+    click.echo(f"trained the LoRA on {result.num_examples} images of {classes} class{'es' if classes != 1 else ''}, "
+               f"{epochs} epoch{'s' if epochs != 1 else ''}, batch {result.batch_size}, {result.device}"
+               + (f" ({result.autocast} autocast)" if result.autocast else "") + f", {result.seconds:.1f} s")
+    trend = f"{losses[0]:.4f} (epoch 1) -> {losses[-1]:.4f} (epoch {len(losses)})" if len(losses) > 1 \
+        else f"{losses[0]:.4f}"
+    click.echo(f"loss: {trend}, mean {result.mean_loss:.4f}")
+    click.echo(f"update: {result.update_path}")
+    if result.personalised is not None:
+        click.echo(f"personalised: `edge-client infer` now runs {result.personalised.file} "
+                   f"(undo: edge-client rollback)")
+
+
+# ---- rollback -----------------------------------------------------------------------------------------
+@main.command()
+@_bundle_option
+@click.option("--all", "to_bundle", is_flag=True,
+              help="Discard every personalisation and return to the bundle's exported LoRA.")
+@_json_option
+def rollback(bundle: Path | None, to_bundle: bool, as_json: bool) -> None:
+    """Undo the last `edge-client train` personalisation: infer runs the previous LoRA again."""
+    from edge_client.bundle import BundleError, read_bundle
+    from edge_client.infer import resolve_bundle_dir
+    from edge_client.lora_store import NothingToRollBack
+    from edge_client.lora_store import rollback as do_rollback
+
+    try:
+        verified = read_bundle(resolve_bundle_dir(bundle), verify=True)
+        active = do_rollback(verified, to_bundle=to_bundle)
+    except NothingToRollBack as err:
+        _fail(as_json, EXIT_FAILED, str(err))
+    except BundleError as err:
+        _fail(as_json, EXIT_INPUT, str(err))
+    if as_json:
+        click.echo(json.dumps({"ok": True, "active": active.to_json()}, sort_keys=True))
+    else:
+        click.echo(f"rolled back: {verified.path} now runs the {active.describe()}")
+
+
+# ---- info ---------------------------------------------------------------------------------------------
+@main.command()
+@_bundle_option
+@_json_option
+def info(bundle: Path | None, as_json: bool) -> None:
+    """Describe the bundle (round, classes, precision, hashes) and this device (providers, torch, memory)."""
+    from edge_client.device import describe
+
+    report = describe(bundle)
+    if as_json:
+        click.echo(json.dumps(report, sort_keys=True, ensure_ascii=False))
+    else:
+        for line in _info_lines(report):
+            click.echo(line)
+    sys.exit(EXIT_OK if report["bundle"].get("hashes_ok") else EXIT_INPUT)
+
+
+def _info_lines(report: dict[str, Any]) -> list[str]:
+    b, d = report["bundle"], report["device"]
+    lines = [f"bundle:     {b['path']}"]
+    if b.get("error"):
+        lines.append(f"  error:    {b['error']}")
+    if b.get("manifest"):
+        classes = b.get("classes") or []
+        shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
+        lines += [f"  round:    {b.get('round')} of run {b.get('run')}",
+                  f"  model:    {b.get('model')}, precision {b.get('precision')}",
+                  f"  classes:  {len(classes)} ({shown})",
+                  f"  hashes:   {'OK' if b.get('hashes_ok') else 'FAILED'}",
+                  f"  LoRA:     {b.get('lora', {}).get('describe', '?')}",
+                  f"  size:     {b.get('bytes', 0) / 1e6:.1f} MB"]
+    lines.append(f"providers:  {', '.join(d['providers']) or 'onnxruntime not installed'}")
+    torch = d["torch"]
+    if torch.get("installed"):
+        cuda = ", ".join(f"{g['name']} ({g['free_gb']:.1f}/{g['total_gb']:.1f} GiB free)"
+                         for g in torch.get("gpus", [])) or "no CUDA"
+        lines.append(f"torch:      {torch.get('version')} ({cuda})")
+    else:
+        lines.append("torch:      not installed (inference works; `train` needs fedmvp[edge-train])")
+    memory = d.get("memory_available_gb")
+    lines.append(f"memory:     {memory:.1f} GiB available" if memory is not None else "memory:     unknown")
+    lines.append(f"cpus:       {d.get('cpus')}")
+    return lines
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -10,9 +10,12 @@ onnxruntime is imported lazily: the package must import on machines without it.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 PROVIDER_NAMES = {
     "cpu": "CPUExecutionProvider",
@@ -52,8 +55,13 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def session_options(threads: int | None = None) -> Any:
-    """Full graph optimisation, sequential execution, `threads` intra-op threads."""
+# ORT warns at every session creation that overridable initializers (the bundle's LoRA
+# tensors, kept as graph inputs on purpose) are not constant-folded: errors only.
+DEFAULT_LOG_SEVERITY = 3
+
+
+def session_options(threads: int | None = None, log_severity_level: int = DEFAULT_LOG_SEVERITY) -> Any:
+    """Full graph optimisation, sequential execution, `threads` intra-op threads, quiet logs."""
     ort = _ort()
     n = default_threads() if threads is None else threads
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -63,7 +71,24 @@ def session_options(threads: int | None = None) -> Any:
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.intra_op_num_threads = n
     opts.inter_op_num_threads = 1  # unused in sequential mode; avoid a second pool
+    opts.log_severity_level = int(log_severity_level)
     return opts
+
+
+def _with_initializers(opts: Any, initializers: Mapping[str, np.ndarray] | None) -> tuple[Any, list[Any]]:
+    """Override named initializers at session creation (ORT's `add_initializer`).
+
+    The OrtValues must outlive the session: they are returned so the caller keeps them."""
+    keep: list[Any] = []
+    if not initializers:
+        return opts, keep
+    ort = _ort()
+    for name, value in initializers.items():
+        array = np.ascontiguousarray(value)
+        ort_value = ort.OrtValue.ortvalue_from_numpy(array)
+        keep.extend((array, ort_value))
+        opts.add_initializer(name, ort_value)
+    return opts, keep
 
 
 def _provider_chain(provider: str, available: list[str]) -> tuple[list[str], str | None]:
@@ -91,8 +116,13 @@ def make_session(
     model_path: str | os.PathLike[str],
     provider: str = "auto",
     threads: int | None = None,
+    initializers: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[Any, str]:
     """Open `model_path` on `provider` ('auto', 'cpu', 'cuda', 'tensorrt').
+
+    `initializers` ({name: array}) replace the model's initializers of those names for
+    this session only (the model file is not touched); the edge client uses it to run a
+    personalised LoRA.
 
     Returns (InferenceSession, provider actually used, ORT name). 'auto' takes the
     first of TensorRT, CUDA, CPU that is available and falls back to CPU if the GPU
@@ -104,7 +134,7 @@ def make_session(
     if not path.is_file():
         raise FileNotFoundError(f"{path}: ONNX model file not found")
     chain, wanted = _provider_chain(provider, list(ort.get_available_providers()))
-    opts = session_options(threads)
+    opts, keep = _with_initializers(session_options(threads), initializers)
     try:
         sess = ort.InferenceSession(str(path), sess_options=opts, providers=chain)
     except Exception as e:  # noqa: BLE001 - ORT raises several pybind types
@@ -112,9 +142,11 @@ def make_session(
             raise ProviderError(f"provider {provider!r} ({wanted}) failed to load {path}: {_one_line(e)}") from e
         if wanted is None and chain != [_CPU]:
             # auto: a broken GPU stack must not stop inference; retry on CPU.
-            sess = ort.InferenceSession(str(path), sess_options=session_options(threads), providers=[_CPU])
+            opts, keep = _with_initializers(session_options(threads), initializers)
+            sess = ort.InferenceSession(str(path), sess_options=opts, providers=[_CPU])
         else:
             raise
+    sess._fedmvp_initializers = keep  # keep the overriding OrtValues alive as long as the session
     used = sess.get_providers()[0]
     if wanted is not None and used != wanted:
         raise ProviderError(

@@ -1,18 +1,82 @@
-"""`fedmvp-export` command line."""
+"""`fedmvp-export`: one round of a run -> an edge bundle. Exit codes: 0 ok, 1 parity failed, 2 bad input."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import click
 
+EXIT_OK, EXIT_PARITY, EXIT_INPUT = 0, 1, 2
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True)
-@click.pass_context
-def main(ctx: click.Context) -> None:
+
+def _quiet_libraries() -> None:
+    """open_clip announces random init; the exporters log warnings that are not the user's business."""
+    import logging
+    import warnings
+
+    for name in ("root", "torch.onnx", "torch.export", "onnxscript", "onnx_ir", "torch._dynamo"):
+        logging.getLogger(None if name == "root" else name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--run", "run", type=click.Path(path_type=Path), default=None,
+              help="Run directory (default: the newest under ./runs holding a config.json).")
+@click.option("--round", "round_number", type=click.IntRange(min=0), default=None,
+              help="Round to export (default: the run's last complete round).")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Bundle directory (default: RUN/bundles/round-NNNN-PRECISION).")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
+              help="Precision of the ONNX model (fp32 parity is always checked).")
+@click.option("--attributes", type=click.Path(path_type=Path), default=None,
+              help="{class: [phrases]} JSON: bake this class set instead of the run's (untrained classes too).")
+@click.option("--domain", default=None, help="With --attributes: sentence prefix of this domain (e.g. sketch).")
+@click.option("--parity-images", type=click.IntRange(min=32), default=64, show_default=True,
+              help="Images of the run's data compared between ONNX Runtime and PyTorch.")
+@click.option("--force", is_flag=True, help="Replace an existing output directory (after the new one is complete).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def main(run: Path | None, round_number: int | None, out: Path | None, precision: str, attributes: Path | None,
+         domain: str | None, parity_images: int, force: bool, as_json: bool) -> None:
     """Compile a round of a fedmvp run into an edge bundle.
 
-    The bundle holds one ONNX model (frozen CLIP + PromptFormer + cached attribute
-    text features), a training artifact for LoRA-only updates on the device, the
-    LoRA tensors and a manifest with hashes and a PyTorch parity check.
+    The bundle holds one ONNX model (frozen CLIP + PromptFormer + the attribute text features
+    as constants, LoRA as named initializers), a torch.export training program whose only
+    trainable inputs are the LoRA tensors, the LoRA tensors, the frozen weights (shared by
+    both) and a manifest with sha256 hashes and the ONNX Runtime vs PyTorch parity check.
     """
-    if ctx.invoked_subcommand is None:
-        click.echo(ctx.get_help())
+    _quiet_libraries()
+    from export.bundle_writer import ParityError, export_bundle
+    from export.sources import ExportError
+
+    try:
+        result = export_bundle(run, round_number, out, precision=precision, force=force, attributes=attributes,
+                               domain=domain, parity_images=parity_images, progress=not as_json)
+    except ParityError as err:
+        _fail(as_json, EXIT_PARITY, f"parity failed, no bundle written: {err}",
+              {"parity": {k: r.to_manifest() for k, r in err.results.items()}})
+    except (ExportError, OSError) as err:
+        _fail(as_json, EXIT_INPUT, " ".join(str(err).split()))
+    if as_json:
+        click.echo(json.dumps({"ok": True, "bundle": str(result.path), "precision": precision,
+                               "round": result.manifest["source"].get("round"),
+                               "parity": {k: r.to_manifest() for k, r in result.parity.items()},
+                               "sizes": result.sizes, "total_bytes": result.total_bytes}, sort_keys=True))
+    else:
+        for line in result.lines():
+            click.echo(line)
+    if not result.passed:
+        click.echo(f"warning: {precision} parity below the target (bundle kept; fp32 parity passed)", err=True)
+
+
+def _fail(as_json: bool, code: int, message: str, extra: dict | None = None) -> None:
+    if as_json:
+        click.echo(json.dumps({"ok": False, "error": message, **(extra or {})}, sort_keys=True))
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

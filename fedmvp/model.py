@@ -88,6 +88,14 @@ class FedMVP(nn.Module):
         for key, param in self._named_promptformer_tensors().items():
             param.requires_grad_(lora if key.startswith(LORA_PREFIX) else promptformer)
 
+    def set_lora_mode(self, active: bool) -> None:
+        """Train LoRA only (after the switch) or the PromptFormer only (before it)."""
+        if active:
+            self.use_lora()
+        else:
+            self.lora_active = False
+            self._set_trainable(promptformer=True, lora=False)
+
     def use_lora(self) -> None:
         """The switch (SPEC section 4): freeze the PromptFormer, train only LoRA from now on."""
         if not self.config.use_lora:

@@ -10,6 +10,10 @@ from fedmvp.cli.lazy import LazyGroup
 SUBCOMMANDS = {
     "info": "fedmvp.cli.info:info",
     "demo": "fedmvp.cli.demo:demo",
+    "world": "fedmvp.cli.world:world",
+    "pretrain-tiny": "fedmvp.cli.pretrain_tiny:pretrain_tiny",
+    "train": "fedmvp.cli.train:train",
+    "evaluate": "fedmvp.cli.evaluate:evaluate",
     "attributes": "fedmvp.cli.attributes:attributes",
 }
 

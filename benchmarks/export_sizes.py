@@ -1,0 +1,96 @@
+"""Edge bundle file sizes and parity per precision, for the tiny model and (optionally) ViT-B-16.
+
+Random-init backbones, a few synthetic classes, noise images: sizes do not depend on the
+weights, and parity only on the arithmetic. Writes bundles into a temporary directory.
+
+    python benchmarks/export_sizes.py                       # fedmvp-tiny, fp32 fp16 int8
+    python benchmarks/export_sizes.py --vit-b16             # also ViT-B-16 (a few minutes on 2 cores)
+    python benchmarks/export_sizes.py --precisions fp32 --json sizes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from export.bundle_writer import write_bundle  # noqa: E402
+from export.sources import ClassSet, synthetic_images  # noqa: E402
+from fedmvp.clip import load_clip  # noqa: E402
+from fedmvp.model import FedMVP  # noqa: E402
+
+PHRASES = ["a round outline", "a striped surface", "a bright colour", "a long tail", "sharp corners",
+           "a smooth texture", "four legs", "a pointed top", "a shiny finish", "small spots"]
+
+
+def classes(count: int, k: int = 10) -> ClassSet:
+    names = [f"class_{i:03d}" for i in range(count)]
+    return ClassSet(names=names, attributes={n: [f"{p} {i}" for p in PHRASES[:k]] for i, n in enumerate(names)},
+                    source="benchmark")
+
+
+def bundle_sizes(name: str, precisions: list[str], num_classes: int, images: int, work: Path) -> list[dict]:
+    torch.manual_seed(0)
+    clip = load_clip(name, None)
+    model = FedMVP(clip)
+    generator = torch.Generator().manual_seed(1)
+    model.load_state({k: torch.randn(v.shape, generator=generator) * 0.02
+                      for k, v in model.state("lora").items() if "lora_B" in k})
+    pixels = synthetic_images(images, clip.image_size)
+    rows = []
+    for precision in precisions:
+        start = time.perf_counter()
+        result = write_bundle(model, clip, classes(num_classes), work / f"{name}-{precision}", images=pixels,
+                              precision=precision)
+        rows.append({"model": name, "precision": precision, "classes": num_classes, "seconds": time.perf_counter() - start,
+                     "sizes": result.sizes, "total_bytes": result.total_bytes,
+                     "parity": {k: r.to_manifest() for k, r in result.parity.items()}})
+    return rows
+
+
+def show(rows: list[dict]) -> None:
+    for row in rows:
+        print(f"{row['model']} {row['precision']} ({row['classes']} classes, export {row['seconds']:.0f} s): "
+              f"total {row['total_bytes'] / 1e6:.2f} MB")
+        for file, size in sorted(row["sizes"].items()):
+            print(f"    {file:<22}{size / 1e6:12.3f} MB")
+        for precision, p in row["parity"].items():
+            print(f"    parity {precision}: max |logit diff| {p['max_abs_logit_diff']:.2e}, "
+                  f"top-1 agreement {100 * p['top1_agreement']:.2f}% over {p['images']} images")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vit-b16", action="store_true", help="also export a random-init ViT-B-16")
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8"])
+    parser.add_argument("--classes", type=int, default=64)
+    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    logging.getLogger().setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fedmvp-export-sizes-") as work:
+        for name in ["fedmvp-tiny"] + (["ViT-B-16"] if args.vit_b16 else []):
+            images = args.images if name == "fedmvp-tiny" else max(32, args.images // 2)
+            rows += bundle_sizes(name, args.precisions, args.classes, images, Path(work))
+    show(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

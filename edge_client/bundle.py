@@ -1,0 +1,167 @@
+"""The edge bundle format: a directory with a manifest that hashes every file.
+
+```
+bundle/
+  manifest.json        format + version, source run and round, model, classes, preprocessing,
+                       precision, files (sha256 + bytes), LoRA names and shapes, parity
+  model.onnx           pixel_values -> logits, probs, image_embeds (fp32: weights external,
+                       in weights.safetensors)
+  weights.safetensors  every frozen tensor by name (the ONNX model's and the training program's)
+  lora.safetensors     the LoRA tensors (lora.block.attn.to_{q,k,v}.lora_{A,B}.weight)
+  train.pt2            torch.export training program (no tensors of its own)
+```
+Only numpy, safetensors and the standard library are used here: the smallest install can
+read and verify a bundle. ``read_bundle`` verifies every hash before anything is loaded, so
+a tampered training program (``torch.export.load`` may unpickle) is refused first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge_client.preprocess import PreprocessSpec
+
+FORMAT = "fedmvp-edge-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ROLES = {"onnx": "model.onnx", "weights": "weights.safetensors", "lora": "lora.safetensors",
+         "training": "train.pt2"}
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be used; one line naming the path."""
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {sha256, bytes}} for files in ``directory`` (the manifest's ``files``)."""
+    return {name: {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
+            for name in sorted(names)}
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """Canonical manifest text: sorted keys, two-space indent, trailing newline."""
+    return (json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> Path:
+    """Write manifest.json (temp file + rename)."""
+    path = directory / MANIFEST
+    tmp = directory / f".{MANIFEST}.tmp"
+    tmp.write_bytes(manifest_bytes(manifest))
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass
+class Bundle:
+    """A verified bundle directory."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    def file(self, role: str) -> Path:
+        """Path of the file with ``role`` (onnx, weights, lora, training)."""
+        name = self.manifest.get("files_by_role", {}).get(role)
+        if name is None:
+            raise BundleError(f"{self.path}: the manifest names no {role} file")
+        return self.path / name
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self.manifest["classes"]["names"])
+
+    @property
+    def preprocess(self) -> PreprocessSpec:
+        return PreprocessSpec.from_manifest(self.manifest["preprocess"])
+
+    @property
+    def precision(self) -> str:
+        return str(self.manifest["precision"])
+
+    @property
+    def lora_shapes(self) -> dict[str, list[int]]:
+        return {k: list(v) for k, v in self.manifest["lora"]["tensors"].items()}
+
+    def lora(self) -> dict[str, Any]:
+        """The LoRA tensors as numpy arrays (no torch needed)."""
+        from safetensors.numpy import load_file
+
+        return load_file(str(self.file("lora")))
+
+
+def _fail(path: Path, reason: str) -> BundleError:
+    return BundleError(f"{path}: {reason}")
+
+
+def read_bundle(directory: str | os.PathLike, verify: bool = True) -> Bundle:
+    """Read manifest.json and (by default) verify every listed file's size and sha256."""
+    root = Path(directory)
+    manifest_path = root / MANIFEST
+    if not root.is_dir():
+        raise _fail(root, "not a bundle directory")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _fail(manifest_path, "missing (not a fedmvp bundle)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise _fail(manifest_path, f"corrupt JSON ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise _fail(manifest_path, f"not a {FORMAT} manifest")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise _fail(manifest_path, f"format version {version} is not supported (this client reads "
+                                   f"{FORMAT_VERSION}); re-export the bundle or update edge-client")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise _fail(manifest_path, "lists no files")
+    for name, entry in sorted(files.items()):
+        path = root / name
+        if Path(name).name != name:
+            raise _fail(manifest_path, f"file name {name!r} leaves the bundle directory")
+        if not path.is_file():
+            raise _fail(path, "missing from the bundle")
+        if not verify:
+            continue
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            raise _fail(path, f"size {size} != {entry.get('bytes')} in the manifest (file changed or truncated)")
+        if sha256_file(path) != entry.get("sha256"):
+            raise _fail(path, "sha256 does not match the manifest (file changed)")
+    return Bundle(path=root, manifest=manifest)
+
+
+# Entries a training program written by fedmvp-export may hold. Anything else (pickled
+# weights, constants, custom objects) would be unpickled by torch.export.load: refuse it.
+_PROGRAM_ENTRIES = {"data/weights/model_weights_config.json", "data/constants/model_constants_config.json",
+                    "models/model.json", "data/sample_inputs/model.pt", "archive_format", "archive_version",
+                    ".data/version", "byteorder", ".data/serialization_id"}
+_EMPTY_ENTRIES = {"data/sample_inputs/model.pt"}
+
+
+def verify_program_archive(path: str | os.PathLike) -> None:
+    """Refuse a training program that carries anything torch would unpickle (call before loading)."""
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                name = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
+                if name not in _PROGRAM_ENTRIES:
+                    raise _fail(path, f"unexpected archive entry {info.filename!r}; refusing to load it")
+                if name in _EMPTY_ENTRIES and info.file_size:
+                    raise _fail(path, f"archive entry {info.filename!r} must be empty; refusing to load it")
+    except zipfile.BadZipFile:
+        raise _fail(path, "not a torch.export archive (bad zip)") from None

@@ -1,0 +1,98 @@
+"""What `edge-client info` reports: the bundle, and what this device can run it with."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from edge_client.bundle import BundleError, read_bundle
+
+
+def memory_available_bytes() -> int | None:
+    """Available system memory (Linux MemAvailable; else free physical pages)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def torch_report() -> dict[str, Any]:
+    """torch's presence, version and CUDA devices with free memory (imports torch only if installed)."""
+    try:
+        if importlib.util.find_spec("torch") is None:
+            return {"installed": False}
+    except (ImportError, ValueError):
+        return {"installed": False}
+    try:
+        import torch
+    except Exception as err:  # noqa: BLE001 - a broken install is worth reporting, not crashing on
+        return {"installed": False, "error": " ".join(str(err).split())[:200]}
+    out: dict[str, Any] = {"installed": True, "version": torch.__version__,
+                           "cuda_available": bool(torch.cuda.is_available()), "gpus": []}
+    if out["cuda_available"]:
+        for index in range(torch.cuda.device_count()):
+            try:
+                free, total = torch.cuda.mem_get_info(index)
+            except RuntimeError:
+                free, total = 0, 0
+            out["gpus"].append({"index": index, "name": torch.cuda.get_device_name(index),
+                                "free_gb": free / 2**30, "total_gb": total / 2**30,
+                                "bf16": bool(torch.cuda.is_bf16_supported())})
+    return out
+
+
+def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
+    from edge_client.infer import resolve_bundle_dir
+    from edge_client.lora_store import active_lora
+    from edge_client.update import bundle_id
+
+    path = resolve_bundle_dir(bundle)
+    out: dict[str, Any] = {"path": str(path), "hashes_ok": False}
+    try:
+        verified = read_bundle(path, verify=True)
+        out["hashes_ok"] = True
+    except BundleError as err:
+        out["error"] = str(err)
+        try:
+            verified = read_bundle(path, verify=False)  # still describe what is there
+        except BundleError:
+            return out
+    m = verified.manifest
+    source = m.get("source") or {}
+    out.update({"manifest": True, "bundle_id": bundle_id(verified), "round": source.get("round"),
+                "run": source.get("run"), "precision": m.get("precision"),
+                "model": (m.get("model") or {}).get("clip"), "classes": verified.class_names,
+                "files": {name: entry.get("sha256") for name, entry in sorted(m.get("files", {}).items())},
+                "bytes": sum(int(e.get("bytes", 0)) for e in m.get("files", {}).values())})
+    if out["hashes_ok"]:
+        try:
+            active = active_lora(verified)
+            out["lora"] = {**active.to_json(), "describe": active.describe()}
+        except BundleError as err:
+            out["hashes_ok"] = False
+            out["error"] = str(err)
+    return out
+
+
+def describe(bundle: str | os.PathLike | None = None) -> dict[str, Any]:
+    """{"bundle": ..., "device": ...} for `edge-client info`."""
+    from edge_client.runtime import available_providers, default_threads
+
+    try:
+        providers = available_providers()
+    except ImportError:
+        providers = []
+    memory = memory_available_bytes()
+    return {"bundle": bundle_report(bundle),
+            "device": {"providers": providers, "torch": torch_report(), "cpus": default_threads(),
+                       "memory_available_gb": None if memory is None else memory / 2**30,
+                       "cwd": str(Path.cwd())}}

@@ -1,0 +1,263 @@
+"""On-device inference with ONNX Runtime: files in, top-k classes out. No torch anywhere here.
+
+The bundle is verified (every sha256 in its manifest) before the model is loaded; the LoRA
+the device runs is the bundle's own or, after `edge-client train`, the personalised one
+(``edge_client.lora_store``), given to ONNX Runtime in place of the stored initializers.
+Images are decoded and preprocessed in numpy/Pillow (``images``, ``preprocess``), one
+batch ahead of the model in a background thread, and run through one session in batches.
+A file that cannot be read becomes a `FileFailure` and the others are still classified.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_client.bundle import Bundle, read_bundle
+from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, iter_image_paths, load_image
+from edge_client.lora_store import ActiveLora, active_lora
+from edge_client.preprocess import preprocess
+from edge_client.runtime import make_session
+
+BUNDLE_ENV = "FEDMVP_BUNDLE"
+DEFAULT_BUNDLE = "bundle"
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_TOP_K = 5
+
+
+def resolve_bundle_dir(bundle: str | os.PathLike | None = None) -> Path:
+    """``bundle`` if given, else ``$FEDMVP_BUNDLE``, else ``./bundle``."""
+    if bundle is not None and str(bundle) != "":
+        return Path(bundle)
+    env = os.environ.get(BUNDLE_ENV)
+    return Path(env) if env else Path(DEFAULT_BUNDLE)
+
+
+@dataclass
+class Prediction:
+    """Top-k classes of one image, with timings in milliseconds."""
+
+    path: Path
+    top_k: list[tuple[str, float]]
+    latency_ms: float  # decode + preprocess of this file + its share of the batch's model time
+    decode_ms: float
+    model_ms: float
+
+    @property
+    def label(self) -> str:
+        return self.top_k[0][0]
+
+    @property
+    def prob(self) -> float:
+        return self.top_k[0][1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "top_k": [{"class": c, "prob": round(p, 6)} for c, p in self.top_k],
+                "latency_ms": round(self.latency_ms, 3), "decode_ms": round(self.decode_ms, 3),
+                "model_ms": round(self.model_ms, 3)}
+
+
+@dataclass
+class FileFailure:
+    """One input that could not be classified; ``error`` is one line."""
+
+    path: Path
+    error: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "error": self.error}
+
+
+@dataclass
+class InferResult:
+    """Everything `infer_paths` did."""
+
+    predictions: list[Prediction]
+    errors: list[FileFailure]
+    provider: str
+    bundle: Path
+    round: int | None
+    lora: dict[str, Any]
+    batch_size: int
+    seconds: float = 0.0
+    classes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def accuracy(self, label_of: Callable[[Path], str] | None = None) -> float | None:
+        """Top-1 accuracy against ``label_of(path)`` (default: the parent folder's name);
+        predictions whose true label is not a bundle class are left out. None if none count."""
+        label_of = label_of or (lambda p: p.parent.name)
+        pairs = [(p.label, label_of(p.path)) for p in self.predictions]
+        pairs = [(got, want) for got, want in pairs if want in self.classes] if self.classes else pairs
+        return None if not pairs else sum(got == want for got, want in pairs) / len(pairs)
+
+    def summary(self) -> dict[str, Any]:
+        images = len(self.predictions)
+        return {"images": images, "failed": len(self.errors), "provider": self.provider, "bundle": str(self.bundle),
+                "round": self.round, "lora": self.lora.get("source"), "batch_size": self.batch_size,
+                "seconds": round(self.seconds, 3),
+                "images_per_second": round(images / self.seconds, 3) if self.seconds > 0 and images else None}
+
+
+class Predictor:
+    """A verified bundle with one ONNX Runtime session (personalised LoRA applied)."""
+
+    def __init__(self, bundle: str | os.PathLike | Bundle | None = None, provider: str = "auto",
+                 threads: int | None = None, personalised: bool = True):
+        self.bundle = bundle if isinstance(bundle, Bundle) else read_bundle(resolve_bundle_dir(bundle), verify=True)
+        self.lora: ActiveLora = active_lora(self.bundle) if personalised else _bundle_lora(self.bundle)
+        overrides = self.lora.tensors if self.lora.personalised else None
+        self.session, self.provider = make_session(self.bundle.file("onnx"), provider, threads,
+                                                   initializers=overrides)
+        self.spec = self.bundle.preprocess
+        self.classes = self.bundle.class_names
+        inputs = self.session.get_inputs()
+        wanted = self.bundle.manifest.get("onnx", {}).get("input", inputs[0].name)
+        self._input = next((i for i in inputs if i.name == wanted), inputs[0])
+        self._dtype = np.float16 if self._input.type == "tensor(float16)" else np.float32
+        self._outputs = [o.name for o in self.session.get_outputs()]
+
+    @property
+    def round(self) -> int | None:
+        value = (self.bundle.manifest.get("source") or {}).get("round")
+        return value if isinstance(value, int) else None
+
+    def run(self, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
+        """Preprocessed images [N, 3, S, S] -> every model output by name (logits, probs, image_embeds)."""
+        feed = {self._input.name: np.ascontiguousarray(pixel_values, dtype=self._dtype)}
+        return dict(zip(self._outputs, self.session.run(None, feed)))
+
+    def decode(self, path: Path, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, float]:
+        """One file -> (preprocessed [3, S, S], milliseconds); raises ImageReadError."""
+        start = time.perf_counter()
+        image = load_image(path, max_pixels=max_pixels)
+        try:
+            array = preprocess(image, self.spec)
+        except (OSError, ValueError) as err:
+            raise ImageReadError(path, f"cannot preprocess ({err})") from None
+        return array, (time.perf_counter() - start) * 1000.0
+
+    def infer(self, inputs: Sequence[str | os.PathLike], top_k: int = DEFAULT_TOP_K,
+              batch_size: int = DEFAULT_BATCH_SIZE, max_pixels: int | None = DEFAULT_MAX_PIXELS,
+              progress: bool = False, on_result: Callable[[Prediction | FileFailure], None] | None = None
+              ) -> InferResult:
+        """Classify files, directories (recursive) and globs; see `infer_paths`."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        k = min(top_k, len(self.classes))
+        start = time.perf_counter()
+        expand_errors: list[ImageReadError] = []
+        paths = iter_image_paths(list(inputs), errors=expand_errors)
+        predictions: list[Prediction] = []
+        errors: list[FileFailure] = []
+
+        def report(item: Prediction | FileFailure) -> None:
+            (predictions if isinstance(item, Prediction) else errors).append(item)
+            if on_result is not None:
+                on_result(item)
+
+        for err in expand_errors:
+            report(FileFailure(err.path, str(err)))
+        bar = _bar(len(paths), progress)
+        chunks = [paths[i:i + batch_size] for i in range(0, len(paths), batch_size)]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-decode") as pool:
+            pending = pool.submit(self._decode_chunk, chunks[0], max_pixels) if chunks else None
+            for index in range(len(chunks)):
+                decoded = pending.result()
+                pending = pool.submit(self._decode_chunk, chunks[index + 1], max_pixels) \
+                    if index + 1 < len(chunks) else None
+                good = [(p, a, ms) for p, a, ms in decoded if isinstance(a, np.ndarray)]
+                bad = {p: a for p, a, _ in decoded if not isinstance(a, np.ndarray)}
+                probs, model_ms = None, 0.0
+                if good:
+                    t0 = time.perf_counter()
+                    outputs = self.run(np.stack([a for _, a, _ in good]))
+                    model_ms = (time.perf_counter() - t0) * 1000.0 / len(good)
+                    probs = outputs.get("probs")
+                    if probs is None:
+                        probs = _softmax(outputs["logits"])
+                    probs = probs.astype(np.float64)
+                row = 0
+                for path, array, ms in decoded:  # input order
+                    if path in bad:
+                        report(FileFailure(path, str(bad[path])))
+                        continue
+                    order = np.argsort(-probs[row], kind="stable")[:k]
+                    report(Prediction(path=path, top_k=[(self.classes[i], float(probs[row, i])) for i in order],
+                                      latency_ms=ms + model_ms, decode_ms=ms, model_ms=model_ms))
+                    row += 1
+                bar.update(len(decoded))
+        bar.close()
+        return InferResult(predictions=predictions, errors=errors, provider=self.provider, bundle=self.bundle.path,
+                           round=self.round, lora=self.lora.to_json(), batch_size=batch_size,
+                           seconds=time.perf_counter() - start, classes=list(self.classes))
+
+    def _decode_chunk(self, chunk: list[Path], max_pixels: int | None) -> list[tuple[Path, Any, float]]:
+        out: list[tuple[Path, Any, float]] = []
+        for path in chunk:
+            try:
+                array, ms = self.decode(path, max_pixels)
+                out.append((path, array, ms))
+            except ImageReadError as err:
+                out.append((path, err, 0.0))
+            except Exception as err:  # noqa: BLE001 - one bad file must never stop the others
+                out.append((path, ImageReadError(path, f"unexpected {type(err).__name__}: {err}"), 0.0))
+        return out
+
+
+def infer_paths(paths: Iterable[str | os.PathLike], bundle: str | os.PathLike | Bundle | None = None, *,
+                top_k: int = DEFAULT_TOP_K, batch_size: int = DEFAULT_BATCH_SIZE, provider: str = "auto",
+                threads: int | None = None, max_pixels: int | None = DEFAULT_MAX_PIXELS, progress: bool = False,
+                personalised: bool = True,
+                on_result: Callable[[Prediction | FileFailure], None] | None = None) -> InferResult:
+    """Classify image files, directories (recursive) and glob patterns with a bundle.
+
+    ``bundle``: directory (default ``$FEDMVP_BUNDLE``, then ``./bundle``); verified before
+    loading (``BundleError`` if tampered). ``provider``: auto | cpu | cuda | tensorrt
+    (``ProviderError`` if a named one cannot load). ``personalised=False`` runs the bundle's
+    exported LoRA even where the device has a personalised one. Unreadable files are
+    collected in ``result.errors``; ``on_result`` is called for each file as it finishes.
+    """
+    predictor = Predictor(bundle, provider=provider, threads=threads, personalised=personalised)
+    return predictor.infer(list(paths), top_k=top_k, batch_size=batch_size, max_pixels=max_pixels,
+                           progress=progress, on_result=on_result)
+
+
+def _bundle_lora(bundle: Bundle) -> ActiveLora:
+    return ActiveLora(tensors={k: np.asarray(v, np.float32) for k, v in bundle.lora().items()}, source="bundle",
+                      file=bundle.file("lora"))
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, progress: bool) -> Any:
+    if not progress or total == 0:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="infer", unit="img", file=sys.stderr, leave=False, dynamic_ncols=True)

@@ -1,0 +1,245 @@
+"""Personalisation: which LoRA the device's own inference runs, and rollback.
+
+The exported bundle is never modified: its manifest keeps hashing exactly the files
+``fedmvp-export`` wrote, so ``read_bundle`` keeps verifying it. Personalisation lives in a
+sub-directory with its own small, verified state::
+
+    bundle/personalised/
+      state.json              which LoRA is active, its sha256, and the older ones (newest first)
+      lora-0001.safetensors   update files, byte for byte as `edge-client train` wrote them
+      lora-0002.safetensors
+
+``state.json``::
+
+    {"format": "fedmvp-edge-personalisation", "format_version": 1,
+     "bundle_id": "<sha256 of manifest.json>",          # personalisation of THIS bundle only
+     "active": {"file": "lora-0002.safetensors", "sha256": "...", "bytes": 25512,
+                "applied": "2025-...Z", "update": {"mean_loss": ..., "num_examples": ..., ...}}
+               | null,                                  # null: the bundle's own LoRA
+     "history": [{...lora-0001...}],                    # what `rollback` goes back to, newest first
+     "next": 3}
+
+Applying LoRA to the ONNX model: the exporter keeps the LoRA tensors as named, overridable
+initializers, so the session is created with the active tensors in place of the stored
+ones (ORT ``SessionOptions.add_initializer``): identical to rewriting the initializers in
+the file, without copying the model (hundreds of MB for fp16/int8) and without touching any
+hashed file. The active file's sha256 (and the update's bundle id, names and shapes) are
+verified every time it is loaded; a mismatch refuses to run, like a tampered bundle.
+
+Commit points are single renames: a LoRA file is written under a temp name and renamed,
+then ``state.json`` is replaced. A crash in between leaves an unreferenced file that the
+next change removes; the active LoRA is always either the old or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_client.bundle import Bundle, BundleError, sha256_file
+from edge_client.update import UpdateError, bundle_id, fsync_dir, read_update, utc_now
+
+DIRECTORY = "personalised"
+STATE = "state.json"
+FORMAT = "fedmvp-edge-personalisation"
+FORMAT_VERSION = 1
+DEFAULT_KEEP = 5  # older LoRAs kept for rollback
+_UPDATE_KEYS = ("bundle_round", "num_examples", "mean_loss", "final_loss", "epochs", "created", "train_seconds",
+                "classes", "device")
+
+
+class PersonalisationError(BundleError):
+    """The personalisation state is corrupt, tampered with or belongs to another bundle."""
+
+
+class NothingToRollBack(PersonalisationError):
+    """The bundle already runs its own exported LoRA."""
+
+
+@dataclass
+class ActiveLora:
+    """The LoRA the device runs: the bundle's own, or a personalised one."""
+
+    tensors: dict[str, np.ndarray]
+    source: str  # "bundle" or "personalised"
+    file: Path
+    entry: dict[str, Any] = field(default_factory=dict)
+    history: int = 0  # older personalised LoRAs kept for rollback
+
+    @property
+    def personalised(self) -> bool:
+        return self.source == "personalised"
+
+    def describe(self) -> str:
+        if not self.personalised:
+            return "bundle LoRA (as exported)"
+        update = self.entry.get("update", {})
+        loss = update.get("mean_loss")
+        bits = [f"personalised {self.file.name}"]
+        if update.get("num_examples") is not None:
+            bits.append(f"{update['num_examples']} images")
+        if isinstance(loss, (int, float)):
+            bits.append(f"mean loss {loss:.4f}")
+        back = (f"{self.history} older kept for rollback" if self.history
+                else "rollback returns to the bundle's LoRA")
+        return ", ".join(bits) + f"; {back}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "file": str(self.file), "history": self.history,
+                **({"update": self.entry.get("update", {}), "applied": self.entry.get("applied")}
+                   if self.personalised else {})}
+
+
+def state_dir(bundle: Bundle) -> Path:
+    return Path(bundle.path) / DIRECTORY
+
+
+def _empty_state(bundle: Bundle) -> dict[str, Any]:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "bundle_id": bundle_id(bundle), "active": None,
+            "history": [], "next": 1}
+
+
+def read_state(bundle: Bundle) -> dict[str, Any] | None:
+    """The parsed ``state.json`` (None when the bundle was never personalised)."""
+    path = state_dir(bundle) / STATE
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PersonalisationError(f"{path}: unreadable ({err}); remove {path.parent} to return to the "
+                                   f"bundle's LoRA") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise PersonalisationError(f"{path}: not a {FORMAT} state file")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise PersonalisationError(f"{path}: state version {state.get('format_version')} is not supported")
+    if state.get("bundle_id") != bundle_id(bundle):
+        raise PersonalisationError(
+            f"{path}: personalisation of another bundle ({str(state.get('bundle_id'))[:12]}), not of this one "
+            f"({bundle_id(bundle)[:12]}); run `edge-client rollback --all` or remove {path.parent}")
+    if not isinstance(state.get("history"), list) or not isinstance(state.get("next"), int):
+        raise PersonalisationError(f"{path}: malformed state (history/next)")
+    return state
+
+
+def _entry_path(bundle: Bundle, entry: dict[str, Any]) -> Path:
+    name = str(entry.get("file", ""))
+    if not name or Path(name).name != name:
+        raise PersonalisationError(f"{state_dir(bundle) / STATE}: bad file name {name!r}")
+    return state_dir(bundle) / name
+
+
+def _load_entry(bundle: Bundle, entry: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Tensors of a state entry, after checking size, sha256, update metadata, names and shapes."""
+    path = _entry_path(bundle, entry)
+    if not path.is_file():
+        raise PersonalisationError(f"{path}: active LoRA file is missing")
+    if path.stat().st_size != entry.get("bytes") or sha256_file(path) != entry.get("sha256"):
+        raise PersonalisationError(f"{path}: sha256 does not match {DIRECTORY}/{STATE} (file changed)")
+    try:
+        return read_update(path, bundle).tensors
+    except UpdateError as err:
+        raise PersonalisationError(str(err)) from None
+
+
+def active_lora(bundle: Bundle) -> ActiveLora:
+    """The LoRA inference should run, verified (the bundle's own when not personalised)."""
+    state = read_state(bundle)
+    if state is None or state.get("active") is None:
+        return ActiveLora(tensors={k: np.asarray(v, np.float32) for k, v in bundle.lora().items()},
+                          source="bundle", file=bundle.file("lora"),
+                          history=len(state["history"]) if state else 0)
+    entry = state["active"]
+    return ActiveLora(tensors=_load_entry(bundle, entry), source="personalised", file=_entry_path(bundle, entry),
+                      entry=entry, history=len(state["history"]))
+
+
+def _write_state(bundle: Bundle, state: dict[str, Any]) -> None:
+    directory = state_dir(bundle)
+    directory.mkdir(exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{STATE}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(state, indent=2, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, directory / STATE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(directory)
+
+
+def _cleanup(bundle: Bundle, state: dict[str, Any]) -> None:
+    """Remove LoRA files the state no longer references, and stale temp files."""
+    keep = {e["file"] for e in [state.get("active"), *state["history"]] if e}
+    for path in state_dir(bundle).iterdir():
+        if path.name == STATE or path.name in keep:
+            continue
+        if (path.name.startswith("lora-") and path.suffix == ".safetensors") or path.name.endswith(".tmp"):
+            path.unlink(missing_ok=True)
+
+
+def apply_update(bundle: Bundle, update_path: str | os.PathLike, keep: int = DEFAULT_KEEP) -> ActiveLora:
+    """Make the LoRA of ``update_path`` the device's active LoRA; the previous one goes to history."""
+    update = read_update(update_path, bundle)  # names, shapes, bundle id: refuse before changing anything
+    state = read_state(bundle) or _empty_state(bundle)
+    directory = state_dir(bundle)
+    directory.mkdir(exist_ok=True)
+    name = f"lora-{state['next']:04d}.safetensors"
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as out, open(update.path, "rb") as src:
+            shutil.copyfileobj(src, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    target = directory / name
+    entry = {"file": name, "sha256": sha256_file(target), "bytes": target.stat().st_size, "applied": utc_now(),
+             "update": {"source": str(Path(update_path).resolve()),
+                        **{k: update.metadata[k] for k in _UPDATE_KEYS if k in update.metadata}}}
+    history = ([state["active"]] if state.get("active") else []) + list(state["history"])
+    new_state = {**state, "active": entry, "history": history[:max(0, int(keep))], "next": state["next"] + 1}
+    _write_state(bundle, new_state)  # the commit point
+    _cleanup(bundle, new_state)
+    return ActiveLora(tensors=update.tensors, source="personalised", file=target, entry=entry,
+                      history=len(new_state["history"]))
+
+
+def rollback(bundle: Bundle, to_bundle: bool = False) -> ActiveLora:
+    """Go back to the previous LoRA; returns the now active one.
+
+    ``to_bundle`` discards every personalisation (also a corrupt state or one of another
+    bundle) and returns to the bundle's own LoRA."""
+    directory = state_dir(bundle)
+    if to_bundle:
+        if not directory.exists():
+            raise NothingToRollBack(f"{bundle.path}: nothing to roll back (the bundle's own LoRA is active)")
+        aside = directory.with_name(f".{DIRECTORY}.removed-{os.getpid()}")
+        os.replace(directory, aside)  # the commit point: one rename
+        shutil.rmtree(aside, ignore_errors=True)
+        return active_lora(bundle)
+    state = read_state(bundle)
+    if state is None or state.get("active") is None:
+        raise NothingToRollBack(f"{bundle.path}: nothing to roll back (the bundle's own LoRA is active)")
+    if not state["history"]:
+        new_state = {**state, "active": None, "history": []}
+    else:
+        previous = state["history"][0]
+        _load_entry(bundle, previous)  # verify before committing to it
+        new_state = {**state, "active": previous, "history": state["history"][1:]}
+    _write_state(bundle, new_state)
+    _cleanup(bundle, new_state)
+    return active_lora(bundle)

@@ -1,0 +1,260 @@
+"""The update file: what `edge-client train` produces and a federation server aggregates.
+
+One safetensors file holding exactly the bundle's LoRA tensors, by the names the bundle uses
+(``lora.block.attn.to_{q,k,v}.lora_{A,B}.weight``, float32, the bundle's shapes), and string
+metadata:
+
+=================  =====================================================================
+``format``         ``fedmvp-edge-update``
+``format_version`` ``1``
+``bundle_id``      sha256 of the bundle's ``manifest.json`` (which hashes every bundle file)
+``bundle_round``   the federated round the bundle was exported from (``source.round``)
+``num_examples``   local images trained on (the FedAvg weight)
+``mean_loss``      mean training loss over every step (CE + alpha * L_con)
+``final_loss``     mean loss of the last epoch
+``epochs``         local epochs
+``created``        UTC time the file was written, ISO 8601
+``train_seconds``  wall time of the training
+``classes``        JSON list of the local class names that had images
+``device``         where it trained (``cpu``, ``cuda``)
+=================  =====================================================================
+
+Numbers are stored as decimal strings (safetensors metadata is str -> str). Only numpy,
+safetensors and the standard library are used: the server and the smallest install read it.
+Files are written to a temp file in the target directory, fsynced and renamed, so a reader
+never sees half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "fedmvp-edge-update"
+FORMAT_VERSION = 1
+LORA_PREFIX = "lora."
+_INT_FIELDS = ("format_version", "bundle_round", "num_examples", "epochs")
+_FLOAT_FIELDS = ("mean_loss", "final_loss", "train_seconds")
+REQUIRED = ("format", "format_version", "bundle_id", "bundle_round", "num_examples", "mean_loss", "created")
+
+
+class UpdateError(ValueError):
+    """An update file that cannot be used; one line naming the path."""
+
+
+def bundle_id(bundle: Any) -> str:
+    """Identity of a bundle: its manifest's own ``bundle_id`` if it has one, else the sha256
+    of ``manifest.json`` (the manifest lists every file's sha256, so this pins all of them)."""
+    explicit = bundle.manifest.get("bundle_id")
+    if isinstance(explicit, str) and explicit:
+        return explicit
+    return hashlib.sha256((Path(bundle.path) / "manifest.json").read_bytes()).hexdigest()
+
+
+def bundle_round(bundle: Any) -> int | None:
+    value = (bundle.manifest.get("source") or {}).get("round")
+    return int(value) if isinstance(value, int) else None
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Update:
+    """A read update file: LoRA tensors by name and typed metadata."""
+
+    path: Path
+    tensors: dict[str, np.ndarray]
+    metadata: dict[str, Any]
+
+    @property
+    def bundle_id(self) -> str:
+        return str(self.metadata["bundle_id"])
+
+    @property
+    def round(self) -> int | None:
+        return self.metadata.get("bundle_round")
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.metadata["num_examples"])
+
+    @property
+    def mean_loss(self) -> float:
+        return float(self.metadata["mean_loss"])
+
+
+def _encode(metadata: Mapping[str, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in metadata.items():
+        if value is None:
+            out[key] = ""  # e.g. a bundle that records no round
+        elif isinstance(value, (list, tuple, dict)):
+            out[key] = json.dumps(value, sort_keys=True)
+        elif isinstance(value, float):
+            out[key] = repr(float(value))
+        else:
+            out[key] = str(value)
+    return out
+
+
+def _decode(raw: Mapping[str, str], path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = dict(raw)
+    try:
+        for key in _INT_FIELDS:
+            if key in out and out[key] not in ("", "None"):
+                out[key] = int(out[key])
+            elif key in out:
+                out[key] = None
+        for key in _FLOAT_FIELDS:
+            if key in out:
+                out[key] = float(out[key])
+        if "classes" in out:
+            out["classes"] = json.loads(out["classes"])
+    except (ValueError, json.JSONDecodeError) as err:
+        raise UpdateError(f"{path}: malformed metadata ({err})") from None
+    return out
+
+
+def atomic_write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> Path:
+    """safetensors to ``path`` via a temp file in the same directory + fsync + rename."""
+    from safetensors.numpy import save
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=dict(metadata))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename durable (no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _as_float32(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    out = {}
+    for name, value in tensors.items():
+        if hasattr(value, "detach"):  # a torch tensor: no torch import needed to convert it
+            value = value.detach().float().cpu().numpy()
+        out[name] = np.ascontiguousarray(np.asarray(value, dtype=np.float32))
+    return out
+
+
+def write_update(path: str | os.PathLike, tensors: Mapping[str, Any], *, bundle: Any, num_examples: int,
+                 mean_loss: float, **extra: Any) -> Path:
+    """Write an update file for ``bundle`` (names and shapes checked against it) atomically."""
+    path = Path(path)
+    arrays = _as_float32(tensors)
+    check_lora(arrays, bundle.lora_shapes, path, UpdateError)
+    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "bundle_id": bundle_id(bundle),
+                "bundle_round": bundle_round(bundle), "num_examples": int(num_examples),
+                "mean_loss": float(mean_loss), "created": utc_now(), **extra}
+    return atomic_write_safetensors(path, arrays, _encode(metadata))
+
+
+def check_lora(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, list[int]], path: Path,
+               error: type[ValueError]) -> None:
+    """Names exactly the bundle's LoRA names, shapes equal, float32, all finite."""
+    names, expected = set(tensors), set(shapes)
+    if names != expected:
+        parts = []
+        if expected - names:
+            parts.append(f"missing {', '.join(sorted(expected - names))}")
+        if names - expected:
+            parts.append(f"unexpected {', '.join(sorted(names - expected))}")
+        raise error(f"{path}: LoRA tensor names do not match the bundle ({'; '.join(parts)})")
+    for name in sorted(names):
+        value = tensors[name]
+        if list(value.shape) != list(shapes[name]):
+            raise error(f"{path}: {name} has shape {list(value.shape)}, the bundle needs {list(shapes[name])}")
+        if value.dtype != np.float32:
+            raise error(f"{path}: {name} is {value.dtype}, expected float32")
+        if not np.all(np.isfinite(value)):
+            raise error(f"{path}: {name} holds NaN or infinite values")
+
+
+def read_update(path: str | os.PathLike, bundle: Any = None, *, check_bundle_id: bool = True) -> Update:
+    """Read and validate an update file.
+
+    Always: the format, the required metadata, only ``lora.*`` tensors, float32, finite.
+    With ``bundle``: names and shapes equal the bundle's LoRA and (unless
+    ``check_bundle_id=False``) the update was trained on exactly this bundle.
+    """
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise UpdateError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        tensors = load(data)
+        raw = _read_metadata(data)
+    except (SafetensorError, ValueError, json.JSONDecodeError) as err:
+        raise UpdateError(f"{path}: not a safetensors file ({' '.join(str(err).split())})") from None
+    if raw.get("format") != FORMAT:
+        raise UpdateError(f"{path}: not a {FORMAT} file (format {raw.get('format')!r})")
+    missing = [k for k in REQUIRED if k not in raw]
+    if missing:
+        raise UpdateError(f"{path}: metadata lacks {', '.join(missing)}")
+    metadata = _decode(raw, path)
+    if metadata["format_version"] != FORMAT_VERSION:
+        raise UpdateError(f"{path}: update format version {metadata['format_version']} is not supported "
+                          f"(this client reads {FORMAT_VERSION})")
+    stray = [n for n in tensors if not n.startswith(LORA_PREFIX)]
+    if stray:
+        raise UpdateError(f"{path}: holds non-LoRA tensors ({', '.join(sorted(stray)[:5])})")
+    if bundle is not None:
+        check_lora(tensors, bundle.lora_shapes, path, UpdateError)
+        if check_bundle_id and metadata["bundle_id"] != bundle_id(bundle):
+            raise UpdateError(f"{path}: trained on bundle {metadata['bundle_id'][:12]}, not on this bundle "
+                              f"({bundle_id(bundle)[:12]}, {bundle.path})")
+    else:
+        check_lora(tensors, {k: list(v.shape) for k, v in tensors.items()}, path, UpdateError)
+    return Update(path=path, tensors=dict(sorted(tensors.items())), metadata=metadata)
+
+
+def _read_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` map of a safetensors blob."""
+    if len(data) < 8:
+        raise ValueError("file too short")
+    size = int.from_bytes(data[:8], "little")
+    if size <= 0 or 8 + size > len(data):
+        raise ValueError("bad header length")
+    header = json.loads(data[8:8 + size])
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("bad metadata")
+    return {str(k): str(v) for k, v in meta.items()}

@@ -1,0 +1,264 @@
+"""Write an edge bundle: the export core (explicit arguments) and the run-reading entry point.
+
+``write_bundle`` needs only a model with its round loaded, a class set and parity images;
+``export_bundle`` finds those in a run directory (what ``fedmvp-export`` and ``fedmvp demo``
+call). Everything is written into ``OUT.tmp-xxxx`` and renamed to ``OUT`` once complete and
+verified; with ``force`` an existing ``OUT`` is replaced only then. Nothing in the files
+depends on time or on the output path, so the same round exported twice is byte-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from edge_client import bundle as fmt
+from export import onnx_export, parity, training_artifact
+from export.graph import build_edge_classifier, lora_scaling
+from export.sources import (ClassSet, ExportError, file_class_set, find_run, load_checkpoint, model_config,
+                            preprocess_spec, read_config, rebuild_model, run_class_set, run_federation,
+                            run_images, synthetic_images, text_features)
+from fedmvp.clip import LoadedClip
+from fedmvp.model import FedMVP
+
+DEFAULT_PARITY_IMAGES = 64
+NUMERICS = {"fp32": "fp32 weights and compute",
+            "fp16": "fp16 weights and compute; pixel_values, outputs and LoRA initializers fp32",
+            "int8": "dynamic int8: MatMul/Gemm weights s8 (7-bit range), activations u8 per call; "
+                    "LoRA and everything else fp32"}
+
+
+class ParityError(RuntimeError):
+    """fp32 ONNX Runtime output differs from PyTorch beyond tolerance; no bundle was published."""
+
+    def __init__(self, message: str, results: dict[str, parity.ParityResult]):
+        super().__init__(message)
+        self.results = results
+
+
+@dataclass
+class BundleResult:
+    """Where the bundle is, its manifest, parity per precision and file sizes in bytes."""
+
+    path: Path
+    manifest: dict[str, Any]
+    parity: dict[str, parity.ParityResult]
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.parity.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def lines(self) -> list[str]:
+        out = [r.line() for r in self.parity.values()]
+        out += [f"  {name:<20} {size / 1e6:10.3f} MB" for name, size in sorted(self.sizes.items())]
+        out.append(f"bundle: {self.path} ({self.total_bytes / 1e6:.3f} MB, {self.manifest['precision']})")
+        return out
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise ExportError(f"{out}: already exists (pass --force to replace it)")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory")
+
+
+def _publish(tmp: Path, out: Path, force: bool) -> None:
+    """Rename the finished temp dir onto ``out`` (an old ``out`` goes only after that succeeded)."""
+    _check_out(out, force)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; a bundle is meant to be copied around
+    for child in tmp.iterdir():
+        child.chmod(0o666 & ~umask)
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f"{out.name}.old-{uuid.uuid4().hex[:8]}")
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One metadata key only: safetensors writes its metadata map in hash order (not reproducible)."""
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in tensors.items()}, str(path),
+              metadata={"format": "pt"})
+
+
+def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | Path, *, images: torch.Tensor,
+                 precision: str = "fp32", force: bool = False, source: dict[str, Any] | None = None,
+                 image_note: dict[str, int] | None = None, progress: bool = False) -> BundleResult:
+    """Export ``model`` (round tensors loaded) over ``classes`` into the bundle directory ``out``."""
+    out = Path(out)
+    if precision not in onnx_export.PRECISIONS:
+        raise ExportError(f"precision {precision!r}: choose one of {', '.join(onnx_export.PRECISIONS)}")
+    _check_out(out, force)
+    classes.validate()
+    if len(images) < parity.MIN_IMAGES:
+        raise ExportError(f"parity needs at least {parity.MIN_IMAGES} images, got {len(images)}")
+    steps = ["text features", "onnx", "parity fp32"] + ([f"{precision}"] if precision != "fp32" else []) \
+        + ["training artifact", "manifest"]
+    bar = tqdm(total=len(steps), desc="export", unit="step", disable=not progress, file=sys.stderr, leave=False)
+
+    def step(name: str) -> None:
+        bar.set_postfix_str(name)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    try:
+        step("text features")
+        features = text_features(clip, classes)
+        model.set_text_features(features)
+        edge = build_edge_classifier(model, features)
+        names = fmt.ROLES
+        _save_safetensors(edge.frozen_tensors(), tmp / names["weights"])
+        _save_safetensors(edge.lora_tensors(), tmp / names["lora"])
+        bar.update()
+
+        step("onnx export")
+        graph = onnx_export.export_ir(edge, clip.image_size)
+        proto = onnx_export.to_proto(graph)
+        linked = onnx_export.link_external(proto, tmp / names["weights"])
+        onnx_export.save(proto, tmp / names["onnx"])
+        onnx_export.check(tmp / names["onnx"])
+        bar.update()
+
+        step("parity fp32")
+        reference = parity.torch_logits(model, images)
+        results = {"fp32": parity.check(tmp / names["onnx"], reference, images, "fp32")}
+        if not results["fp32"].passed:
+            raise ParityError(results["fp32"].line(), results)
+        bar.update()
+
+        if precision != "fp32":
+            step(precision)
+            variant = (onnx_export.to_fp16(graph, edge.lora_names) if precision == "fp16"
+                       else onnx_export.to_int8(graph, edge.lora_names))
+            onnx_export.save(variant, tmp / names["onnx"])
+            onnx_export.check(tmp / names["onnx"])
+            results[precision] = parity.check(tmp / names["onnx"], reference, images, precision)
+            linked = 0
+            bar.update()
+
+        step("training artifact")
+        program = training_artifact.export_program(edge, clip.image_size)
+        training_artifact.save_program(program, tmp / names["training"])
+        fmt.verify_program_archive(tmp / names["training"])
+        bar.update()
+
+        step("manifest")
+        manifest = _manifest(model, clip, classes, edge, precision, results, source or {},
+                             image_note or {"given": len(images)}, linked)
+        manifest["files"] = fmt.file_entries(tmp, list(names.values()))
+        fmt.write_manifest(tmp, manifest)
+        fmt.read_bundle(tmp)
+        bar.update()
+        _publish(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    sizes = {e: out.joinpath(e).stat().st_size for e in [*names.values(), fmt.MANIFEST]}
+    return BundleResult(path=out, manifest=manifest, parity=results, sizes=sizes)
+
+
+def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precision: str,
+              results: dict[str, parity.ParityResult], source: dict[str, Any], image_note: dict[str, int],
+              linked: int) -> dict[str, Any]:
+    names = fmt.ROLES
+    lora = edge.lora_tensors()
+    return {
+        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
+        "source": source,
+        "model": {"clip": clip.name, "pretrained": clip.pretrained, "weights_identity": clip.identity,
+                  "embed_dim": clip.embed_dim, "vision_width": clip.vision_width,
+                  "num_prompts": model.config.num_prompts, "lora_rank": model.config.lora_rank,
+                  "lora_in_checkpoint": bool(model.config.use_lora)},
+        "classes": {"names": list(classes.names), "count": len(classes.names),
+                    "attributes_per_class": classes.k, "source": classes.source},
+        "preprocess": preprocess_spec(clip).to_manifest(),
+        "precision": precision,
+        "files_by_role": dict(names),
+        "onnx": {"file": names["onnx"], "opset": onnx_export.OPSET, "input": onnx_export.INPUT_NAME,
+                 "outputs": list(onnx_export.OUTPUT_NAMES), "batch": "dynamic",
+                 "external_data": [names["weights"]] if linked else [], "external_bytes": linked,
+                 "numerics": NUMERICS[precision],
+                 "lora_initializers": list(edge.lora_names)},
+        "training": {"file": names["training"], "format": "torch.export", "torch_version": torch.__version__,
+                     "load": "torch.export.load(path).module()",
+                     "inputs": list(training_artifact.INPUT_NAMES), "outputs": list(training_artifact.OUTPUT_NAMES),
+                     "weights_file": names["weights"], "trainable": "lora", "dict_keys": "sorted"},
+        "lora": {"file": names["lora"], "scaling": lora_scaling(model),
+                 "tensors": {k: list(v.shape) for k, v in lora.items()}},
+        "parity": {"images": image_note, **{k: r.to_manifest() for k, r in results.items()}},
+    }
+
+
+# ---- the run-reading layer ------------------------------------------------------------------------
+def default_out(run_path: Path, round_number: int, precision: str) -> Path:
+    return run_path / "bundles" / f"round-{round_number:04d}-{precision}"
+
+
+def export_bundle(run: str | Path | None = None, round_number: int | None = None, out: str | Path | None = None,
+                  *, precision: str = "fp32", force: bool = False, attributes: str | Path | None = None,
+                  domain: str | None = None, parity_images: int = DEFAULT_PARITY_IMAGES, progress: bool = False,
+                  runs_root: str | Path = "runs") -> BundleResult:
+    """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest)."""
+    from fedmvp.clip import ClipLoadError, load_clip
+    from fedmvp.clip import file_sha256
+
+    if precision not in onnx_export.PRECISIONS:
+        raise ExportError(f"precision {precision!r}: choose one of {', '.join(onnx_export.PRECISIONS)}")
+    if parity_images < parity.MIN_IMAGES:
+        raise ExportError(f"--parity-images must be at least {parity.MIN_IMAGES}")
+    run_dir = find_run(run, Path(runs_root))
+    config = read_config(run_dir)
+    checkpoint = load_checkpoint(run_dir, round_number)
+    target = Path(out) if out is not None else default_out(run_dir.path, checkpoint.round, precision)
+    _check_out(target, force)
+    classes = file_class_set(Path(attributes), domain) if attributes else None
+    try:
+        federation = run_federation(config, run_dir)
+    except ExportError:
+        if classes is None:
+            raise
+        federation = None  # an explicit class set needs the run's data only for parity images
+    if classes is None:
+        classes = run_class_set(federation, source="run")
+    torch.manual_seed(int(config.get("seed", 0)))  # a random-init backbone is then the same each export
+    spec = config["model"]
+    try:
+        clip = load_clip(spec["clip"], spec.get("pretrained") or None)
+    except ClipLoadError as err:
+        raise ExportError(str(err)) from None
+    ckpt_path = run_dir.round_path(checkpoint.round) / "global.safetensors"
+    model = rebuild_model(clip, model_config(config, checkpoint.tensors), checkpoint, ckpt_path)
+    images = run_images(federation, clip.preprocess, parity_images) if federation else torch.zeros(0)
+    note = {"run": len(images), "synthetic": max(0, parity_images - len(images))}
+    if note["synthetic"]:
+        images = torch.cat([images.reshape(-1, 3, clip.image_size, clip.image_size),
+                            synthetic_images(note["synthetic"], clip.image_size)])
+    source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "round": checkpoint.round,
+              "checkpoint_sha256": file_sha256(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
+    return write_bundle(model, clip, classes, target, images=images, precision=precision, force=force,
+                        source=source, image_note=note, progress=progress)

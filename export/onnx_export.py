@@ -1,0 +1,244 @@
+"""ONNX export of the ``EdgeClassifier``: one graph, named LoRA initializers, fp32 / fp16 / int8.
+
+The torch.export-based exporter is used with batch >= 2 and a dynamic ``batch`` dimension
+(tracing with batch 1 would specialise it). Its own optimiser is off because it would fold
+the LoRA initializers into constants; instead every named initializer is temporarily made a
+graph input while onnxscript's optimiser runs, so shapes and constants are folded but every
+weight keeps its PyTorch name (``visual.*``, ``prompt.*``, ``text.*``, ``lora.*``). The fp32
+model then stores its frozen weights as external data pointing into the bundle's
+``weights.safetensors`` (safetensors is raw little-endian data at known offsets, which is
+exactly what ONNX external data is), so the ONNX model and the training artifact share one
+copy. fp16 / int8 models fold the weight transposes first and embed their converted
+weights; their LoRA initializers stay fp32 and un-quantized so the edge swaps the same tensors.
+The LoRA initializers are also graph inputs (overridable initializers): ONNX Runtime then
+never folds them into constants, so a LoRA given by name at session creation
+(``SessionOptions.add_initializer``) or fed with a run really takes effect. The price is that
+the rank-r LoRA delta of the attribute keys/values (C*K x width x r) is computed per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+from onnx import TensorProto, numpy_helper
+
+from export.graph import EdgeClassifier
+
+OPSET = 18
+INPUT_NAME = "pixel_values"
+OUTPUT_NAMES = ("logits", "probs", "image_embeds")
+PRODUCER = "fedmvp-export"
+PRECISIONS = ("fp32", "fp16", "int8")
+
+
+class OnnxExportError(RuntimeError):
+    """The ONNX graph could not be produced or does not have the promised shape."""
+
+
+@contextlib.contextmanager
+def no_mha_fastpath() -> Iterator[None]:
+    """nn.MultiheadAttention's fused fast path (taken when nothing needs grad) does not export."""
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
+
+
+@contextlib.contextmanager
+def _as_inputs(model: ir.Model, names: list[str]) -> Iterator[None]:
+    """Make initializers graph inputs for a while: optimisers never fold graph inputs."""
+    values = [model.graph.initializers[n] for n in names if n in model.graph.initializers]
+    model.graph.inputs.extend(values)
+    try:
+        yield
+    finally:
+        for value in values:
+            model.graph.inputs.remove(value)
+
+
+def _optimize(model: ir.Model, keep: list[str]) -> None:
+    import logging
+
+    from onnxscript import optimizer
+
+    quiet = logging.getLogger("onnxscript")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with _as_inputs(model, keep):
+            optimizer.optimize(model)
+    finally:
+        quiet.setLevel(level)
+
+
+def export_ir(edge: EdgeClassifier, image_size: int, batch: int = 2) -> ir.Model:
+    """Trace ``edge`` with a dynamic batch; every named weight survives as an initializer."""
+    if batch < 2:
+        raise ValueError("trace with batch >= 2, or the exporter fixes the batch dimension")
+    example = torch.zeros(batch, 3, image_size, image_size)
+    dims = ({0: torch.export.Dim("batch", min=1, max=1 << 16)},)
+    with no_mha_fastpath(), torch.no_grad():
+        program = torch.onnx.export(edge, (example,), None, input_names=[INPUT_NAME],
+                                    output_names=list(OUTPUT_NAMES), dynamic_shapes=dims,
+                                    opset_version=OPSET, dynamo=True, optimize=False, verbose=False)
+    model = program.model
+    _optimize(model, list(model.graph.initializers))
+    missing = [n for n in edge.lora_names if n not in model.graph.initializers]
+    if missing:
+        raise OnnxExportError(f"LoRA tensors missing from the ONNX graph: {', '.join(missing)}")
+    # Overridable initializers (also graph inputs, with the initializer as default value): ONNX
+    # Runtime never constant-folds them, so a LoRA swapped in by name at session creation
+    # (SessionOptions.add_initializer) or fed per run takes effect, and no tool folds them away.
+    model.graph.inputs.extend(model.graph.initializers[n] for n in edge.lora_names)
+    return model
+
+
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """A clean, reproducible ModelProto: fixed producer, no stack traces or source paths."""
+    proto = ir.serde.serialize_model(model)
+    proto.producer_name, proto.producer_version, proto.doc_string = PRODUCER, "1", ""
+    del proto.metadata_props[:]
+    graphs = [proto.graph, *(f for f in proto.functions)]
+    for graph in graphs:
+        for node in graph.node:
+            del node.metadata_props[:]
+            node.doc_string = ""
+    for value in (*proto.graph.input, *proto.graph.output, *proto.graph.value_info):
+        del value.metadata_props[:]
+    for init in proto.graph.initializer:
+        del init.metadata_props[:]
+        init.doc_string = ""
+    return proto
+
+
+def safetensors_offsets(path: Path) -> dict[str, tuple[str, list[int], int, int]]:
+    """name -> (dtype, shape, absolute byte offset, length) of every tensor in a safetensors file."""
+    with open(path, "rb") as handle:
+        (size,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(size))
+    start = 8 + size
+    return {name: (meta["dtype"], meta["shape"], start + meta["data_offsets"][0],
+                   meta["data_offsets"][1] - meta["data_offsets"][0])
+            for name, meta in header.items() if name != "__metadata__"}
+
+
+def link_external(proto: onnx.ModelProto, weights: Path) -> int:
+    """Point fp32 initializers whose bytes are in ``weights`` there instead of embedding them.
+
+    Only tensors whose name, dtype, shape and bytes match are linked; returns bytes linked."""
+    table = safetensors_offsets(weights)
+    linked = 0
+    with open(weights, "rb") as handle:
+        for init in proto.graph.initializer:
+            entry = table.get(init.name)
+            if entry is None or init.data_type != TensorProto.FLOAT or entry[0] != "F32":
+                continue
+            dtype, shape, offset, length = entry
+            data = numpy_helper.to_array(init).astype("<f4", copy=False).tobytes()
+            handle.seek(offset)
+            if list(init.dims) != list(shape) or len(data) != length or handle.read(length) != data:
+                continue
+            init.ClearField("raw_data")
+            init.ClearField("float_data")
+            init.data_location = TensorProto.EXTERNAL
+            del init.external_data[:]
+            for key, value in (("location", weights.name), ("offset", str(offset)), ("length", str(length))):
+                init.external_data.add(key=key, value=value)
+            linked += length
+    return linked
+
+
+def save(proto: onnx.ModelProto, path: Path) -> None:
+    """Write ``proto`` as it is (external references kept, nothing moved)."""
+    path.write_bytes(proto.SerializeToString(deterministic=True))
+
+
+def check(path: Path) -> None:
+    """onnx.checker on the saved file (external data resolved next to it)."""
+    try:
+        onnx.checker.check_model(str(path))
+    except onnx.checker.ValidationError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid model"
+        raise OnnxExportError(f"{path}: onnx.checker failed: {first}") from err
+
+
+# ---- reduced precision ----------------------------------------------------------------------------
+def _sorted(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Topologically sorted and cleaned (converters append cast nodes at the end)."""
+    model = ir.serde.deserialize_model(proto)
+    model.graph.sort()
+    out = to_proto(model)
+    onnx.checker.check_model(out)
+    return out
+
+
+def _folded(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
+    """Weight transposes folded into initializers (what quantizers look for); LoRA left alone."""
+    clone = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    _optimize(clone, lora_names)
+    return to_proto(clone)
+
+
+def _check_lora_fp32(proto: onnx.ModelProto, lora_names: list[str], step: str) -> None:
+    kinds = {i.name: i.data_type for i in proto.graph.initializer}
+    bad = [n for n in lora_names if kinds.get(n) != TensorProto.FLOAT]
+    if bad:
+        raise OnnxExportError(f"{step} changed the LoRA initializers (must stay fp32): {', '.join(bad)}")
+
+
+def to_fp16(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
+    """fp16 weights and compute; graph inputs (pixel_values and the LoRA initializers) stay fp32."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    proto = convert_float_to_float16(_folded(model, lora_names), keep_io_types=True)
+    _check_lora_fp32(proto, lora_names, "fp16 conversion")
+    return _sorted(proto)
+
+
+def to_int8(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
+    """Dynamic int8 quantisation of the MatMul/Gemm weights (s8, 7-bit range; activations u8 at run time).
+
+    LoRA MatMuls are excluded (their weights are graph inputs, so they have no constant weight anyway)."""
+    import logging
+    import tempfile
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    proto = _folded(model, lora_names)
+    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+    lora_consumers = [n.name for n in proto.graph.node if set(n.input) & set(lora_names)]
+    with tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
+        src, dst = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
+        save(proto, src)
+        # reduce_range: 7-bit weights. x86 CPUs without VNNI (AVX2, AVX-512F) saturate in the u8 x s8
+        # multiply-add and the logits drift by ~1.5 on the tiny model; 7 bits cut that ~10x everywhere.
+        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul", "Gemm"], weight_type=QuantType.QInt8,
+                         per_channel=False, reduce_range=True, nodes_to_exclude=lora_consumers)
+        out = onnx.load(str(dst))
+    _check_lora_fp32(out, lora_names, "int8 quantisation")
+    return _sorted(out)
+
+
+# ---- swapping LoRA without re-exporting -----------------------------------------------------------
+def replace_initializers(proto: onnx.ModelProto, tensors: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of ``proto`` with named initializers replaced (same shape; stored as fp32)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    found = {init.name: init for init in out.graph.initializer}
+    for name, value in tensors.items():
+        if name not in found:
+            raise KeyError(f"no initializer named {name}")
+        if list(found[name].dims) != list(np.shape(value)):
+            raise ValueError(f"{name}: shape {list(np.shape(value))} != {list(found[name].dims)}")
+        found[name].CopyFrom(numpy_helper.from_array(np.asarray(value, dtype=np.float32), name))
+    return out

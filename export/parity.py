@@ -1,0 +1,86 @@
+"""ONNX Runtime (CPU) vs PyTorch on the same images: max |logit difference| and top-1 agreement.
+
+The PyTorch side is the training core's own ``FedMVP`` forward (not the export wrapper), so
+the check covers the rewrite of the text side into constants as well as the exporter.
+Numbers are rounded before they go into the manifest so that exporting the same round
+twice writes the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedmvp.model import FedMVP
+
+FP32_MAX_ABS_DIFF = 1e-3
+MIN_AGREEMENT = {"fp32": 1.0, "fp16": 0.99, "int8": 0.99}
+MIN_IMAGES = 32
+
+
+@dataclass
+class ParityResult:
+    """One precision's comparison against PyTorch fp32."""
+
+    precision: str
+    images: int
+    max_abs_logit_diff: float
+    top1_agreement: float
+    passed: bool
+
+    def to_manifest(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        verdict = "ok" if self.passed else "FAILED"
+        need = MIN_AGREEMENT[self.precision]
+        extra = f", need <= {FP32_MAX_ABS_DIFF:g}" if self.precision == "fp32" else ""
+        return (f"parity {self.precision}: {self.images} images, max |logit diff| {self.max_abs_logit_diff:.2e}"
+                f"{extra}, top-1 agreement {100 * self.top1_agreement:.2f}% (need >= {100 * need:g}%): {verdict}")
+
+
+@torch.no_grad()
+def torch_logits(model: FedMVP, images: torch.Tensor, batch_size: int = 32) -> np.ndarray:
+    """[N, C] logits of the PyTorch model (its text features must already be set)."""
+    model.eval()
+    device = model.logit_scale.device
+    chunks = [model(images[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(images), batch_size)]
+    return torch.cat(chunks).numpy()
+
+
+def onnx_outputs(path: Path, images: np.ndarray, batch_size: int = 32, threads: int = 2) -> dict[str, np.ndarray]:
+    """Every output of the ONNX model on ``images`` (CPU provider, fixed thread count)."""
+    import onnxruntime as ort
+
+    from edge_client.runtime import make_session
+
+    ort.set_default_logger_severity(3)
+    session, _ = make_session(path, "cpu", threads=threads)
+    names = [o.name for o in session.get_outputs()]
+    parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for start in range(0, len(images), batch_size):
+        outs = session.run(None, {session.get_inputs()[0].name: images[start:start + batch_size]})
+        for name, value in zip(names, outs):
+            parts[name].append(value)
+    return {n: np.concatenate(v) for n, v in parts.items()}
+
+
+def compare(reference: np.ndarray, candidate: np.ndarray, precision: str) -> ParityResult:
+    """Max |diff| and top-1 agreement; fp32 must also stay within FP32_MAX_ABS_DIFF."""
+    diff = float(np.max(np.abs(reference.astype(np.float64) - candidate.astype(np.float64))))
+    agreement = float(np.mean(reference.argmax(-1) == candidate.argmax(-1)))
+    passed = agreement >= MIN_AGREEMENT[precision]
+    if precision == "fp32":
+        passed = passed and diff <= FP32_MAX_ABS_DIFF
+    return ParityResult(precision=precision, images=int(len(reference)),
+                        max_abs_logit_diff=float(f"{diff:.2e}"), top1_agreement=round(agreement, 6),
+                        passed=bool(passed))
+
+
+def check(path: Path, reference: np.ndarray, images: torch.Tensor, precision: str) -> ParityResult:
+    """Run the ONNX model at ``path`` and compare its logits with ``reference``."""
+    logits = onnx_outputs(path, images.numpy().astype(np.float32))["logits"]
+    return compare(reference, logits, precision)

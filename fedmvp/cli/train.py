@@ -1,0 +1,58 @@
+"""`fedmvp train`: federated training of a preset on Flower's simulation engine."""
+
+from __future__ import annotations
+
+import click
+
+from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
+
+
+def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume: bool, eval_every: int,
+                    device: str, progress: bool = True):
+    """Shared by `train` and `demo`: validate, then simulate. Bad input raises BadInput."""
+    from fedmvp.attributes.files import AttributeFileError
+    from fedmvp.clip import ClipLoadError
+    from fedmvp.federated.simulation import prepare_run, simulate
+    from fedmvp.presets import PresetError
+    from fedmvp.runs import RunError
+
+    try:
+        run = prepare_run(config, run_dir, rounds, resume, device)
+    except (PresetError, RunError, AttributeFileError, ClipLoadError, FileNotFoundError) as err:
+        raise BadInput(str(err)) from err
+    return simulate(run, eval_every=eval_every, progress=progress)
+
+
+@click.command()
+@click.option("--config", "config", required=True, metavar="PRESET",
+              help="Preset name (demo, base2new, domainbed-pacs, imagenet-ssmt) or a TOML file.")
+@click.option("--rounds", type=click.IntRange(min=1), default=None, help="Override the preset's rounds.")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Run directory (default: runs/<preset>-<timestamp>).")
+@click.option("--resume", is_flag=True, help="Continue the run in --run-dir (default: the preset's latest "
+              "run) from its last complete round.")
+@click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Evaluate Local/Base/New/HM every N rounds (0: only after the last round).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the final metrics as JSON.")
+def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, eval_every: int, device: str,
+          as_json: bool) -> None:
+    """Train FedMVP across the preset's clients, one checkpoint per round.
+
+    Each round every selected client trains the PromptFormer (or, once its mean loss
+    fell below sigma, only the LoRA) on its own few-shot data; the server averages
+    each tensor over the clients that sent it. Writes runs/<name>/ with config.json,
+    round-NNNN/ checkpoints, metrics.jsonl/csv and accuracy.png. Exit codes: 0 done,
+    1 training failed (resume with --resume), 2 bad preset or arguments."""
+    quiet_open_clip_logging()
+    from fedmvp.runs import RunError
+
+    try:
+        run = train_or_resume(config, rounds, run_dir, resume, eval_every, device)
+    except RunError as err:
+        raise click.ClickException(str(err)) from err
+    metrics = run.read_metrics()[-1] if run.read_metrics() else {}
+    if as_json:
+        emit_json({"run_dir": str(run.path), "final": metrics})
+    else:
+        click.echo(f"run: {run.path}  (fedmvp evaluate --run {run.path})")

@@ -1,0 +1,56 @@
+"""The FedMVP ClientApp: one round of local training for the client this node serves.
+
+The client id comes from the node's config (``partition-id``, set by the simulation
+engine or by ``flower-supernode --node-config "partition-id=3"``); the preset path and
+the round's settings come in the server's message. A client not selected this round
+answers with zero examples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedmvp.federated.strategy import array_record, numpy_state
+from fedmvp.federated.task import client_by_id, local_train, task_context, to_numpy_state, to_torch_state
+
+app = ClientApp()
+
+
+def _threads() -> None:
+    threads = int(os.environ.get("FEDMVP_CLIENT_THREADS", "0"))
+    if threads > 0 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    _threads()
+    config = msg.content["config"]
+    client_id = int(context.node_config.get("partition-id", 0))
+    selected = json.loads(str(config["selected"]))
+    if client_id not in selected:
+        metrics = MetricRecord({"num-examples": 0, "partition-id": client_id, "train-loss": 0.0,
+                                "train-ce": 0.0, "train-consistency": 0.0, "lora-active": 0,
+                                "switch-next": 0})
+        return Message(content=RecordDict({"arrays": ArrayRecord(), "metrics": metrics}), reply_to=msg)
+    preset = str(context.node_config.get("preset", config["preset"]))
+    device = str(config.get("device", "cpu"))
+    if device == "cuda" and not torch.cuda.is_available():
+        device = "cpu"
+    ctx = task_context(preset, device)
+    client = client_by_id(ctx, client_id)
+    lora_active = client_id in json.loads(str(config["lora-clients"]))
+    result = local_train(ctx, client, to_torch_state(numpy_state(msg.content["arrays"])),
+                         int(config["round"]), float(config["lr"]), lora_active)
+    metrics = MetricRecord({
+        "num-examples": result.num_examples, "partition-id": client_id, "train-loss": result.loss,
+        "train-ce": result.ce, "train-consistency": result.consistency,
+        "lora-active": int(result.lora_active), "switch-next": int(result.switch_next),
+    })
+    return Message(content=RecordDict({"arrays": array_record(to_numpy_state(result.state)),
+                                       "metrics": metrics}), reply_to=msg)

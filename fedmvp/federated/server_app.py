@@ -1,0 +1,118 @@
+"""The FedMVP ServerApp: rounds, per-tensor aggregation, a checkpoint every round, evaluation.
+
+In simulation, ``fedmvp train`` writes the run directory and sets ``SIMULATION_SETTINGS``;
+deployed on a SuperLink (``flwr run``), the same app reads ``run-dir`` (and optionally
+``rounds``, ``eval-every``) from the run config. Either way the run directory's
+config.json says which preset and how many rounds, and a restart resumes from the
+last complete round.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedmvp.federated.strategy import FedMVPStrategy, array_record
+from fedmvp.federated.task import evaluate_global, task_context, to_numpy_state, to_torch_state
+from fedmvp.runs import RunDir
+
+app = ServerApp()
+log = logging.getLogger("fedmvp.server")
+
+
+@dataclass
+class ServerSettings:
+    """What the server needs beyond the run directory's config.json."""
+
+    run_dir: str
+    eval_every: int = 0  # 0: evaluate only the last round
+    progress: bool = True
+    round_timeout: float = 3600.0
+
+    @classmethod
+    def from_run_config(cls, run_config: dict) -> "ServerSettings":
+        return cls(run_dir=str(run_config["run-dir"]), eval_every=int(run_config.get("eval-every", 0)),
+                   progress=False)
+
+
+SIMULATION_SETTINGS: ServerSettings | None = None
+
+
+class RoundRecorder:
+    """Called after every aggregation: checkpoint, metrics, plot, progress."""
+
+    def __init__(self, run: RunDir, ctx, total_rounds: int, settings: ServerSettings, central_eval: bool,
+                 strategy_ref: list):
+        self.run, self.ctx, self.total = run, ctx, total_rounds
+        self.settings, self.central_eval, self.strategy_ref = settings, central_eval, strategy_ref
+        self.bar = None
+        if settings.progress:
+            from tqdm import tqdm
+
+            start = run.last_round() or 0
+            self.bar = tqdm(total=total_rounds, initial=start, desc="rounds", unit="round")
+
+    def __call__(self, round_number: int, state: dict[str, np.ndarray], summary: dict) -> None:
+        strategy = self.strategy_ref[0]
+        row = {"round": round_number, "train_loss": summary["train-loss"], "train_ce": summary["train-ce"],
+               "train_consistency": summary["train-consistency"], "clients": summary["clients"],
+               "lora_clients": summary["lora-clients"]}
+        due = round_number == self.total or (self.settings.eval_every and round_number % self.settings.eval_every == 0)
+        if self.central_eval and due:
+            row |= evaluate_global(self.ctx, to_torch_state(state))
+        self.run.save_checkpoint(round_number, {k: t for k, t in to_torch_state(state).items()},
+                                 {"lora_clients": sorted(strategy.lora_clients), "seed": strategy.seed,
+                                  "lr": strategy.base_lr, "total_rounds": self.total,
+                                  "metrics": row})
+        self.run.append_metrics(row)
+        if "hm" in row:
+            self.run.plot()
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{row['train_loss']:.3f}", lora=row["lora_clients"])
+            if round_number == self.total:
+                self.bar.close()
+
+
+def run_server(grid: Grid, settings: ServerSettings) -> None:
+    run = RunDir(settings.run_dir)
+    config = run.read_config()
+    preset_path, total = config["preset_path"], int(config["rounds"])
+    ctx = task_context(preset_path, config.get("server_device", "cpu"))
+    start = run.last_round() or 0
+    if start >= total:
+        log.info("run %s already has %s rounds", run.path, total)
+        return
+    if start:
+        checkpoint = run.load_checkpoint(start)
+        initial, lora_clients = to_numpy_state(checkpoint.tensors), checkpoint.state.get("lora_clients", [])
+        run.truncate_metrics_after(start)
+    else:
+        initial, lora_clients = to_numpy_state(ctx.model.state("all")), []
+    central_eval = bool(config.get("central_eval", True))
+    if central_eval and start == 0 and run.read_json("zero_shot.json") is None:
+        run.write_json("zero_shot.json", evaluate_global(ctx, None))
+    strategy_ref: list = []
+    recorder = RoundRecorder(run, ctx, total, settings, central_eval, strategy_ref)
+    strategy = FedMVPStrategy(
+        preset_path=preset_path, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
+        num_clients=int(config["num_clients"]), fraction=float(config.get("fraction", 1.0)),
+        round_offset=start, lora_clients=lora_clients, device=config.get("client_device", "cpu"),
+        on_aggregated=recorder)
+    strategy_ref.append(strategy)
+    strategy.start(grid=grid, initial_arrays=array_record(initial), num_rounds=total - start,
+                   timeout=settings.round_timeout)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    settings = SIMULATION_SETTINGS if not context.run_config.get("run-dir") else \
+        ServerSettings.from_run_config(context.run_config)
+    if settings is None:
+        raise RuntimeError("no run directory: set run-dir in the run config (flwr run ... --run-config)")
+    run_server(grid, settings)
+

@@ -1,0 +1,346 @@
+"""Protocol presets: TOML files naming the datasets, roots, splits and clients of one experiment.
+
+Why strict: a typo in a preset ("classes_per_clinet") silently falling back to a default would
+waste a whole federated run, so every unknown key, bad value or missing root stops the load
+with ONE line that starts with the preset file's path (``PresetError``). Shipped presets live in
+``fedmvp/presets/<name>.toml``; a name resolves there, anything else is a path.
+
+Paths: ``${VAR}``/``$VAR`` and ``~`` are expanded; a relative ``root`` is relative to the
+preset file's folder, and ``split_file``, ``image_dir``, ``class_names_file`` and ``attributes``
+are relative to the dataset's ``root``. ``attributes`` may contain ``{domain}`` for one attribute
+file per domain. ``root = ""`` (synthetic layout only) means the cached default world.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).with_name("presets")
+PROTOCOLS = ("base-to-new", "msst", "ssmt")
+PROTOCOL_ALIASES = {"base2new": "base-to-new", "multi-source-single-target": "msst",
+                    "single-source-multi-target": "ssmt"}
+LAYOUTS = ("imagefolder", "coop", "domainbed", "synthetic")
+ROLES = ("train", "test")
+EVAL_KINDS = ("base", "new", "domain")
+
+
+class PresetError(ValueError):
+    """A preset that cannot be used; the one-line message starts with the preset file path."""
+
+
+def _help(text: str, default: Any = MISSING, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": text}, **kw)
+    return field(default=default, metadata={"help": text}, **kw)
+
+
+@dataclass
+class ModelSpec:
+    """The frozen CLIP backbone (SPEC section 1)."""
+
+    clip: str = _help("open_clip model name or a registered fedmvp config", "ViT-B-16")
+    pretrained: str = _help("open_clip pretrained tag or a local weights file", "openai")
+
+
+@dataclass
+class TrainSpec:
+    """Optimisation and round settings (SPEC sections 4-6); defaults are the paper's."""
+
+    rounds: int = _help("federated rounds")
+    local_epochs: int = _help("local epochs per round (one step per batch)", 1)
+    batch_size: int = _help("local mini-batch size", 128)
+    shots: int = _help("training images per class per client (k-shot, sampled once)", 8)
+    lr: float = _help("SGD learning rate (cosine decay over the rounds)", 0.003)
+    momentum: float = _help("SGD momentum", 0.9)
+    weight_decay: float = _help("SGD weight decay", 1e-5)
+    sigma: float = _help("LoRA switch: a client's mean round loss below this freezes the PromptFormer", 0.5)
+    alpha: float = _help("weight of the consistency loss L_con (0 disables it)", 10.0)
+    num_prompts: int = _help("prompt tokens pooled from the PromptFormer output (m)", 4)
+    use_lora: bool = _help("allow the switch to LoRA-only training", True)
+    lora_rank: int = _help("LoRA rank on the cross-attention q/k/v projections", 8)
+    num_attributes: int = _help("attribute phrases per class (K)", 10)
+    fraction_fit: float = _help("fraction of clients sampled each round", 1.0)
+
+
+@dataclass
+class DatasetSpec:
+    """One dataset of a preset: where its images are, how it is split and cut into clients."""
+
+    name: str = _help("dataset name; also picks the sentence suffix (e.g. OxfordFlowers)")
+    layout: str = _help(f"one of {', '.join(LAYOUTS)}")
+    root: str = _help("dataset folder (${VAR} and ~ expanded); '' = the default synthetic world")
+    role: str = _help("'train': clients train on it; 'test': evaluation only", "train")
+    world_seed: int = _help("synthetic, root = '': seed of the generated default world", 0)
+    attributes: str | None = _help("attribute JSON {class: [phrases]}, relative to root; "
+                                   "may contain {domain}", None)
+    split_file: str | None = _help("coop: split_zhou_<Dataset>.json, relative to root", None)
+    image_dir: str = _help("coop: image folder the split's paths are relative to", "")
+    class_names_file: str | None = _help("imagefolder: class order and names "
+                                         "('<folder> <name>' lines or JSON)", None)
+    train_split: str = _help("split (coop key / imagefolder or synthetic sub-folder) for training", "train")
+    test_split: str = _help("split for test images; '' = root itself (imagefolder)", "test")
+    domain: str | None = _help("domain of a single-domain dataset (picks the sentence prefix)", None)
+    train_domains: list[str] = _help("domainbed/synthetic: source domains (one client set each)", [])
+    test_domains: list[str] = _help("domainbed/synthetic: held-out target domains (evaluation)", [])
+    holdout_fraction: float = _help("domainbed: share of each source domain kept for local test", 0.2)
+    base_classes: int | None = _help("base classes (default ceil(C/2); synthetic: first N seen)", None)
+    new_classes: int | None = _help("new classes (default the rest; synthetic: first N held-out)", None)
+    classes_per_client: int | None = _help("classes per client (default 20; ssmt 5; msst all)", None)
+    num_clients: int | None = _help("number of clients (default: enough for every class)", None)
+    clients: list[list[str]] | None = _help("explicit client class lists (names), instead of the cut", None)
+    dirichlet_alpha: float | None = _help("Dirichlet label skew over the base classes "
+                                          "(needs num_clients) instead of the class cut", None)
+    mix_domains: bool = _help("one client set over all train_domains instead of one per domain", False)
+    eval_kind: str = _help(f"role='test': kind of its evaluation ({', '.join(EVAL_KINDS)})", "domain")
+    base_dir: Path = field(default=Path("."), repr=False, metadata={"internal": True})
+
+    @property
+    def synthetic_default(self) -> bool:
+        return self.layout == "synthetic" and self.root.strip() == ""
+
+    def root_path(self) -> Path:
+        """The expanded root (``ValueError`` naming the variable if one is unset)."""
+        return expand_path(self.root, self.base_dir)
+
+    def file_path(self, value: str, root: Path | None = None) -> Path:
+        """``value`` expanded, relative to the dataset root."""
+        return expand_path(value, root if root is not None else self.root_path())
+
+
+@dataclass
+class Preset:
+    """A whole experiment: protocol, model, training settings and datasets."""
+
+    name: str = _help("preset name (default: the file name)")
+    protocol: str = _help(f"one of {', '.join(PROTOCOLS)}")
+    seed: int = _help("seed for k-shot sampling and partitions", 0)
+    description: str = _help("free text", "")
+    model: ModelSpec = _help("[model] table", None)
+    train: TrainSpec = _help("[train] table", None)
+    datasets: list[DatasetSpec] = _help("[[datasets]] tables", [])
+    path: Path | None = field(default=None, metadata={"internal": True})
+    raw: dict = field(default_factory=dict, repr=False, metadata={"internal": True})
+
+
+_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+
+
+def expand_path(value: str, base: Path) -> Path:
+    """``${VAR}``, ``$VAR`` and ``~`` expanded; relative results are taken from ``base``."""
+    def sub(m: re.Match) -> str:
+        var = m.group(1) or m.group(2)
+        if var not in os.environ:
+            raise ValueError(f"environment variable {var} is not set (in {value!r})")
+        return os.environ[var]
+
+    path = Path(_VAR.sub(sub, value)).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def list_presets() -> list[str]:
+    """Names of the shipped presets."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def preset_path(name_or_path: str | os.PathLike) -> Path:
+    """A shipped preset's file for a bare name, else the path itself."""
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_file() or text.endswith(".toml") or os.sep in text or "/" in text:
+        return path
+    candidate = PRESET_DIR / f"{text}.toml"
+    if candidate.exists():
+        return candidate
+    raise PresetError(f"{text}: no such preset or file (shipped: {', '.join(list_presets()) or 'none'})")
+
+
+# ---- parsing --------------------------------------------------------------------------------
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_type_ok(v, args[0]) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    if isinstance(hint, type):
+        return {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}.get(
+            hint.__name__, hint.__name__)
+    return str(hint).replace("typing.", "").replace("NoneType", "none").replace(" | none", " (optional)")
+
+
+def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = None) -> Any:
+    """``cls(**table)`` with unknown keys, missing keys and wrong types reported as one line."""
+    if not isinstance(table, dict):
+        raise err(f"{where} must be a table, got {type(table).__name__}")
+    hints = typing.get_type_hints(cls)
+    allowed = [f for f in fields(cls) if not f.metadata.get("internal")
+               and not (isinstance(hints[f.name], type) and hints[f.name] in (ModelSpec, TrainSpec))
+               and f.name != "datasets"]
+    names = [f.name for f in allowed]
+    unknown = [k for k in table if k not in names]
+    if unknown:
+        tables = ", [model], [train], [[datasets]]" if cls is Preset else ""
+        raise err(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(names)}{tables})")
+    missing = [f.name for f in allowed if f.default is MISSING and f.default_factory is MISSING
+               and f.name not in table]
+    if missing:
+        raise err(f"{where}: missing key {missing[0]!r}")
+    values = {}
+    for key, value in table.items():
+        if not _type_ok(value, hints[key]):
+            raise err(f"{where}: {key} must be {_type_name(hints[key])}, got {value!r}")
+        values[key] = float(value) if hints[key] is float or (
+            typing.get_args(hints[key]) == (float, type(None)) and value is not None) else value
+    return cls(**values, **(extra or {}))
+
+
+def _check_values(preset: Preset, err: Any) -> None:
+    """Range and cross-key checks that need no file system."""
+    t = preset.train
+    for key in ("rounds", "local_epochs", "batch_size", "shots", "num_prompts", "lora_rank", "num_attributes"):
+        if getattr(t, key) < 1:
+            raise err(f"[train]: {key} must be at least 1, got {getattr(t, key)}")
+    for key in ("lr", "momentum", "weight_decay", "sigma", "alpha"):
+        if getattr(t, key) < 0:
+            raise err(f"[train]: {key} must not be negative, got {getattr(t, key)}")
+    if not 0 < t.fraction_fit <= 1:
+        raise err(f"[train]: fraction_fit must be in (0, 1], got {t.fraction_fit}")
+    if not preset.datasets:
+        raise err("no [[datasets]]")
+    if not any(d.role == "train" for d in preset.datasets):
+        raise err("no dataset with role = 'train'")
+    seen: set[str] = set()
+    for i, d in enumerate(preset.datasets):
+        where = f"datasets[{i}] ({d.name})"
+        if d.name in seen:
+            raise err(f"{where}: dataset name {d.name!r} used twice")
+        seen.add(d.name)
+        for key, options in (("layout", LAYOUTS), ("role", ROLES), ("eval_kind", EVAL_KINDS)):
+            if getattr(d, key) not in options:
+                raise err(f"{where}: unknown {key} {getattr(d, key)!r} (one of {', '.join(options)})")
+        if not d.root.strip() and d.layout != "synthetic":
+            raise err(f"{where}: root is empty (only the synthetic layout has a default root)")
+        if d.layout == "coop" and not d.split_file:
+            raise err(f"{where}: the coop layout needs split_file (e.g. split_zhou_{d.name}.json)")
+        multi = d.layout in ("domainbed", "synthetic")
+        if (d.train_domains or d.test_domains) and not multi:
+            raise err(f"{where}: train_domains/test_domains need the domainbed or synthetic layout")
+        if d.layout == "domainbed" and not (d.train_domains if d.role == "train" else d.test_domains):
+            raise err(f"{where}: the domainbed layout needs "
+                      f"{'train_domains' if d.role == 'train' else 'test_domains'}")
+        both = sorted(set(d.train_domains) & set(d.test_domains))
+        if both:
+            raise err(f"{where}: domains both trained on and held out: {', '.join(both)}")
+        if preset.protocol == "msst" and d.role == "train" and not (d.train_domains and d.test_domains):
+            raise err(f"{where}: protocol msst needs train_domains and test_domains")
+        for key in ("base_classes", "classes_per_client", "num_clients"):
+            value = getattr(d, key)
+            if value is not None and value < 1:
+                raise err(f"{where}: {key} must be at least 1, got {value}")
+        if d.new_classes is not None and d.new_classes < 0:
+            raise err(f"{where}: new_classes must not be negative, got {d.new_classes}")
+        if not 0 <= d.holdout_fraction < 1:
+            raise err(f"{where}: holdout_fraction must be in [0, 1), got {d.holdout_fraction}")
+        if d.dirichlet_alpha is not None:
+            if d.dirichlet_alpha <= 0 or d.num_clients is None or d.clients is not None:
+                raise err(f"{where}: dirichlet_alpha must be > 0, needs num_clients and excludes clients")
+        if d.clients is not None and (d.num_clients is not None or d.classes_per_client is not None):
+            raise err(f"{where}: clients lists exclude num_clients and classes_per_client")
+
+
+def _check_roots(preset: Preset, err: Any) -> None:
+    """Every named root and file exists (the attribute file is checked when data is built)."""
+    for i, d in enumerate(preset.datasets):
+        where = f"datasets[{i}] ({d.name})"
+        if d.synthetic_default:
+            continue
+        try:
+            root = d.root_path()
+            files = [("split_file", d.split_file), ("class_names_file", d.class_names_file)]
+            paths = [(key, d.file_path(v, root)) for key, v in files if v]
+        except ValueError as exc:
+            raise err(f"{where}: {exc}") from None
+        if not root.is_dir():
+            raise err(f"{where}: root {root} does not exist")
+        for key, path in paths:
+            if not path.is_file():
+                raise err(f"{where}: {key} {path} does not exist")
+
+
+def load_preset(name_or_path: str | os.PathLike, check_roots: bool = True) -> Preset:
+    """Parse and validate a preset; ``check_roots=False`` skips file-system checks (for presets
+    that point at data this machine does not have)."""
+    path = preset_path(name_or_path)
+
+    def err(message: str) -> PresetError:
+        return PresetError(f"{path}: {' '.join(str(message).split())}")
+
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise err("no such preset file") from None
+    except OSError as exc:
+        raise err(f"cannot read ({exc.strerror or exc})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise err(f"invalid TOML: {exc}") from None
+    top = dict(raw)
+    model = _build(ModelSpec, top.pop("model", {}), "[model]", err)
+    train = _build(TrainSpec, top.pop("train", {}), "[train]", err)
+    tables = top.pop("datasets", [])
+    if not isinstance(tables, list):
+        raise err("datasets must be an array of tables ([[datasets]])")
+    top.setdefault("name", path.stem)
+    preset = _build(Preset, top, "top level", err, {"model": model, "train": train, "path": path,
+                                                     "raw": raw})
+    preset.protocol = PROTOCOL_ALIASES.get(preset.protocol, preset.protocol)
+    if preset.protocol not in PROTOCOLS:
+        raise err(f"unknown protocol {preset.protocol!r} (one of {', '.join(PROTOCOLS)}; "
+                  f"aliases {', '.join(PROTOCOL_ALIASES)})")
+    preset.datasets = [
+        _build(DatasetSpec, t, f"datasets[{i}]" + (f" ({t['name']})" if isinstance(t, dict) and
+                                                    isinstance(t.get("name"), str) else ""),
+               err, {"base_dir": path.parent.resolve()})
+        for i, t in enumerate(tables)]
+    _check_values(preset, err)
+    if check_roots:
+        _check_roots(preset, err)
+    return preset
+
+
+def preset_class_names(name_or_path: str | os.PathLike) -> list[str]:
+    """Every class name the preset uses, over all datasets, first occurrence first (for
+    ``fedmvp attributes generate``). Reads class lists only, never images."""
+    from fedmvp.data.sources import dataset_class_names
+
+    preset = name_or_path if isinstance(name_or_path, Preset) else load_preset(name_or_path)
+    names: dict[str, None] = {}
+    for spec in preset.datasets:
+        names.update(dict.fromkeys(dataset_class_names(preset, spec)))
+    return list(names)
+
+
+def preset_domains(name_or_path: str | os.PathLike) -> list[str]:
+    """Every domain the preset names (train, test and single-dataset domains), in order."""
+    preset = name_or_path if isinstance(name_or_path, Preset) else load_preset(name_or_path,
+                                                                               check_roots=False)
+    domains: dict[str, None] = {}
+    for d in preset.datasets:
+        domains.update(dict.fromkeys([*d.train_domains, *d.test_domains, *([d.domain] if d.domain else [])]))
+    return list(domains)

@@ -1,0 +1,178 @@
+"""Run directories: resolved config, one checkpoint per round, metrics, a plot. All writes atomic.
+
+```
+runs/<name>/
+  config.json                 resolved preset + overrides (what was run)
+  preset.toml                 the preset file as given (clients read it)
+  round-0003/global.safetensors   global trainable tensors (promptformer.*, lora.*)
+  round-0003/state.json           round, per-client LoRA flags, schedule, seed, complete: true
+  metrics.jsonl / metrics.csv     one line per evaluated round (losses, Local/Base/New/HM)
+  zero_shot.json                  the frozen CLIP's Local/Base/New/HM on the same data
+  accuracy.png                    accuracy per round
+```
+A round directory counts only once its state.json (written last) says complete.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from fedmvp import atomic
+
+ROUND_PREFIX = "round-"
+METRIC_COLUMNS = ["round", "train_loss", "train_ce", "train_consistency", "lora_clients", "clients",
+                  "local", "base", "new", "hm", "domain"]
+
+
+class RunError(RuntimeError):
+    """A run directory or checkpoint that cannot be used; the message names the path."""
+
+
+def round_dir_name(round_number: int) -> str:
+    return f"{ROUND_PREFIX}{round_number:04d}"
+
+
+@dataclass
+class Checkpoint:
+    round: int
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
+class RunDir:
+    """One training run on disk."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    # ---- layout --------------------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    def round_path(self, round_number: int) -> Path:
+        return self.path / round_dir_name(round_number)
+
+    def exists(self) -> bool:
+        return self.config_path.is_file()
+
+    # ---- config --------------------------------------------------------------------------------
+    def write_config(self, config: dict[str, Any]) -> None:
+        atomic.write_json(self.config_path, config)
+
+    def read_config(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.config_path.read_text())
+        except FileNotFoundError as err:
+            raise RunError(f"{self.path}: not a fedmvp run (no config.json)") from err
+        except json.JSONDecodeError as err:
+            raise RunError(f"{self.config_path}: corrupt JSON ({err.msg} at line {err.lineno})") from err
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+        folder = self.round_path(round_number)
+        atomic.save_safetensors(tensors, folder / "global.safetensors", {"round": str(round_number)})
+        atomic.write_json(folder / "state.json", {**state, "round": round_number, "complete": True})
+
+    def rounds(self) -> list[int]:
+        """Complete rounds, ascending."""
+        found = []
+        for child in self.path.glob(f"{ROUND_PREFIX}*"):
+            state = child / "state.json"
+            try:
+                number = int(child.name[len(ROUND_PREFIX):])
+                if state.is_file() and json.loads(state.read_text()).get("complete"):
+                    found.append(number)
+            except (ValueError, json.JSONDecodeError):
+                continue
+        return sorted(found)
+
+    def last_round(self) -> int | None:
+        rounds = self.rounds()
+        return rounds[-1] if rounds else None
+
+    def load_checkpoint(self, round_number: int | None = None) -> Checkpoint:
+        rounds = self.rounds()
+        if round_number is None:
+            if not rounds:
+                raise RunError(f"{self.path}: no complete round yet")
+            round_number = rounds[-1]
+        if round_number not in rounds:
+            listed = ", ".join(map(str, rounds)) or "none"
+            raise RunError(f"{self.path}: round {round_number} not found (complete rounds: {listed})")
+        folder = self.round_path(round_number)
+        try:
+            tensors = load_file(str(folder / "global.safetensors"))
+            state = json.loads((folder / "state.json").read_text())
+        except Exception as err:  # safetensors raises its own error types
+            raise RunError(f"{folder}: corrupt checkpoint ({err.__class__.__name__}: {err})") from err
+        return Checkpoint(round=round_number, tensors=tensors, state=state)
+
+    # ---- metrics -------------------------------------------------------------------------------
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def append_metrics(self, row: dict[str, Any]) -> None:
+        """Rewrite metrics.jsonl/csv atomically with ``row`` (replacing an older row of the same round)."""
+        rows = [r for r in self.read_metrics() if r.get("round") != row.get("round")] + [row]
+        rows.sort(key=lambda r: r.get("round", 0))
+        atomic.write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic.write_text(self.path / "metrics.csv", buffer.getvalue())
+
+    def truncate_metrics_after(self, round_number: int) -> None:
+        """On resume, forget metrics of rounds that never completed."""
+        rows = [r for r in self.read_metrics() if r.get("round", 0) <= round_number]
+        atomic.write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+
+    def plot(self) -> Path | None:
+        """accuracy.png: Local/Base/New/HM per evaluated round, zero-shot as dashed lines."""
+        rows = [r for r in self.read_metrics() if r.get("hm") is not None]
+        if not rows:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        zero_shot = self.read_json("zero_shot.json") or {}
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        for key, colour in (("local", "C0"), ("base", "C1"), ("new", "C2"), ("hm", "C3")):
+            ax.plot([r["round"] for r in rows], [100 * r[key] for r in rows], marker="o", color=colour,
+                    label=key.capitalize() if key != "hm" else "HM")
+            if key in zero_shot:
+                ax.axhline(100 * zero_shot[key], color=colour, linestyle="--", linewidth=0.8)
+        ax.set_xlabel("round")
+        ax.set_ylabel("top-1 accuracy (%)")
+        ax.set_title(f"{self.path.name} (dashed: zero-shot)")
+        ax.legend(loc="lower right")
+        ax.grid(alpha=0.3)
+        target = self.path / "accuracy.png"
+        with atomic.atomic_path(target) as tmp:
+            fig.savefig(tmp, format="png", bbox_inches="tight")
+        plt.close(fig)
+        return target
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        path = self.path / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def write_json(self, name: str, obj: dict[str, Any]) -> None:
+        atomic.write_json(self.path / name, obj)

@@ -1,0 +1,67 @@
+"""edge_client.bundle: every file's sha256 is verified; tampering or a missing file is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+
+import pytest
+
+from edge_client.bundle import BundleError, read_bundle, verify_program_archive
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle, tmp_path):
+    target = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.path, target)
+    return target
+
+
+def _error(directory) -> str:
+    with pytest.raises(BundleError) as info:
+        read_bundle(directory)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_tampered_file(bundle_copy):
+    data = bytearray((bundle_copy / "lora.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (bundle_copy / "lora.safetensors").write_bytes(bytes(data))
+    assert "lora.safetensors" in _error(bundle_copy) and "sha256" in _error(bundle_copy)
+
+
+def test_truncated_and_missing_files(bundle_copy):
+    weights = bundle_copy / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert "weights.safetensors" in _error(bundle_copy)
+    (bundle_copy / "train.pt2").unlink()
+    assert "train.pt2: missing" in _error(bundle_copy)
+
+
+def test_manifest_problems(bundle_copy, tmp_path):
+    manifest = bundle_copy / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["format_version"] = 99
+    manifest.write_text(json.dumps(data))
+    assert "format version 99" in _error(bundle_copy)
+    manifest.write_text("{not json")
+    assert "corrupt JSON" in _error(bundle_copy)
+    manifest.unlink()
+    assert "missing" in _error(bundle_copy)
+    assert "not a bundle directory" in _error(tmp_path / "nowhere")
+
+
+def test_program_archive_with_pickled_payload_is_refused(bundle_copy):
+    source = bundle_copy / "train.pt2"
+    verify_program_archive(source)
+    evil = bundle_copy / "evil.pt2"
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(evil, "w") as dst:
+        for info in src.infolist():
+            payload = b"cos\nsystem\n(S'echo hi'\ntR." if info.filename.endswith("sample_inputs/model.pt") \
+                else src.read(info)
+            dst.writestr(info.filename, payload)
+    with pytest.raises(BundleError, match="must be empty"):
+        verify_program_archive(evil)

@@ -1,0 +1,36 @@
+"""Export + fp32 parity once on the real ViT-B-16 architecture (random init, 224 px, 196 patches)."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+
+@pytest.mark.slow
+def test_vit_b16_export_and_parity(tmp_path):
+    from edge_client.bundle import read_bundle
+    from export.bundle_writer import write_bundle
+    from export.sources import ClassSet, synthetic_images
+    from fedmvp.clip import load_clip
+    from fedmvp.model import FedMVP
+
+    torch.manual_seed(0)
+    clip = load_clip("ViT-B-16", None)
+    model = FedMVP(clip)
+    generator = torch.Generator().manual_seed(1)
+    model.load_state({k: torch.randn(v.shape, generator=generator) * 0.02
+                      for k, v in model.state("lora").items() if "lora_B" in k})
+    classes = ClassSet(names=["cat", "dog", "bird"],
+                       attributes={"cat": ["whiskers", "pointed ears"], "dog": ["floppy ears", "a wagging tail"],
+                                   "bird": ["feathers", "a beak"]})
+    result = write_bundle(model, clip, classes, tmp_path / "vitb16", images=synthetic_images(32, 224))
+    fp32 = result.parity["fp32"]
+    assert fp32.passed and fp32.images == 32 and fp32.max_abs_logit_diff <= 1e-3 and fp32.top1_agreement == 1.0
+    bundle = read_bundle(result.path)
+    assert bundle.preprocess.image_size == 224 and bundle.lora_shapes["lora.block.attn.to_q.lora_A.weight"] == [8, 768]
+    graph = onnx.load(str(result.path / "model.onnx"), load_external_data=False)
+    assert graph.opset_import[0].version >= 17
+    # The frozen weights are stored once: the ONNX file only points into weights.safetensors.
+    assert result.sizes["model.onnx"] < 5e6 and result.sizes["train.pt2"] < 10e6
+    assert result.sizes["weights.safetensors"] > 300e6

@@ -1,0 +1,118 @@
+"""Federated training on Flower's simulation engine, end to end, and resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from fedmvp.cli import main
+
+FEDMVP = [sys.executable, "-m", "fedmvp"]
+
+
+def train(preset: Path, run_dir: Path, *extra: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([*FEDMVP, "train", "--config", str(preset), "--run-dir", str(run_dir), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **kwargs)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, small_world):
+    from tests.federated.conftest import write_preset
+
+    folder = tmp_path_factory.mktemp("fed")
+    preset = write_preset(folder, small_world)
+    run_dir = folder / "uninterrupted"
+    finish(train(preset, run_dir))
+    return preset, run_dir
+
+
+def test_run_directory_has_config_checkpoints_metrics_and_plot(finished_run):
+    _, run_dir = finished_run
+    assert [p.name for p in sorted(run_dir.glob("round-*"))] == ["round-0001", "round-0002", "round-0003"]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["rounds"] == 3 and config["num_clients"] == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert rows[0]["lora_clients"] == 2  # both switched after round 1 (sigma is huge)
+    assert all(0.0 <= rows[-1][k] <= 1.0 for k in ("local", "base", "new", "hm"))
+    assert (run_dir / "metrics.csv").read_text().startswith("round,train_loss")
+    assert (run_dir / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    state = json.loads((run_dir / "round-0003" / "state.json").read_text())
+    assert state["complete"] and state["lora_clients"] == [0, 1]
+
+
+def test_lora_only_rounds_leave_the_promptformer_unchanged(finished_run):
+    _, run_dir = finished_run
+    r1 = load_file(str(run_dir / "round-0001" / "global.safetensors"))
+    r3 = load_file(str(run_dir / "round-0003" / "global.safetensors"))
+    for key in r1:
+        if key.startswith("promptformer."):
+            assert (r1[key] == r3[key]).all(), key
+    assert any(not (r1[k] == r3[k]).all() for k in r1 if k.startswith("lora.") and "lora_B" in k)
+
+
+def test_killed_mid_round_resume_matches_uninterrupted_run(finished_run, tmp_path):
+    preset, reference = finished_run
+    run_dir = tmp_path / "killed"
+    proc = train(preset, run_dir)
+    deadline = time.time() + 240
+    while not (run_dir / "round-0001" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "round 1 never completed"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "round-0003").exists()
+    finish(train(preset, run_dir, "--resume"))
+    for name in ("global.safetensors",):
+        assert (run_dir / "round-0003" / name).read_bytes() == (reference / "round-0003" / name).read_bytes()
+    ours = json.loads((run_dir / "round-0003" / "state.json").read_text())
+    theirs = json.loads((reference / "round-0003" / "state.json").read_text())
+    assert ours["lora_clients"] == theirs["lora_clients"] and ours["metrics"] == theirs["metrics"]
+
+
+def test_evaluate_prints_the_paper_table(finished_run):
+    _, run_dir = finished_run
+    result = CliRunner().invoke(main, ["evaluate", "--run", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[1].split()[:4] == ["Local", "Base", "New", "HM"]
+    assert lines[2].startswith("zero-shot") and lines[3].startswith("tuned")
+    data = json.loads(CliRunner().invoke(main, ["evaluate", "--run", str(run_dir), "--json"]).output)
+    assert data["round"] == 3 and set(data["tuned"]) >= {"local", "base", "new", "hm"}
+    missing = CliRunner().invoke(main, ["evaluate", "--run", str(run_dir), "--round", "9"])
+    assert missing.exit_code == 2 and "complete rounds: 1, 2, 3" in missing.output
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.replace("shots = 2", "shots = 2\nwarmup = 3"), "unknown key 'warmup'"),
+    (lambda s: s.replace('root = "', 'root = "/nonexistent'), "/nonexistent"),
+    (lambda s: s.replace("classes_per_client = 2", "classes_per_client = 2\nnum_clients = 1"), "no client"),
+])
+def test_bad_preset_stops_before_training_with_one_line(preset_file, tmp_path, edit, message):
+    preset_file.write_text(edit(preset_file.read_text()))
+    result = CliRunner().invoke(main, ["train", "--config", str(preset_file), "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_existing_run_needs_resume(finished_run):
+    preset, run_dir = finished_run
+    result = CliRunner().invoke(main, ["train", "--config", str(preset), "--run-dir", str(run_dir)])
+    assert result.exit_code == 2 and "--resume" in result.output

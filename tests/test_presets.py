@@ -1,0 +1,177 @@
+"""Preset files: the shipped ones parse; every bad preset stops with one line naming the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from data_trees import attributes, imagefolder  # noqa: E402
+
+from fedmvp.data.federation import build_federation  # noqa: E402
+from fedmvp.presets import (DatasetSpec, ModelSpec, Preset, PresetError, TrainSpec,  # noqa: E402
+                            list_presets, load_preset, preset_class_names, preset_domains)
+
+CLASSES = ["ant", "bee", "cat", "dog", "eel", "fox"]
+
+GOOD = """
+name = "tiny"
+protocol = "base-to-new"
+seed = 1
+[model]
+clip = "fedmvp-tiny"
+pretrained = "synthetic"
+[train]
+rounds = 2
+shots = 2
+[[datasets]]
+name = "animals"
+layout = "imagefolder"
+root = "data"
+attributes = "attrs.json"
+classes_per_client = 2
+"""
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    imagefolder(tmp_path / "data" / "train", CLASSES, n=3)
+    imagefolder(tmp_path / "data" / "test", CLASSES, n=2)
+    attributes(tmp_path / "data" / "attrs.json", CLASSES)
+    return tmp_path
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "preset.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_shipped_presets_parse(name):
+    preset = load_preset(name, check_roots=False)
+    assert preset.name == name and preset.path == Path(__file__).parents[1] / "fedmvp" / "presets" / f"{name}.toml"
+    assert preset.datasets and preset.train.rounds >= 1
+
+
+def test_shipped_presets_have_the_papers_shape():
+    assert {"base2new", "domainbed-pacs", "imagenet-ssmt"} <= set(list_presets())
+    b2n = load_preset("base2new", check_roots=False)
+    assert [d.name for d in b2n.datasets] == ["Caltech101", "OxfordFlowers", "FGVCAircraft", "UCF101",
+                                             "OxfordPets", "Food101", "DTD", "StanfordCars", "SUN397"]
+    assert all(d.layout == "coop" and d.root.startswith("${FEDMVP_DATA}") for d in b2n.datasets)
+    pacs = load_preset("domainbed-pacs", check_roots=False)
+    assert pacs.protocol == "msst" and pacs.datasets[0].test_domains == ["sketch"]
+    assert "sketch" in preset_domains("domainbed-pacs")
+    ssmt = load_preset("imagenet-ssmt", check_roots=False)
+    assert ssmt.protocol == "ssmt" and ssmt.train.fraction_fit == 0.1
+    assert ssmt.datasets[0].classes_per_client == 5 and [d.role for d in ssmt.datasets][1:] == ["test"] * 4
+
+
+def test_demo_preset_keys_are_valid(tmp_path):
+    demo = """
+name = "demo"
+protocol = "base-to-new"
+seed = 0
+[model]
+clip = "fedmvp-tiny"
+pretrained = "synthetic"
+[train]
+rounds = 10
+local_epochs = 1
+batch_size = 32
+shots = 8
+[[datasets]]
+name = "shapes"
+layout = "synthetic"
+root = ""
+attributes = "attributes.json"
+train_domains = ["photo", "sketch"]
+test_domains = ["painting"]
+base_classes = 24
+new_classes = 16
+classes_per_client = 6
+"""
+    preset = load_preset(write(tmp_path, demo))
+    assert preset.datasets[0].synthetic_default and preset.train.lr == 0.003
+    assert len(preset_class_names(preset)) == 40  # from the class list: nothing is rendered
+
+
+def test_every_field_has_help():
+    for cls in (ModelSpec, TrainSpec, DatasetSpec, Preset):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help") or f.metadata.get("internal"), f"{cls.__name__}.{f.name}"
+
+
+def test_good_preset_loads_with_paths_relative_to_the_file(tree):
+    preset = load_preset(write(tree, GOOD))
+    assert preset.datasets[0].root_path() == tree / "data"
+    assert preset_class_names(preset) == CLASSES
+
+
+def test_roots_expand_variables_and_report_unset_ones(tree, monkeypatch):
+    path = write(tree, GOOD.replace('root = "data"', 'root = "${MY_DATA}/data"'))
+    monkeypatch.setenv("MY_DATA", str(tree))
+    assert load_preset(path).datasets[0].root_path() == tree / "data"
+    monkeypatch.delenv("MY_DATA")
+    with pytest.raises(PresetError, match="MY_DATA is not set"):
+        load_preset(path)
+    assert load_preset(path, check_roots=False).datasets[0].root == "${MY_DATA}/data"
+
+
+BAD = [
+    ("unknown top-level key", ("seed = 1", "seed = 1\nrouds = 3"), "unknown key 'rouds' (allowed: name,"),
+    ("unknown train key", ("shots = 2", "shots = 2\nlrr = 0.1"), "[train]: unknown key 'lrr' (allowed: rounds,"),
+    ("unknown model key", ('clip = "fedmvp-tiny"', 'clip = "fedmvp-tiny"\nweights = "x"'), "[model]: unknown key"),
+    ("unknown dataset key", ("classes_per_client = 2", "classes_per_clinet = 2"),
+     "datasets[0] (animals): unknown key 'classes_per_clinet' (allowed: name, layout, root,"),
+    ("missing root", ('root = "data"', 'root = "nowhere"'), "root {tmp}/nowhere does not exist"),
+    ("unknown protocol", ('protocol = "base-to-new"', 'protocol = "base-to-old"'), "unknown protocol 'base-to-old'"),
+    ("unknown layout", ('layout = "imagefolder"', 'layout = "folders"'), "unknown layout 'folders'"),
+    ("wrong type", ("rounds = 2", 'rounds = "two"'), "[train]: rounds must be an integer, got 'two'"),
+    ("missing key", ("rounds = 2", ""), "[train]: missing key 'rounds'"),
+    ("bad range", ("shots = 2", "shots = 2\nfraction_fit = 1.5"), "fraction_fit must be in (0, 1]"),
+    ("coop without split file", ('layout = "imagefolder"', 'layout = "coop"'), "needs split_file"),
+    ("dirichlet without clients", ("classes_per_client = 2", "dirichlet_alpha = 0.5"), "needs num_clients"),
+    ("invalid toml", ("seed = 1", "seed = = 1"), "invalid TOML"),
+    ("no datasets", ("[[datasets]]", "[[other]]"), "unknown key 'other'"),
+]
+
+
+@pytest.mark.parametrize("case, edit, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_preset_is_one_line_starting_with_the_path(tree, case, edit, message):
+    path = write(tree, GOOD.replace(*edit, 1))
+    with pytest.raises(PresetError) as info:
+        load_preset(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}: ") and "\n" not in text
+    assert message.format(tmp=tree) in text
+
+
+@pytest.mark.parametrize("case, edit, message", [
+    ("too few clients", ("classes_per_client = 2", "classes_per_client = 1\nnum_clients = 2"),
+     "1 classes are in no client: cat"),
+    ("explicit clients", ("classes_per_client = 2", 'clients = [["ant"], ["cat"]]'),
+     "1 classes are in no client: bee"),
+    ("class without images", None, "1 classes are in no client (no readable training images): bee"),
+    ("attributes missing", ('attributes = "attrs.json"', 'attributes = "none.json"'), "no such attribute file"),
+])
+def test_bad_partition_stops_before_training(tree, case, edit, message):
+    if edit is None:
+        for image in (tree / "data" / "train" / "bee").iterdir():
+            image.unlink()
+    path = write(tree, GOOD.replace(*edit, 1) if edit else GOOD)
+    with pytest.raises(PresetError) as info:
+        build_federation(load_preset(path))
+    text = str(info.value)
+    assert text.startswith(f"{path}: datasets[0] (animals): ") and "\n" not in text and message in text
+
+
+def test_names_resolve_to_shipped_files_and_unknown_names_fail():
+    with pytest.raises(PresetError, match="^nosuch: no such preset or file"):
+        load_preset("nosuch")
+    with pytest.raises(PresetError, match="no such preset file"):
+        load_preset("/nonexistent/x.toml")
