@@ -1,7 +1,10 @@
 """Edge bundle file sizes and parity per precision, for the tiny model and (optionally) ViT-B-16.
 
-Random-init backbones, a few synthetic classes, noise images: sizes do not depend on the
-weights, and parity only on the arithmetic. Writes bundles into a temporary directory.
+fedmvp-tiny uses the shipped synthetic weights (when present) on the synthetic world's 64
+classes and test images, so its fp16/int8 agreement means something. ViT-B-16 is random
+init over made-up classes and noise images: its sizes are real, its max |logit diff| shows
+the arithmetic, but its top-1 agreement is not meaningful (the logits are nearly tied).
+Writes bundles into a temporary directory.
 
     python benchmarks/export_sizes.py                       # fedmvp-tiny, fp32 fp16 int8
     python benchmarks/export_sizes.py --vit-b16             # also ViT-B-16 (a few minutes on 2 cores)
@@ -39,20 +42,41 @@ def classes(count: int, k: int = 10) -> ClassSet:
                     source="benchmark")
 
 
+def world_inputs(clip, work: Path) -> tuple[ClassSet, torch.Tensor]:
+    """The synthetic world's 64 classes (their attribute file) and its photo test images (2 per class)."""
+    from PIL import Image
+
+    from fedmvp.attributes.files import load_attributes
+    from fedmvp.data.write_world import write_world
+
+    root = write_world(work / "world", seed=0, counts={"test": 2}, domains=["photo"], workers=1)
+    attributes = load_attributes(root / "attributes.json", k=10)
+    images = []
+    for path in sorted((root / "photo" / "test").glob("*/*.png")):
+        with Image.open(path) as image:
+            images.append(clip.preprocess(image.convert("RGB")))
+    return ClassSet(names=list(attributes), attributes=attributes, source="synthetic world"), torch.stack(images)
+
+
 def bundle_sizes(name: str, precisions: list[str], num_classes: int, images: int, work: Path) -> list[dict]:
     torch.manual_seed(0)
-    clip = load_clip(name, None)
+    shipped = name == "fedmvp-tiny" and (REPO / "fedmvp" / "weights" / "fedmvp-tiny-synthetic.safetensors").is_file()
+    clip = load_clip(name, "synthetic" if shipped else None)
     model = FedMVP(clip)
     generator = torch.Generator().manual_seed(1)
     model.load_state({k: torch.randn(v.shape, generator=generator) * 0.02
                       for k, v in model.state("lora").items() if "lora_B" in k})
-    pixels = synthetic_images(images, clip.image_size)
+    if shipped:
+        class_set, pixels = world_inputs(clip, work)
+    else:
+        class_set, pixels = classes(num_classes), synthetic_images(images, clip.image_size)
     rows = []
     for precision in precisions:
         start = time.perf_counter()
-        result = write_bundle(model, clip, classes(num_classes), work / f"{name}-{precision}", images=pixels,
+        result = write_bundle(model, clip, class_set, work / f"{name}-{precision}", images=pixels,
                               precision=precision)
-        rows.append({"model": name, "precision": precision, "classes": num_classes, "seconds": time.perf_counter() - start,
+        rows.append({"model": name, "weights": "synthetic" if shipped else "random init",
+                     "precision": precision, "classes": len(class_set.names), "seconds": time.perf_counter() - start,
                      "sizes": result.sizes, "total_bytes": result.total_bytes,
                      "parity": {k: r.to_manifest() for k, r in result.parity.items()}})
     return rows
@@ -60,7 +84,8 @@ def bundle_sizes(name: str, precisions: list[str], num_classes: int, images: int
 
 def show(rows: list[dict]) -> None:
     for row in rows:
-        print(f"{row['model']} {row['precision']} ({row['classes']} classes, export {row['seconds']:.0f} s): "
+        print(f"{row['model']} ({row['weights']}) {row['precision']} ({row['classes']} classes, "
+              f"export {row['seconds']:.0f} s): "
               f"total {row['total_bytes'] / 1e6:.2f} MB")
         for file, size in sorted(row["sizes"].items()):
             print(f"    {file:<22}{size / 1e6:12.3f} MB")

@@ -11,7 +11,6 @@ Seen (48-way) vs held-out (16-way) compositions, per domain, with name-only prom
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time

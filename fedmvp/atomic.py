@@ -19,8 +19,11 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result should look like any written file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -157,8 +157,12 @@ def _create(name: str, pretrained: str | None, allow_download: bool, cache_dir: 
 
 
 def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.device = "cpu",
-              allow_download: bool = False, cache_dir: str | None = None) -> LoadedClip:
-    """Build a frozen CLIP. ``pretrained``: None (random init), a tag, or a weights file path."""
+              allow_download: bool | None = None, cache_dir: str | None = None) -> LoadedClip:
+    """Build a frozen CLIP. ``pretrained``: None (random init), a tag, or a weights file path.
+
+    ``allow_download`` None follows ``FEDMVP_ALLOW_DOWNLOAD`` (off unless set to 1)."""
+    if allow_download is None:
+        allow_download = downloads_allowed()
     is_schema = name.startswith(("hf-hub:", "local-dir:"))
     if not is_schema and name not in open_clip.list_models():
         raise ClipLoadError(f"unknown CLIP model '{name}'; try fedmvp-tiny or ViT-B-16 "
@@ -209,7 +213,7 @@ def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.d
             raise ClipLoadError(
                 f"{name} with pretrained '{pretrained}' is not in the local cache and downloads are off; "
                 f"pass a weights file (--pretrained /path/to/{name}.safetensors) or allow downloads "
-                f"(--allow-download / FEDMVP_ALLOW_DOWNLOAD=1)") from err
+                f"(FEDMVP_ALLOW_DOWNLOAD=1)") from err
     model = freeze(model.to(device))
     tokenizer = open_clip.get_tokenizer(name) if is_schema else build_tokenizer(name)
     return LoadedClip(model=model, preprocess=preprocess, tokenizer=tokenizer, name=name,

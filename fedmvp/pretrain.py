@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -27,8 +27,8 @@ from torch import nn
 
 from fedmvp.attributes.sentences import SentenceStyle, sentence
 from fedmvp.data.render import image_rng, render
-from fedmvp.data.world import (DOMAINS, WorldClass, article, class_phrases, made_up_words, seen_classes,
-                               world_texts)
+from fedmvp.data.world import (DOMAINS, WorldClass, article, class_phrases, load_classes, made_up_words,
+                               seen_classes, world_texts)
 
 MODEL_NAME = "fedmvp-tiny"
 PRETRAIN_STREAM = 7_000_001  # seed-sequence key: pretraining images never collide with the written world
@@ -54,7 +54,6 @@ class PretrainConfig:
     threads: int = 2
     workers: int = 1  # render processes beside the training process (0: render inline)
     save_every: int = 0  # also write a snapshot <out stem>.step<N>.safetensors every N steps (0: never)
-    extra: dict = field(default_factory=dict)
 
 
 # ---- captions ----------------------------------------------------------------------------------
@@ -73,8 +72,7 @@ class CaptionSampler:
 
     def __init__(self, config: PretrainConfig):
         self.weights = np.asarray(config.caption_weights, dtype=float) / sum(config.caption_weights)
-        names = {c.name for c in seen_classes()}
-        self.nonce = made_up_words(400, seed=config.seed + 91, exclude=names | {c.name for c in _all()})
+        self.nonce = made_up_words(400, seed=config.seed + 91, exclude={c.name for c in load_classes()})
 
     def __call__(self, cls: WorldClass, domain: str, rng: np.random.Generator) -> tuple[str, dict[str, str]]:
         style = SentenceStyle.for_domain(domain)
@@ -97,12 +95,6 @@ class CaptionSampler:
         i = int(rng.integers(10))
         word = self.nonce[int(rng.integers(len(self.nonce)))]
         return sentence(word, class_phrases(cls)[i], style), {a: getattr(cls, a) for a in PHRASE_ATTRIBUTES[i]}
-
-
-def _all() -> tuple[WorldClass, ...]:
-    from fedmvp.data.world import load_classes
-
-    return load_classes()
 
 
 def satisfies(cls: WorldClass, constraint: dict[str, str]) -> bool:

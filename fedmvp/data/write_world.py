@@ -119,6 +119,9 @@ def write_world(out: str | Path, seed: int = 0, counts: dict[str, int] | None = 
                 bar.close()
         (tmp / "attributes.json").write_text(json.dumps(attributes_file(seed), indent=2) + "\n")
         (tmp / "world.json").write_text(json.dumps(world_metadata(seed, counts, domains), indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the world is ordinary shared data
+        for meta in ("attributes.json", "world.json"):
+            (tmp / meta).chmod(0o644)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.rename(tmp, out)

@@ -1,4 +1,4 @@
-"""A tiny fedmvp run on disk, built without Flower, and one exported bundle shared by the tests."""
+"""Fixtures of the export tests: the tiny run and one exported fp32 bundle shared by the tests."""
 
 from __future__ import annotations
 
@@ -6,71 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-
-NUM_CLASSES = 12
-SYNTHETIC = Path(__file__).resolve().parents[2] / "fedmvp" / "weights" / "fedmvp-tiny-synthetic.safetensors"
-
-
-def pretrained_tag() -> str:
-    """The shipped synthetic weights when present (meaningful logits), else random init."""
-    return "synthetic" if SYNTHETIC.is_file() else ""
-
-
-def write_dataset(root: Path) -> None:
-    """A small synthetic world (photo domain): shapes the tiny CLIP was pretrained to recognise."""
-    from fedmvp.data.write_world import write_world
-
-    write_world(root, seed=0, counts={"train": 2, "test": 6}, domains=["photo"], workers=1)
-
-
-def write_preset(path: Path, data_root: Path) -> None:
-    """Base-to-new over 8 base classes (2 clients) and 4 new ones: 12 classes, 72 test images."""
-    path.write_text(f"""
-name = "exporttest"
-protocol = "base-to-new"
-seed = 0
-[model]
-clip = "fedmvp-tiny"
-pretrained = "{pretrained_tag()}"
-[train]
-rounds = 2
-batch_size = 16
-shots = 2
-[[datasets]]
-name = "shapes"
-layout = "synthetic"
-root = "{data_root}"
-attributes = "attributes.json"
-train_split = "train"
-test_split = "test"
-train_domains = ["photo"]
-base_classes = 8
-new_classes = 4
-classes_per_client = 4
-""")
-
-
-def write_run(run_path: Path, preset: Path, seed: int = 0) -> None:
-    """config.json + rounds 1 and 2; LoRA B perturbed so LoRA changes the outputs."""
-    from fedmvp.clip import load_clip
-    from fedmvp.model import FedMVP
-    from fedmvp.runs import RunDir
-
-    torch.manual_seed(seed)
-    clip = load_clip("fedmvp-tiny", pretrained_tag() or None)
-    model = FedMVP(clip)
-    generator = torch.Generator().manual_seed(seed + 1)
-    state = model.state("all")
-    for name in state:
-        if "lora_B" in name:
-            state[name] = torch.randn(state[name].shape, generator=generator) * 0.2
-    run = RunDir(run_path)
-    run.write_config({"preset": "exporttest", "preset_path": str(preset), "seed": seed, "rounds": 2,
-                      "model": {"clip": "fedmvp-tiny", "pretrained": pretrained_tag()},
-                      "train": {"num_prompts": 4, "alpha": 10.0, "use_lora": True}})
-    for round_number in (1, 2):
-        run.save_checkpoint(round_number, state, {"lora_clients": [0] if round_number == 2 else []})
+from export_helpers import write_dataset, write_preset, write_run
 
 
 @pytest.fixture(scope="session")
@@ -97,21 +33,3 @@ def run_copy(tiny_run, tmp_path) -> Path:
     target = tmp_path / "runs" / tiny_run.name
     shutil.copytree(tiny_run, target)
     return target
-
-
-def rebuilt_model(run_path: Path, round_number: int = 2):
-    """The PyTorch model exactly as the exporter rebuilds it (same seed, tensors, class set)."""
-    from export.sources import (load_checkpoint, model_config, read_config, rebuild_model, run_class_set,
-                                run_federation, text_features)
-    from fedmvp.clip import load_clip
-    from fedmvp.runs import RunDir
-
-    run = RunDir(run_path)
-    config = read_config(run)
-    checkpoint = load_checkpoint(run, round_number)
-    classes = run_class_set(run_federation(config, run), "run")
-    torch.manual_seed(int(config["seed"]))
-    clip = load_clip("fedmvp-tiny", config["model"]["pretrained"] or None)
-    model = rebuild_model(clip, model_config(config, checkpoint.tensors), checkpoint, run.path)
-    model.set_text_features(text_features(clip, classes))
-    return model, clip

@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 import torch
 from click.testing import CliRunner
-from conftest import NUM_CLASSES, rebuilt_model
+from export_helpers import NUM_CLASSES, rebuilt_model
 
 from edge_client.bundle import read_bundle
 from export.cli import main

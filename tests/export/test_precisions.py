@@ -7,7 +7,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
-from conftest import NUM_CLASSES
+from export_helpers import NUM_CLASSES
 
 from edge_client.bundle import read_bundle
 from export.cli import main

@@ -6,7 +6,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 import torch.nn.functional as F
-from conftest import NUM_CLASSES, rebuilt_model
+from export_helpers import NUM_CLASSES, rebuilt_model
 from safetensors.torch import load_file
 
 from edge_client.bundle import read_bundle, verify_program_archive
