@@ -53,10 +53,13 @@ class ClassSet:
 
 
 def text_features(clip: LoadedClip, classes: ClassSet, cache=None) -> torch.Tensor:
-    """[C, K, E] attribute features, one sentence style per run of consecutive classes."""
+    """[C, K, E] attribute features, one sentence style per run of consecutive classes.
+
+    Computed afresh (memory cache only): a disk entry is keyed by the weights' tag, not their
+    bytes, so it could be stale after shipped weights are rebuilt, and C*K sentences are cheap."""
     from fedmvp.attributes.cache import TextFeatureCache
 
-    cache = cache or TextFeatureCache()
+    cache = cache or TextFeatureCache(use_disk=False)
     k, groups, start = classes.k, [], 0
     for i in range(1, len(classes.names) + 1):
         if i == len(classes.names) or classes.style(classes.names[i]) != classes.style(classes.names[start]):

@@ -178,7 +178,8 @@ def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.d
             if not shipped.is_file():
                 raise ClipLoadError(f"{shipped}: shipped weights for {name}/{pretrained} are missing; "
                                     f"rebuild them with `fedmvp pretrain-tiny`")
-            weights_path, identity = shipped, f"{name}:{pretrained}"
+            # Keyed by the bytes too: rebuilt shipped weights must not reuse stale text features.
+            weights_path, identity = shipped, f"{name}:{pretrained}:sha256:{file_sha256(shipped)}"
         elif candidate.suffix in WEIGHT_SUFFIXES or candidate.exists():
             if not candidate.is_file():
                 raise ClipLoadError(f"{candidate}: weights file not found")
