@@ -51,39 +51,13 @@ classes_per_client = 4
 
 def write_run(run_path: Path, preset: Path, seed: int = 0) -> None:
     """config.json + rounds 1 and 2; LoRA B perturbed so LoRA changes the outputs."""
-    from fedmvp.clip import load_clip
-    from fedmvp.model import FedMVP
-    from fedmvp.runs import RunDir
+    from tests.run_fixtures import write_run as shared
 
-    torch.manual_seed(seed)
-    clip = load_clip("fedmvp-tiny", pretrained_tag() or None)
-    model = FedMVP(clip)
-    generator = torch.Generator().manual_seed(seed + 1)
-    state = model.state("all")
-    for name in state:
-        if "lora_B" in name:
-            state[name] = torch.randn(state[name].shape, generator=generator) * 0.2
-    run = RunDir(run_path)
-    run.write_config({"preset": "exporttest", "preset_path": str(preset), "seed": seed, "rounds": 2,
-                      "model": {"clip": "fedmvp-tiny", "pretrained": pretrained_tag()},
-                      "train": {"num_prompts": 4, "alpha": 10.0, "use_lora": True}})
-    for round_number in (1, 2):
-        run.save_checkpoint(round_number, state, {"lora_clients": [0] if round_number == 2 else []})
+    shared(run_path, preset, pretrained_tag(), "exporttest", seed)
 
 
 def rebuilt_model(run_path: Path, round_number: int = 2):
-    """The PyTorch model exactly as the exporter rebuilds it (same seed, tensors, class set)."""
-    from export.sources import (load_checkpoint, model_config, read_config, rebuild_model, run_class_set,
-                                run_federation, text_features)
-    from fedmvp.clip import load_clip
-    from fedmvp.runs import RunDir
+    """The PyTorch model exactly as the exporter rebuilds it: (model, clip)."""
+    from tests.run_fixtures import rebuilt_model as shared
 
-    run = RunDir(run_path)
-    config = read_config(run)
-    checkpoint = load_checkpoint(run, round_number)
-    classes = run_class_set(run_federation(config, run), "run")
-    torch.manual_seed(int(config["seed"]))
-    clip = load_clip("fedmvp-tiny", config["model"]["pretrained"] or None)
-    model = rebuild_model(clip, model_config(config, checkpoint.tensors), checkpoint, run.path)
-    model.set_text_features(text_features(clip, classes))
-    return model, clip
+    return shared(run_path, round_number)

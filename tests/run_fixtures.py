@@ -1,0 +1,46 @@
+"""Tiny fedmvp run directories for the export and edge-client tests (one copy, both suites)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: int = 0) -> None:
+    """config.json + rounds 1 and 2; LoRA B perturbed so LoRA changes the outputs."""
+    from fedmvp.clip import load_clip
+    from fedmvp.model import FedMVP
+    from fedmvp.runs import RunDir
+
+    torch.manual_seed(seed)
+    clip = load_clip("fedmvp-tiny", pretrained or None)
+    model = FedMVP(clip)
+    generator = torch.Generator().manual_seed(seed + 1)
+    state = model.state("all")
+    for name in state:
+        if "lora_B" in name:
+            state[name] = torch.randn(state[name].shape, generator=generator) * 0.2
+    run = RunDir(run_path)
+    run.write_config({"preset": name, "preset_path": str(preset), "seed": seed, "rounds": 2,
+                      "model": {"clip": "fedmvp-tiny", "pretrained": pretrained},
+                      "train": {"num_prompts": 4, "alpha": 10.0, "use_lora": True}})
+    for round_number in (1, 2):
+        run.save_checkpoint(round_number, state, {"lora_clients": [0] if round_number == 2 else []})
+
+
+def rebuilt_model(run_path: Path, round_number: int = 2):
+    """The PyTorch model exactly as the exporter rebuilds it (same seed, tensors, class set)."""
+    from export.sources import (load_checkpoint, model_config, read_config, rebuild_model, run_class_set,
+                                run_federation, text_features)
+    from fedmvp.clip import load_clip
+    from fedmvp.runs import RunDir
+
+    run = RunDir(run_path)
+    config = read_config(run)
+    checkpoint = load_checkpoint(run, round_number)
+    classes = run_class_set(run_federation(config, run), "run")
+    torch.manual_seed(int(config["seed"]))
+    clip = load_clip("fedmvp-tiny", config["model"]["pretrained"] or None)
+    model = rebuild_model(clip, model_config(config, checkpoint.tensors), checkpoint, run.path)
+    model.set_text_features(text_features(clip, classes))
+    return model, clip
