@@ -47,7 +47,7 @@ def main() -> None:
     began = time.perf_counter()
     for step in range(1, args.steps + 1):
         model.train()
-        model.set_text_features(features)
+        model.set_text_features(features)  # evaluate_global leaves other class sets behind
         idx = torch.randint(0, len(x), (args.batch_size,))
         out = model.loss(x[idx], y[idx])
         optimizer.zero_grad(set_to_none=True)
@@ -62,7 +62,8 @@ def main() -> None:
     print(f"{len(x)} pooled base images, {len(names)}-way; step 0 = zero-shot")
     print(f"{'step':>6} {'Local':>7} {'Base':>7} {'New':>7} {'HM':>7} {'Domain':>7}")
     for row in rows:
-        cells = " ".join(f"{100 * row[k]:7.2f}" for k in ("local", "base", "new", "hm", "domain"))
+        cells = " ".join(f"{100 * row[k]:7.2f}" if row[k] is not None else f"{'-':>7}"
+                         for k in ("local", "base", "new", "hm", "domain"))
         print(f"{row['step']:>6} {cells}")
 
 
