@@ -1,9 +1,11 @@
 """The FedMVP ClientApp: one round of local training for the client this node serves.
 
 The client id comes from the node's config (``partition-id``, set by the simulation
-engine or by ``flower-supernode --node-config "partition-id=3"``); the preset path and
-the round's settings come in the server's message. A client not selected this round
-answers with zero examples.
+engine or by ``flower-supernode --node-config "partition-id=3"``); the preset (a shipped
+preset's name, else the TOML path on the server's machine) and the round's settings come in
+the server's message. A SuperNode whose preset file lives elsewhere names it itself:
+``--node-config "partition-id=3 preset='/data/site3.toml'"``. A client not selected this
+round answers with zero examples.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ def _threads() -> None:
 def train(msg: Message, context: Context) -> Message:
     _threads()
     config = msg.content["config"]
-    client_id = int(context.node_config.get("partition-id", 0))
+    if "partition-id" not in context.node_config:
+        raise RuntimeError("this SuperNode has no partition-id: start it with "
+                           "flower-supernode --node-config \"partition-id=N\" (N: its client, 0-based)")
+    client_id = int(context.node_config["partition-id"])
     selected = json.loads(str(config["selected"]))
     if client_id not in selected:
         metrics = MetricRecord({"num-examples": 0, "partition-id": client_id, "train-loss": 0.0,

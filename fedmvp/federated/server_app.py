@@ -1,21 +1,23 @@
 """The FedMVP ServerApp: rounds, per-tensor aggregation, a checkpoint every round, evaluation.
 
 In simulation, ``fedmvp train`` writes the run directory and sets ``SIMULATION_SETTINGS``;
-deployed on a SuperLink (``flwr run``), the same app reads ``run-dir`` (and optionally
-``rounds``, ``eval-every``) from the run config. Either way the run directory's
-config.json says which preset and how many rounds, and a restart resumes from the
-last complete round.
+deployed on a SuperLink (``flwr run``), the same app reads ``run-dir``, ``preset``, ``rounds``
+and ``eval-every`` from the run config and, when ``run-dir`` has no config.json yet, writes it
+itself (``prepare_run``, on the ServerApp's machine). Either way the run directory's config.json
+says which preset and how many rounds, and a restart resumes from the last complete round.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedmvp.federated.prepare import prepare_run
 from fedmvp.federated.strategy import FedMVPStrategy, array_record
 from fedmvp.federated.task import evaluate_global, task_context, to_numpy_state, to_torch_state
 from fedmvp.runs import RunDir
@@ -40,6 +42,49 @@ class ServerSettings:
 
 
 SIMULATION_SETTINGS: ServerSettings | None = None
+EXAMPLE = "flwr run . <superlink> --run-config \"preset='demo' run-dir='runs/deployed'\""
+
+
+def deployment_settings(run_config: dict) -> ServerSettings:
+    """``run-dir`` from the run config; a fresh one gets its config.json from ``preset`` (and ``rounds``).
+
+    An existing run directory resumes: ``preset`` may then be empty or must name the same preset,
+    ``rounds`` must be 0 or the run's. Bad settings raise RuntimeError before any round starts."""
+    from fedmvp.presets import preset_path
+
+    run_dir = str(run_config.get("run-dir", "")).strip()
+    if not run_dir:
+        raise RuntimeError(f"no run directory: set run-dir in the run config ({EXAMPLE})")
+    preset = str(run_config.get("preset", "")).strip()
+    rounds = int(run_config.get("rounds", 0) or 0)
+    if rounds < 0:
+        raise RuntimeError(f"rounds must be 0 (the preset's) or positive, got {rounds}")
+    run = RunDir(run_dir)
+    if not run.exists():
+        if not preset:
+            raise RuntimeError(f"{run.path}: no config.json yet; set preset in the run config to start a new "
+                               f"run (a shipped preset name or a TOML path on the ServerApp's machine: {EXAMPLE})")
+        prepare_run(preset, run_dir, rounds or None, resume=False, device="auto")
+    else:
+        config = run.read_config()
+        if preset and preset != config["preset"] and \
+                Path(preset_path(preset)).resolve() != Path(config["preset_path"]).resolve():
+            raise RuntimeError(f"{run.path}: was started with preset {config['preset_path']}, not {preset}; "
+                               f"leave preset empty to resume it or use another run-dir")
+        if rounds and rounds != int(config["rounds"]):
+            raise RuntimeError(f"{run.path}: was started with {config['rounds']} rounds; resume keeps them "
+                               f"(set rounds=0)")
+    return ServerSettings.from_run_config(run_config)
+
+
+def client_preset(preset_path: str) -> str:
+    """What the clients are told to load: a shipped preset by name (its path differs per machine)."""
+    from fedmvp.presets import PRESET_DIR
+
+    path = Path(preset_path)
+    if path.suffix == ".toml" and path.parent.resolve() == PRESET_DIR.resolve() and path.is_file():
+        return path.stem
+    return preset_path
 
 
 class RoundRecorder:
@@ -99,7 +144,8 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
     strategy_ref: list = []
     recorder = RoundRecorder(run, ctx, total, settings, central_eval, strategy_ref)
     strategy = FedMVPStrategy(
-        preset_path=preset_path, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
+        preset_path=client_preset(preset_path), seed=int(config["seed"]), total_rounds=total,
+        base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), fraction=float(config.get("fraction", 1.0)),
         round_offset=start, lora_clients=lora_clients, device=config.get("client_device", "cpu"),
         on_aggregated=recorder)
@@ -110,9 +156,9 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    settings = SIMULATION_SETTINGS if not context.run_config.get("run-dir") else \
-        ServerSettings.from_run_config(context.run_config)
-    if settings is None:
-        raise RuntimeError("no run directory: set run-dir in the run config (flwr run ... --run-config)")
+    if SIMULATION_SETTINGS is not None and not context.run_config.get("run-dir"):
+        settings = SIMULATION_SETTINGS  # `fedmvp train` prepared the run directory
+    else:
+        settings = deployment_settings(context.run_config)
     run_server(grid, settings)
 

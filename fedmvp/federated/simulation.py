@@ -1,75 +1,19 @@
 """`fedmvp train` on one machine: a run directory, then Flower's simulation engine.
 
-Validation happens before anything starts (the preset and its data are checked, the
-federation is built once here), so a bad preset costs one clear line, not a Ray start.
+Validation happens before anything starts (``prepare_run`` checks the preset and its data and
+builds the federation once), so a bad preset costs one clear line, not a Ray start.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import time
-from pathlib import Path
 
+from fedmvp.federated.prepare import default_run_dir, prepare_run, resolve_device  # noqa: F401 (re-exported)
 from fedmvp.runs import RunDir, RunError
 
 FLOWER_QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
                     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
-
-
-def default_run_dir(preset_name: str) -> Path:
-    return Path("runs") / f"{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resume: bool,
-                device: str = "auto") -> RunDir:
-    """Validate the preset, create or reopen the run directory, write config.json."""
-    from fedmvp.data.federation import build_federation
-    from fedmvp.presets import load_preset
-
-    preset = load_preset(preset_path)
-    federation = build_federation(preset)
-    path = Path(run_dir) if run_dir else None
-    if resume:
-        if path is None:
-            candidates = sorted(Path("runs").glob(f"{preset.name}-*"), key=lambda p: p.stat().st_mtime)
-            if not candidates:
-                raise RunError(f"runs/{preset.name}-*: nothing to resume")
-            path = candidates[-1]
-        run = RunDir(path)
-        config = run.read_config()
-        if rounds is not None and rounds != config["rounds"]:
-            raise RunError(f"{run.path}: was started with {config['rounds']} rounds; resume keeps them")
-        return run
-    run = RunDir(path or default_run_dir(preset.name))
-    if run.exists() and run.rounds():
-        raise RunError(f"{run.path}: already holds rounds {run.rounds()[0]}..{run.rounds()[-1]}; "
-                       f"pass --resume or another --run-dir")
-    run.path.mkdir(parents=True, exist_ok=True)
-    source = Path(getattr(preset, "path", preset_path))
-    if source.is_file():
-        shutil.copyfile(source, run.path / "preset.toml")
-    dev = resolve_device(device)
-    train = preset.train
-    run.write_config({
-        "preset": preset.name, "preset_path": str(source.resolve()) if source.is_file() else preset_path,
-        "protocol": preset.protocol, "seed": preset.seed, "rounds": int(rounds or train.rounds),
-        "lr": train.lr, "num_clients": len(federation.clients),
-        "fraction": float(getattr(federation, "fraction_per_round", 1.0)),
-        "model": {"clip": preset.model.clip, "pretrained": preset.model.pretrained},
-        "train": {k: getattr(train, k) for k in vars(train)} if hasattr(train, "__dict__") else {},
-        "client_device": dev, "server_device": dev, "central_eval": True,
-    })
-    return run
 
 
 def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int | None = None) -> RunDir:
