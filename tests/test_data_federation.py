@@ -142,7 +142,9 @@ def test_synthetic_clients_per_domain_and_evaluations(tmp_path):
     assert all(f"/{c.domain}/train/" in p for c in fed.clients for p, _ in c.train)
     kinds = [(e.kind, e.domain, e.class_names) for e in fed.evaluations]
     assert kinds == [("base", "photo", ["s0", "s1", "s2", "s3"]), ("new", "photo", ["h0", "h1"]),
+                     ("base", "sketch", ["s0", "s1", "s2", "s3"]), ("new", "sketch", ["h0", "h1"]),
                      ("domain", "painting", ["s0", "s1", "s2", "s3", "h0", "h1"])]
+    assert all(f"/{e.domain}/test/" in p for e in fed.evaluations for p, _ in e.samples)
     mixed = build_federation(preset(tmp_path, SYNTH + "mix_domains = true\n"))
     assert [c.name for c in mixed.clients] == ["shapes/base-0", "shapes/base-1"]
     assert len(mixed.clients[0].train) == 2 * 2 * 2  # shots per class and domain

@@ -241,13 +241,12 @@ def _evaluations(preset: Preset, spec: DatasetSpec, plan: ClassPlan, pools: list
                                       spec.test_split).samples
             sets.append(_eval(spec.eval_kind, spec, plan, plan.used, samples, spec.domain, attrs))
         return sets
-    first = pools[0]
-    if preset.protocol == "base-to-new":
-        sets.append(_eval("base", spec, plan, plan.trained, first.test, first.domain, attrs))
-        if plan.new:
-            sets.append(_eval("new", spec, plan, plan.new, first.test, first.domain, attrs))
-    elif preset.protocol == "ssmt":
-        sets.append(_eval("base", spec, plan, plan.trained, first.test, first.domain, attrs))
+    # Base (and New) on the test split of every training domain; evaluate_global averages them.
+    for pool in pools:
+        if preset.protocol in ("base-to-new", "ssmt"):
+            sets.append(_eval("base", spec, plan, plan.trained, pool.test, pool.domain, attrs))
+        if preset.protocol == "base-to-new" and plan.new:
+            sets.append(_eval("new", spec, plan, plan.new, pool.test, pool.domain, attrs))
     for d in spec.test_domains:
         sets.append(_eval("domain", spec, plan, plan.used,
                           domain_images(spec, root, d), d, attrs))

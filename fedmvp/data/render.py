@@ -235,7 +235,24 @@ def _painting(cls: WorldClass, rng: np.random.Generator) -> np.ndarray:
     return np.asarray(pil, dtype=np.float32) * rng.uniform(0.9, 1.1, 3)
 
 
-_DOMAINS = {"photo": _photo, "sketch": _sketch, "painting": _painting}
+def _night(cls: WorldClass, rng: np.random.Generator) -> np.ndarray:
+    """A photo taken in low light: dark, blue-tinted, with strong sensor noise.
+
+    Why: the tiny CLIP is never pretrained on it (pretrain.PRETRAIN_DOMAINS), so, like a
+    real downstream dataset for a real CLIP, it leaves room for prompts to adapt to."""
+    img = _photo(cls, rng) * rng.uniform(0.45, 0.6) * np.array([0.8, 0.9, 1.15], dtype=np.float32)
+    return img + rng.normal(0, 22.0, img.shape)
+
+
+def _fog(cls: WorldClass, rng: np.random.Generator) -> np.ndarray:
+    """A photo through haze: contrast squeezed towards a warm grey, a little blur (never pretrained on)."""
+    haze = np.array([165.0, 150.0, 120.0], dtype=np.float32) * rng.uniform(0.95, 1.05)
+    img = haze + (_photo(cls, rng) - haze) * rng.uniform(0.4, 0.5)
+    pil = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB").filter(ImageFilter.GaussianBlur(0.8))
+    return np.asarray(pil, dtype=np.float32)
+
+
+_DOMAINS = {"photo": _photo, "sketch": _sketch, "painting": _painting, "night": _night, "fog": _fog}
 
 
 def render(cls: WorldClass, domain: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:

@@ -27,7 +27,7 @@ from typing import Iterable
 from fedmvp.data.render import IMAGE_SIZE, image_rng, render
 from fedmvp.data.world import DOMAINS, K_PHRASES, SPLITS, attributes_dict, load_classes
 
-WORLD_VERSION = 2  # bump when rendering or the class list changes: cached worlds are then rebuilt
+WORLD_VERSION = 3  # bump when rendering or the class list changes: cached worlds are then rebuilt
 DEFAULT_COUNTS: dict[str, int] = {"train": 16, "val": 8, "test": 16}  # images per class, domain and split
 
 
