@@ -9,6 +9,7 @@ Writes bundles into a temporary directory.
     python benchmarks/export_sizes.py                       # fedmvp-tiny, fp32 fp16 int8
     python benchmarks/export_sizes.py --vit-b16             # also ViT-B-16 (a few minutes on 2 cores)
     python benchmarks/export_sizes.py --precisions fp32 --json sizes.json
+    python benchmarks/export_sizes.py --run runs/demo-X --images 256   # a trained run, as fedmvp-export does
 """
 
 from __future__ import annotations
@@ -75,11 +76,29 @@ def bundle_sizes(name: str, precisions: list[str], num_classes: int, images: int
         start = time.perf_counter()
         result = write_bundle(model, clip, class_set, work / f"{name}-{precision}", images=pixels,
                               precision=precision)
-        rows.append({"model": name, "weights": "synthetic" if shipped else "random init",
-                     "precision": precision, "classes": len(class_set.names), "seconds": time.perf_counter() - start,
-                     "sizes": result.sizes, "total_bytes": result.total_bytes,
-                     "parity": {k: r.to_manifest() for k, r in result.parity.items()}})
+        rows.append(row(name, "synthetic" if shipped else "random init", precision, result, start))
     return rows
+
+
+def run_sizes(run: Path, precisions: list[str], images: int, work: Path) -> list[dict]:
+    """A trained run's last round, exported as `fedmvp-export` does (int8 calibrated on training images)."""
+    from export.bundle_writer import export_bundle
+
+    rows = []
+    for precision in precisions:
+        start = time.perf_counter()
+        result = export_bundle(run, out=work / f"run-{precision}", precision=precision, parity_images=images)
+        rows.append(row(result.manifest["model"]["clip"], f"run {run.name} round {result.manifest['source']['round']}",
+                        precision, result, start))
+    return rows
+
+
+def row(model: str, weights: str, precision: str, result, start: float) -> dict:
+    return {"model": model, "weights": weights, "precision": precision,
+            "classes": result.manifest["classes"]["count"], "seconds": time.perf_counter() - start,
+            "sizes": result.sizes, "total_bytes": result.total_bytes,
+            "parity": {k: r.to_manifest() for k, r in result.parity.items()},
+            "int8": result.int8.to_manifest() if result.int8 else None}
 
 
 def show(rows: list[dict]) -> None:
@@ -92,6 +111,11 @@ def show(rows: list[dict]) -> None:
         for precision, p in row["parity"].items():
             print(f"    parity {precision}: max |logit diff| {p['max_abs_logit_diff']:.2e}, "
                   f"top-1 agreement {100 * p['top1_agreement']:.2f}% over {p['images']} images")
+        if row.get("int8"):
+            plan = row["int8"]
+            print(f"    int8 layers: {len(plan['quantized'])} quantised, {len(plan['kept_fp32'])} kept fp32 "
+                  f"(calibration agreement {100 * plan['calibration_agreement']:.2f}% over "
+                  f"{plan['calibration_images']} images)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--classes", type=int, default=64)
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--run", type=Path, default=None, help="export this trained run's last round instead")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -108,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     rows = []
     with tempfile.TemporaryDirectory(prefix="fedmvp-export-sizes-") as work:
-        for name in ["fedmvp-tiny"] + (["ViT-B-16"] if args.vit_b16 else []):
+        if args.run:
+            rows += run_sizes(args.run, args.precisions, args.images, Path(work))
+        for name in ([] if args.run else ["fedmvp-tiny"]) + (["ViT-B-16"] if args.vit_b16 else []):
             images = args.images if name == "fedmvp-tiny" else max(32, args.images // 2)
             rows += bundle_sizes(name, args.precisions, args.classes, images, Path(work))
     show(rows)

@@ -25,17 +25,18 @@ from tqdm import tqdm
 from edge_client import bundle as fmt
 from export import onnx_export, parity, training_artifact
 from export.graph import build_edge_classifier, lora_scaling
+from export.int8 import Int8Plan
 from export.sources import (ClassSet, ExportError, file_class_set, find_run, load_checkpoint, model_config,
                             preprocess_spec, read_config, rebuild_model, run_class_set, run_federation,
-                            run_images, synthetic_images, text_features)
+                            run_images, run_training_images, synthetic_images, text_features)
 from fedmvp.clip import LoadedClip
 from fedmvp.model import FedMVP
 
 DEFAULT_PARITY_IMAGES = 64
 NUMERICS = {"fp32": "fp32 weights and compute",
             "fp16": "fp16 weights and compute; pixel_values, outputs and LoRA initializers fp32",
-            "int8": "dynamic int8: MatMul/Gemm weights s8 (7-bit range), activations u8 per call; "
-                    "LoRA and everything else fp32"}
+            "int8": "dynamic int8: MatMul weights s8 per output channel (7-bit range), activations u8 per "
+                    "call; the layers in onnx.int8.kept_fp32, LoRA and everything else fp32"}
 
 
 class ParityError(RuntimeError):
@@ -54,6 +55,7 @@ class BundleResult:
     manifest: dict[str, Any]
     parity: dict[str, parity.ParityResult]
     sizes: dict[str, int] = field(default_factory=dict)
+    int8: Int8Plan | None = None
 
     @property
     def passed(self) -> bool:
@@ -64,7 +66,7 @@ class BundleResult:
         return sum(self.sizes.values())
 
     def lines(self) -> list[str]:
-        out = [r.line() for r in self.parity.values()]
+        out = [r.line() for r in self.parity.values()] + ([self.int8.line()] if self.int8 else [])
         out += [f"  {name:<20} {size / 1e6:10.3f} MB" for name, size in sorted(self.sizes.items())]
         out.append(f"bundle: {self.path} ({self.total_bytes / 1e6:.3f} MB, {self.manifest['precision']})")
         return out
@@ -106,8 +108,12 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | Path, *, images: torch.Tensor,
                  precision: str = "fp32", force: bool = False, source: dict[str, Any] | None = None,
-                 image_note: dict[str, int] | None = None, progress: bool = False) -> BundleResult:
-    """Export ``model`` (round tensors loaded) over ``classes`` into the bundle directory ``out``."""
+                 image_note: dict[str, int] | None = None, calibration: torch.Tensor | None = None,
+                 progress: bool = False) -> BundleResult:
+    """Export ``model`` (round tensors loaded) over ``classes`` into the bundle directory ``out``.
+
+    ``calibration``: images that choose which layers int8 keeps in fp32 (default: ``images``;
+    give other ones, e.g. training images, so that the parity check stays independent)."""
     out = Path(out)
     if precision not in onnx_export.PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(onnx_export.PRECISIONS)}")
@@ -149,10 +155,17 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             raise ParityError(results["fp32"].line(), results)
         bar.update()
 
-        if precision != "fp32":
+        int8_plan = None
+        if precision == "fp16":
             step(precision)
-            variant = (onnx_export.to_fp16(graph, edge.lora_names) if precision == "fp16"
-                       else onnx_export.to_int8(graph, edge.lora_names))
+            variant = onnx_export.to_fp16(graph, edge.lora_names)
+        elif precision == "int8":
+            step(precision)
+            calib = calibration if calibration is not None and len(calibration) else images
+            variant, int8_plan = onnx_export.to_int8(graph, edge.lora_names, calib.numpy().astype("float32"),
+                                                     parity.torch_logits(model, calib),
+                                                     parity.MIN_AGREEMENT["int8"], progress=step)
+        if precision != "fp32":
             onnx_export.save(variant, tmp / names["onnx"])
             onnx_export.check(tmp / names["onnx"])
             results[precision] = parity.check(tmp / names["onnx"], reference, images, precision)
@@ -167,7 +180,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
 
         step("manifest")
         manifest = _manifest(model, clip, classes, edge, precision, results, source or {},
-                             image_note or {"given": len(images)}, linked)
+                             image_note or {"given": len(images)}, linked, int8_plan)
         manifest["files"] = fmt.file_entries(tmp, list(names.values()))
         fmt.write_manifest(tmp, manifest)
         fmt.read_bundle(tmp)
@@ -179,12 +192,12 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     finally:
         bar.close()
     sizes = {e: out.joinpath(e).stat().st_size for e in [*names.values(), fmt.MANIFEST]}
-    return BundleResult(path=out, manifest=manifest, parity=results, sizes=sizes)
+    return BundleResult(path=out, manifest=manifest, parity=results, sizes=sizes, int8=int8_plan)
 
 
 def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precision: str,
               results: dict[str, parity.ParityResult], source: dict[str, Any], image_note: dict[str, int],
-              linked: int) -> dict[str, Any]:
+              linked: int, int8_plan: Int8Plan | None = None) -> dict[str, Any]:
     names = fmt.ROLES
     lora = edge.lora_tensors()
     return {
@@ -203,7 +216,8 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
                  "outputs": list(onnx_export.OUTPUT_NAMES), "batch": "dynamic",
                  "external_data": [names["weights"]] if linked else [], "external_bytes": linked,
                  "numerics": NUMERICS[precision],
-                 "lora_initializers": list(edge.lora_names)},
+                 "lora_initializers": list(edge.lora_names),
+                 **({"int8": int8_plan.to_manifest()} if int8_plan else {})},
         "training": {"file": names["training"], "format": "torch.export", "torch_version": torch.__version__,
                      "load": "torch.export.load(path).module()",
                      "inputs": list(training_artifact.INPUT_NAMES), "outputs": list(training_artifact.OUTPUT_NAMES),
@@ -258,7 +272,13 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     if note["synthetic"]:
         images = torch.cat([images.reshape(-1, 3, clip.image_size, clip.image_size),
                             synthetic_images(note["synthetic"], clip.image_size)])
+    calibration = None
+    if precision == "int8":  # the run's training images, topped up like parity's (another seed)
+        calibration = run_training_images(federation, clip.preprocess, parity_images) if federation \
+            else torch.zeros(0)
+        calibration = torch.cat([calibration.reshape(-1, 3, clip.image_size, clip.image_size),
+                                 synthetic_images(parity_images - len(calibration), clip.image_size, seed=1)])
     source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "round": checkpoint.round,
               "checkpoint_sha256": file_sha256(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
     return write_bundle(model, clip, classes, target, images=images, precision=precision, force=force,
-                        source=source, image_note=note, progress=progress)
+                        source=source, image_note=note, calibration=calibration, progress=progress)

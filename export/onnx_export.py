@@ -23,6 +23,7 @@ import json
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -31,6 +32,9 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 from export.graph import EdgeClassifier
+
+if TYPE_CHECKING:
+    from export.int8 import Int8Plan
 
 OPSET = 18
 INPUT_NAME = "pixel_values"
@@ -205,28 +209,28 @@ def to_fp16(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
     return _sorted(proto)
 
 
-def to_int8(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
-    """Dynamic int8 quantisation of the MatMul/Gemm weights (s8, 7-bit range; activations u8 at run time).
+def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, reference: np.ndarray,
+            target: float, progress=None) -> tuple[onnx.ModelProto, "Int8Plan"]:
+    """Dynamic int8 of the MatMul weights, the layers that would flip predictions kept fp32 (export/int8.py).
 
-    LoRA MatMuls are excluded (their weights are graph inputs, so they have no constant weight anyway)."""
-    import logging
+    ``calibration``: images, ``reference``: the fp32 model's logits on them. LoRA MatMuls are
+    never quantised (their weights are graph inputs, and the edge swaps them as fp32)."""
     import tempfile
 
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from export import parity
+    from export.int8 import matmuls_as_matmul, plan_int8
 
-    proto = _folded(model, lora_names)
-    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
-    lora_consumers = [n.name for n in proto.graph.node if set(n.input) & set(lora_names)]
-    with tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
-        src, dst = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
-        save(proto, src)
-        # reduce_range: 7-bit weights. x86 CPUs without VNNI (AVX2, AVX-512F) saturate in the u8 x s8
-        # multiply-add and the logits drift by ~1.5 on the tiny model; 7 bits cut that ~10x everywhere.
-        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul", "Gemm"], weight_type=QuantType.QInt8,
-                         per_channel=False, reduce_range=True, nodes_to_exclude=lora_consumers)
-        out = onnx.load(str(dst))
+    proto = matmuls_as_matmul(_folded(model, lora_names))
+
+    def logits_of(candidate: onnx.ModelProto) -> np.ndarray:
+        with tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
+            path = Path(work) / "candidate.onnx"
+            save(candidate, path)
+            return parity.onnx_outputs(path, calibration)["logits"]
+
+    out, plan = plan_int8(proto, lora_names, reference, logits_of, target, progress)
     _check_lora_fp32(out, lora_names, "int8 quantisation")
-    return _sorted(out)
+    return _sorted(out), plan
 
 
 # ---- swapping LoRA without re-exporting -----------------------------------------------------------

@@ -203,11 +203,21 @@ def run_images(federation, preprocess, count: int) -> torch.Tensor:
     """Up to ``count`` preprocessed test images, evenly spread over the run's evaluation sets.
 
     Unreadable files are skipped (the caller tops up with synthetic images)."""
-    from PIL import Image
-
     samples = [s for e in federation.evaluations for s in e.samples]
     samples += [s for c in federation.clients for s in c.test]
-    paths = list(dict.fromkeys(path for path, _ in samples))  # local tests may repeat evaluation images
+    return _spread_images([path for path, _ in samples], preprocess, count)
+
+
+def run_training_images(federation, preprocess, count: int) -> torch.Tensor:
+    """Up to ``count`` preprocessed training images of the run's clients (int8 calibration: kept
+    apart from the test images that the parity check then judges on)."""
+    return _spread_images([path for c in federation.clients for path, _ in c.train], preprocess, count)
+
+
+def _spread_images(paths: list[str], preprocess, count: int) -> torch.Tensor:
+    from PIL import Image
+
+    paths = list(dict.fromkeys(paths))  # local tests may repeat evaluation images
     if len(paths) > count:
         paths = [paths[math.floor(i * len(paths) / count)] for i in range(count)]
     images = []

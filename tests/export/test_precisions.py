@@ -23,13 +23,10 @@ def test_reduced_precision_bundle(precision, tiny_run, tiny_bundle, tmp_path):
     parity = bundle.manifest["parity"]
     assert parity["fp32"]["passed"]  # fp32 is always checked on the way
     assert parity[precision]["images"] >= 32
-    # fp16 meets the 99% with room to spare. int8 (dynamic, per-tensor activation scales) moves
-    # the tiny model's logits by ~0.15-0.25 while ~5% of the test images have a top-1/top-2 gap below
-    # that (logit scale 17: 0.2 logits is 0.012 in cosine), so 0-2 of 64-72 images flip (97-100%);
-    # the manifest then says passed: false and the CLI warns. See the report for the numbers.
-    target = 0.99 if precision == "fp16" else 0.95
-    assert parity[precision]["top1_agreement"] >= target, parity[precision]
-    assert parity[precision]["passed"] == (parity[precision]["top1_agreement"] >= 0.99)
+    # fp16 meets the 99% with room to spare; int8 gets there by keeping the layers whose
+    # quantisation flips predictions on the run's training images in fp32 (export/int8.py).
+    assert parity[precision]["top1_agreement"] >= 0.99, parity[precision]
+    assert parity[precision]["passed"]
     assert parity[precision]["max_abs_logit_diff"] < (0.05 if precision == "fp16" else 0.5)
     model = onnx.load(str(out / "model.onnx"))
     onnx.checker.check_model(model)
@@ -37,8 +34,14 @@ def test_reduced_precision_bundle(precision, tiny_run, tiny_bundle, tmp_path):
     lora = bundle.manifest["onnx"]["lora_initializers"]
     assert all(inits[n].data_type == onnx.TensorProto.FLOAT for n in lora)  # swappable as fp32, un-quantized
     kinds = {n.op_type for n in model.graph.node}
-    assert ("MatMulInteger" in kinds) if precision == "int8" else \
-        any(i.data_type == onnx.TensorProto.FLOAT16 for i in inits.values())
+    if precision == "int8":
+        plan = bundle.manifest["onnx"]["int8"]
+        assert plan["calibration_agreement"] >= 0.99 and plan["calibration_images"] >= 32
+        assert sum(n.op_type == "MatMulInteger" for n in model.graph.node) == len(plan["quantized"]) > 0
+        assert not set(plan["quantized"]) & set(plan["kept_fp32"])
+        assert f"int8: {len(plan['quantized'])} of" in result.output
+    else:
+        assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in inits.values())
     fp32_onnx_bytes = tiny_bundle.sizes["model.onnx"] + tiny_bundle.sizes["weights.safetensors"]
     assert (out / "model.onnx").stat().st_size < fp32_onnx_bytes
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])

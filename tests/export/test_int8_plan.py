@@ -1,0 +1,83 @@
+"""The int8 accuracy guard on hand-built ONNX models: what it quantises, what it keeps, when it stops."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from export.int8 import Int8Error, matmuls_as_matmul, plan_int8, quantizable_layers, quantize
+
+WIDTH, CLASSES, IMAGES = 32, 64, 256
+
+
+def mlp(seed: int, margin: float) -> onnx.ModelProto:
+    """x [N, WIDTH] -> 3 MatMuls (one a Gemm) -> logits; a class bias of spread ``margin`` sets how far
+    apart the top logits lie (int8 error is relative to the weights, the bias is not quantised)."""
+    rng = np.random.default_rng(seed)
+    weights = [rng.normal(0, 1 / np.sqrt(WIDTH), (WIDTH, WIDTH)).astype(np.float32) for _ in range(2)]
+    head = rng.normal(0, 1, (CLASSES, WIDTH)).astype(np.float32)
+    bias = (margin * rng.normal(0, 1, CLASSES)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h0"], name="layer0"),
+             helper.make_node("Relu", ["h0"], ["r0"], name="relu"),
+             helper.make_node("MatMul", ["r0", "w1"], ["h1"], name="layer1"),
+             helper.make_node("Gemm", ["h1", "head", "bias"], ["logits"], name="head", transB=1)]
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", WIDTH])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", CLASSES])],
+        [numpy_helper.from_array(weights[0], "w0"), numpy_helper.from_array(weights[1], "w1"),
+         numpy_helper.from_array(head, "head"), numpy_helper.from_array(bias, "bias")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / "m.onnx"
+        path.write_bytes(model.SerializeToString())
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.fixture(scope="module")
+def images() -> np.ndarray:
+    return np.random.default_rng(7).normal(0, 1, (IMAGES, WIDTH)).astype(np.float32)
+
+
+def test_gemm_becomes_a_named_matmul_and_every_constant_weight_counts():
+    proto = matmuls_as_matmul(mlp(0, 1.0))
+    assert [n.op_type for n in proto.graph.node if n.name.startswith("head")][0] == "MatMul"
+    layers = quantizable_layers(proto, [])
+    assert len(layers) == 3 and layers[:2] == ["layer0", "layer1"]
+    assert quantizable_layers(proto, ["w1"]) == [layers[0], layers[2]]  # a protected input stays fp32
+
+
+@pytest.mark.parametrize(("margin", "target", "expect"), [
+    (100.0, 0.99, "all quantised"),  # far-apart logits: int8 flips nothing, one quantisation suffices
+    (0.0, 1.0, "some kept"),         # many near-ties: only keeping layers in fp32 reaches 100%
+])
+def test_plan_reaches_the_target_on_calibration_images(images, margin, target, expect):
+    proto = matmuls_as_matmul(mlp(1, margin))
+    reference = run(proto, images)
+    model, plan = plan_int8(proto, [], reference, lambda m: run(m, images), target)
+    out = run(model, images)
+    agreement = float(np.mean(out.argmax(-1) == reference.argmax(-1)))
+    assert agreement == pytest.approx(plan.calibration_agreement) and agreement >= target
+    assert sorted(plan.quantized + plan.kept_fp32) == sorted(quantizable_layers(proto, []))
+    assert sum(n.op_type == "MatMulInteger" for n in model.graph.node) == len(plan.quantized)
+    if expect == "all quantised":
+        assert plan.kept_fp32 == [] and plan.searched == 1
+    else:
+        full = run(quantize(proto, quantizable_layers(proto, [])), images)
+        assert np.mean(full.argmax(-1) == reference.argmax(-1)) < target  # the guard had work to do
+        assert plan.kept_fp32 and plan.searched > 1
+
+
+def test_a_model_without_constant_matmuls_is_refused(images):
+    proto = matmuls_as_matmul(mlp(2, 1.0))
+    names = [i.name for i in proto.graph.initializer]
+    with pytest.raises(Int8Error, match="no MatMul"):
+        plan_int8(proto, names, run(proto, images), lambda m: run(m, images), 0.99)
