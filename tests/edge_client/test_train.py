@@ -247,6 +247,26 @@ def test_cli_train_json_no_apply(bundle_dir, tmp_path):
     assert tree_bytes(bundle_dir) == before  # --no-apply: the device keeps its LoRA
 
 
+@pytest.mark.parametrize(("optimizer", "lr"), [("sgd", 0.02), ("adamw", 0.01)])
+def test_each_optimizer_lowers_the_loss_and_is_recorded(edge_bundle, tmp_path, optimizer, lr):
+    bundle = read_bundle(edge_bundle)
+    data = write_local_data(tmp_path / "local", LOCAL_CLASSES)
+    before = _dataset_loss(bundle, data, bundle.lora())
+    result = train_local(data, edge_bundle, epochs=3, batch_size=6, lr=lr, optimizer=optimizer, apply=False,
+                         out=tmp_path / "updates", threads=1, start="bundle")
+    update = read_update(result.update_path, bundle)
+    assert _dataset_loss(bundle, data, update.tensors) < before
+    assert result.optimizer == update.metadata["optimizer"] == optimizer and result.to_json()["optimizer"] == optimizer
+
+
+def test_unknown_optimizer_is_refused_before_training(edge_bundle, tmp_path):
+    data = write_local_data(tmp_path / "local", ["red_circle"])
+    with pytest.raises(TrainInputError, match="optimizer must be one of sgd, adamw"):
+        train_local(data, edge_bundle, optimizer="lion", out=tmp_path / "updates")
+    out = CliRunner().invoke(main, ["train", "--data", str(data), "--bundle", str(edge_bundle), "--optimizer", "lion"])
+    assert out.exit_code == 2 and not (tmp_path / "updates").exists()
+
+
 def test_checkpointed_segments_and_cpu_autocast(edge_bundle):
     from safetensors.torch import load_file
 
