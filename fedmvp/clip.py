@@ -90,6 +90,14 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def is_torchscript(path: Path) -> bool:
+    """A TorchScript archive (how OpenAI ships its CLIP checkpoints), told by its constants table."""
+    import zipfile
+
+    return path.suffix != ".safetensors" and zipfile.is_zipfile(path) and \
+        any(n.endswith("constants.pkl") for n in zipfile.ZipFile(path).namelist())
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A CLIP state dict from safetensors or a torch file, never unpickling arbitrary objects."""
     if path.suffix == ".safetensors":
@@ -97,13 +105,12 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
         return load_file(str(path))
     import pickle
-    import zipfile
 
     try:
         obj: Any = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, pickle.UnpicklingError) as err:
         # OpenAI's original checkpoints are TorchScript archives (code + tensors, no pickled objects).
-        if not (zipfile.is_zipfile(path) and "constants.pkl" in "".join(zipfile.ZipFile(path).namelist())):
+        if not is_torchscript(path):
             raise ClipLoadError(f"{path}: not a weights-only torch file; refusing to unpickle it "
                                 f"(convert it to safetensors)") from err
         obj = torch.jit.load(str(path), map_location="cpu").state_dict()
@@ -119,20 +126,46 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def _offline(allow_download: bool):
-    """Keep Hugging Face hub calls local unless downloads are allowed."""
+    """Keep Hugging Face hub calls local unless downloads are allowed.
+
+    huggingface_hub reads HF_HUB_OFFLINE once, at import, so the environment alone does not
+    switch an already imported hub offline (it then tries the network and, offline, waits ~50 s
+    for DNS before failing); its module flag is set too, for the duration of the call."""
     if allow_download:
         yield
         return
     saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     try:
+        from huggingface_hub import constants as hub_constants
+    except ImportError:  # no hub installed: open_clip falls back to URLs (checked by _needs_url_download)
+        hub_constants = None
+    hub_saved = getattr(hub_constants, "HF_HUB_OFFLINE", None)
+    if hub_constants is not None:
+        hub_constants.HF_HUB_OFFLINE = True
+    try:
         yield
     finally:
+        if hub_constants is not None:
+            hub_constants.HF_HUB_OFFLINE = hub_saved
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _needs_url_download(name: str, tag: str, cache_dir: str | None) -> bool:
+    """True when open_clip would fetch ``name``/``tag`` from a plain URL (no hub copy) not yet cached."""
+    from open_clip import pretrained as oc_pretrained
+
+    cfg = oc_pretrained.get_pretrained_cfg(name, tag) or {}
+    if "file" in cfg or not cfg.get("url"):
+        return False
+    if cfg.get("hf_hub") and oc_pretrained.has_hf_hub():
+        return False  # the hub path, kept offline by _offline
+    folder = Path(cache_dir).expanduser() if cache_dir else Path("~/.cache/clip").expanduser()
+    return not (folder / os.path.basename(cfg["url"])).is_file()
 
 
 def freeze(model: nn.Module) -> nn.Module:
@@ -143,11 +176,12 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
-def _create(name: str, pretrained: str | None, allow_download: bool, cache_dir: str | None):
+def _create(name: str, pretrained: str | None, allow_download: bool, cache_dir: str | None,
+            quick_gelu: bool = False):
     try:
         with _offline(allow_download):
             model, _, preprocess = open_clip.create_model_and_transforms(
-                name, pretrained=pretrained, cache_dir=cache_dir)
+                name, pretrained=pretrained, cache_dir=cache_dir, force_quick_gelu=quick_gelu)
     except RuntimeError as err:
         if "Unknown model" in str(err) or "not found" in str(err).lower():
             raise ClipLoadError(f"unknown CLIP model '{name}'; known: fedmvp-tiny, ViT-B-16, ... "
@@ -193,8 +227,11 @@ def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.d
             identity = f"{name}:{pretrained}"
 
     if weights_path is not None:
-        model, preprocess = _create(name, None, allow_download, cache_dir)
         state = read_state_dict(weights_path)
+        # OpenAI's own archives were trained with QuickGELU; the `openai` tag switches it on by
+        # itself, a file does not say, and plain GELU would run those weights with the wrong
+        # activation. Other weight files: name the model `...-quickgelu` when they need it.
+        model, preprocess = _create(name, None, allow_download, cache_dir, quick_gelu=is_torchscript(weights_path))
         if "logit_scale" in state and state["logit_scale"].ndim != model.logit_scale.ndim:
             state["logit_scale"] = state["logit_scale"].reshape(model.logit_scale.shape)
         try:
@@ -205,6 +242,8 @@ def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.d
     else:
         tag = pretrained if (pretrained and not is_schema) else None
         try:
+            if tag and not allow_download and _needs_url_download(name, tag, cache_dir):
+                raise FileNotFoundError(f"{name}/{tag} is only on a URL and not in the cache")
             model, preprocess = _create(name, tag, allow_download, cache_dir)
         except ClipLoadError:
             raise

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
 import pickle
+import threading
 
 import pytest
 import torch
@@ -29,6 +31,40 @@ def test_local_weights_file_loads_identically(tiny_clip, tmp_path, suffix):
     assert loaded.identity and loaded.identity.startswith("fedmvp-tiny:sha256:")
     for key, value in loaded.model.state_dict().items():
         assert torch.equal(value, state[key]), key
+
+
+def _torchscript_archive(state: dict[str, torch.Tensor], path) -> None:
+    """A TorchScript archive holding ``state`` under its dotted names, as OpenAI ships CLIP."""
+
+    class Holder(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    root = Holder()
+    for key, value in state.items():
+        *parents, leaf = key.split(".")
+        module = root
+        for part in parents:
+            if not hasattr(module, part):
+                module.add_module(part, Holder())
+            module = getattr(module, part)
+        module.register_buffer(leaf, value.clone())
+    torch.jit.save(torch.jit.script(root), str(path))
+
+
+def test_openai_torchscript_archive_loads_with_quick_gelu(tiny_clip, tmp_path):
+    from open_clip.transformer import QuickGELU
+
+    state = {k: v.clone() for k, v in tiny_clip.model.state_dict().items()}
+    _torchscript_archive(state, tmp_path / "openai.pt")
+    save_file(state, str(tmp_path / "converted.safetensors"))
+    archive = load_clip("fedmvp-tiny", str(tmp_path / "openai.pt"))
+    converted = load_clip("fedmvp-tiny", str(tmp_path / "converted.safetensors"))
+    for key, value in archive.model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    activation = lambda clip: type(clip.model.visual.transformer.resblocks[0].mlp.gelu)  # noqa: E731
+    assert activation(archive) is QuickGELU  # OpenAI's weights were trained with it
+    assert activation(converted) is not QuickGELU  # a plain weights file keeps the config's activation
 
 
 def test_pickled_object_is_refused(tmp_path):
@@ -61,7 +97,39 @@ def test_unknown_model_and_unknown_tag():
         load_clip("fedmvp-tiny", "laion9000")
 
 
-def test_download_needed_offline_says_what_to_pass(monkeypatch, tmp_path):
+@pytest.fixture
+def local_hub(monkeypatch):
+    """A Hugging Face endpoint on 127.0.0.1 that answers 404 and counts what reaches it."""
+    from huggingface_hub import constants
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            hits.append(self.path)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD = _answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    yield hits
+    server.shutdown()
+
+
+def test_download_needed_offline_says_what_to_pass_and_never_asks_the_hub(local_hub, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty hub cache
     with pytest.raises(ClipLoadError, match=r"downloads are off; pass a weights file"):
         load_clip("ViT-B-32", "openai", cache_dir=str(tmp_path))
+    assert local_hub == []  # huggingface_hub was imported before: the env alone would not stop it
+    with pytest.raises(ClipLoadError, match="could not fetch ViT-B-32 / openai"):
+        load_clip("ViT-B-32", "openai", cache_dir=str(tmp_path), allow_download=True)
+    assert local_hub and all("vit_base_patch32_clip_224.openai" in path for path in local_hub)
