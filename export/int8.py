@@ -17,9 +17,10 @@ multiply-add at 8 bits, and the bundle must behave the same on whatever device r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,9 +86,7 @@ def quantize(proto: onnx.ModelProto, layers: list[str]) -> onnx.ModelProto:
         out = onnx.ModelProto()
         out.CopyFrom(proto)
         return out
-    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
-    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # "consider pre-processing"
-    with tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
+    with _quiet(), tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
         src, dst = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
         src.write_bytes(proto.SerializeToString(deterministic=True))
         quantize_dynamic(src, dst, op_types_to_quantize=list(QUANTIZED_OPS), weight_type=QuantType.QInt8,
@@ -100,6 +99,20 @@ def quantize(proto: onnx.ModelProto, layers: list[str]) -> onnx.ModelProto:
 
 
 Logits = Callable[[onnx.ModelProto], np.ndarray]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The quantiser logs advice ("consider pre-processing") on the root logger on every call."""
+    loggers = [logging.getLogger(), logging.getLogger("onnxruntime")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _agreement(reference: np.ndarray, logits: np.ndarray) -> float:

@@ -94,8 +94,10 @@ def is_torchscript(path: Path) -> bool:
     """A TorchScript archive (how OpenAI ships its CLIP checkpoints), told by its constants table."""
     import zipfile
 
-    return path.suffix != ".safetensors" and zipfile.is_zipfile(path) and \
-        any(n.endswith("constants.pkl") for n in zipfile.ZipFile(path).namelist())
+    if path.suffix == ".safetensors" or not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("constants.pkl") for name in archive.namelist())
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -105,15 +107,18 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
         return load_file(str(path))
     import pickle
+    import warnings
 
-    try:
-        obj: Any = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError) as err:
-        # OpenAI's original checkpoints are TorchScript archives (code + tensors, no pickled objects).
-        if not is_torchscript(path):
+    if is_torchscript(path):  # OpenAI's original checkpoints: TorchScript code + tensors, no pickled objects
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # "torch.jit.load is deprecated": still how they ship
+            obj: Any = torch.jit.load(str(path), map_location="cpu").state_dict()
+    else:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except (RuntimeError, pickle.UnpicklingError) as err:
             raise ClipLoadError(f"{path}: not a weights-only torch file; refusing to unpickle it "
                                 f"(convert it to safetensors)") from err
-        obj = torch.jit.load(str(path), map_location="cpu").state_dict()
     if isinstance(obj, dict) and "state_dict" in obj:
         obj = obj["state_dict"]
     if not isinstance(obj, dict):
