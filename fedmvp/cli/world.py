@@ -62,5 +62,5 @@ def world(out: Path | None, seed: int, n_train: int, n_val: int, n_test: int, do
     click.echo(f"world seed {seed} (v{meta['version']}) at {root}")
     click.echo(f"  {summary['classes']} classes ({summary['seen']} seen, {summary['held_out']} held out), "
                f"domains {', '.join(meta['domains'])}, {images} images")
-    click.echo(f"  per class and domain: " + ", ".join(f"{s} {n}" for s, n in meta["splits"].items()))
+    click.echo("  per class and domain: " + ", ".join(f"{s} {n}" for s, n in meta["splits"].items()))
     click.echo(f"  attributes: {summary['attributes']}")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from logging import WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log

@@ -18,8 +18,8 @@ from edge_client.cli import main
 from edge_client.infer import Predictor
 from edge_client.lora_store import NothingToRollBack, active_lora, apply_update, rollback
 from edge_client.preprocess import preprocess_batch
-from edge_client.train import (GraphRunner, TrainInputError, decode_dataset, fedmvp_loss, find_batch_size,
-                               load_program, scan_folder, train_local)
+from edge_client.program import GraphRunner, load_program
+from edge_client.train import TrainInputError, decode_dataset, fedmvp_loss, find_batch_size, scan_folder, train_local
 from edge_client.update import UpdateError, bundle_id, read_update, write_update
 
 LOCAL_CLASSES = ["purple_cross", "orange_ring", "yellow_star"]
