@@ -10,6 +10,7 @@ Writes bundles into a temporary directory.
     python benchmarks/export_sizes.py --vit-b16             # also ViT-B-16 (a few minutes on 2 cores)
     python benchmarks/export_sizes.py --precisions fp32 --json sizes.json
     python benchmarks/export_sizes.py --run runs/demo-X --images 256   # a trained run, as fedmvp-export does
+    python benchmarks/export_sizes.py --run runs/demo-X --inference-only
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def world_inputs(clip, work: Path) -> tuple[ClassSet, torch.Tensor]:
     return ClassSet(names=list(attributes), attributes=attributes, source="synthetic world"), torch.stack(images)
 
 
-def bundle_sizes(name: str, precisions: list[str], num_classes: int, images: int, work: Path) -> list[dict]:
+def bundle_sizes(name: str, precisions: list[str], num_classes: int, images: int, work: Path,
+                 training: bool = True) -> list[dict]:
     torch.manual_seed(0)
     shipped = name == "fedmvp-tiny" and (REPO / "fedmvp" / "weights" / "fedmvp-tiny-synthetic.safetensors").is_file()
     clip = load_clip(name, "synthetic" if shipped else None)
@@ -75,19 +77,20 @@ def bundle_sizes(name: str, precisions: list[str], num_classes: int, images: int
     for precision in precisions:
         start = time.perf_counter()
         result = write_bundle(model, clip, class_set, work / f"{name}-{precision}", images=pixels,
-                              precision=precision)
+                              precision=precision, training=training)
         rows.append(row(name, "synthetic" if shipped else "random init", precision, result, start))
     return rows
 
 
-def run_sizes(run: Path, precisions: list[str], images: int, work: Path) -> list[dict]:
+def run_sizes(run: Path, precisions: list[str], images: int, work: Path, training: bool = True) -> list[dict]:
     """A trained run's last round, exported as `fedmvp-export` does (int8 calibrated on training images)."""
     from export.bundle_writer import export_bundle
 
     rows = []
     for precision in precisions:
         start = time.perf_counter()
-        result = export_bundle(run, out=work / f"run-{precision}", precision=precision, parity_images=images)
+        result = export_bundle(run, out=work / f"run-{precision}", precision=precision, parity_images=images,
+                               training=training)
         rows.append(row(result.manifest["model"]["clip"], f"run {run.name} round {result.manifest['source']['round']}",
                         precision, result, start))
     return rows
@@ -114,7 +117,8 @@ def show(rows: list[dict]) -> None:
         if row.get("int8"):
             plan = row["int8"]
             print(f"    int8 layers: {len(plan['quantized'])} quantised, {len(plan['kept_fp32'])} kept fp32 "
-                  f"(calibration agreement {100 * plan['calibration_agreement']:.2f}% over "
+                  f"(calibration agreement {100 * plan['calibration_agreement']:.2f}%, expected "
+                  f"{100 * plan['calibration_expected_agreement']:.2f}%, over "
                   f"{plan['calibration_images']} images)")
 
 
@@ -123,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vit-b16", action="store_true", help="also export a random-init ViT-B-16")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8"])
     parser.add_argument("--classes", type=int, default=64)
-    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--inference-only", action="store_true", help="bundles without the training files")
     parser.add_argument("--run", type=Path, default=None, help="export this trained run's last round instead")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -134,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="fedmvp-export-sizes-") as work:
         if args.run:
-            rows += run_sizes(args.run, args.precisions, args.images, Path(work))
+            rows += run_sizes(args.run, args.precisions, args.images, Path(work), not args.inference_only)
         for name in ([] if args.run else ["fedmvp-tiny"]) + (["ViT-B-16"] if args.vit_b16 else []):
             images = args.images if name == "fedmvp-tiny" else max(32, args.images // 2)
-            rows += bundle_sizes(name, args.precisions, args.classes, images, Path(work))
+            rows += bundle_sizes(name, args.precisions, args.classes, images, Path(work), not args.inference_only)
     show(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")

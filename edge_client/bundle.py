@@ -10,6 +10,8 @@ bundle/
   lora.safetensors     the LoRA tensors (lora.block.attn.to_{q,k,v}.lora_{A,B}.weight)
   train.pt2            torch.export training program (no tensors of its own)
 ```
+An inference-only bundle (``fedmvp-export --inference-only``) has no train.pt2, and no
+weights.safetensors either when its ONNX model embeds its weights (fp16, int8).
 Only numpy, safetensors and the standard library are used here: the smallest install can
 read and verify a bundle. ``read_bundle`` verifies every hash before anything is loaded, so
 a tampered training program (``torch.export.load`` may unpickle) is refused first.
@@ -79,6 +81,17 @@ class Bundle:
         if name is None:
             raise BundleError(f"{self.path}: the manifest names no {role} file")
         return self.path / name
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the bundle carries what `edge-client train` needs (not exported --inference-only)."""
+        roles = self.manifest.get("files_by_role", {})
+        return "training" in roles and "weights" in roles
+
+    def require_trainable(self) -> None:
+        if not self.trainable:
+            raise BundleError(f"{self.path}: exported for inference only (fedmvp-export --inference-only): "
+                              f"no training program to train with; re-export the round without that flag")
 
     @property
     def class_names(self) -> list[str]:

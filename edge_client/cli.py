@@ -266,6 +266,7 @@ def _info_lines(report: dict[str, Any]) -> list[str]:
                   f"  classes:  {len(classes)} ({shown})",
                   f"  hashes:   {'OK' if b.get('hashes_ok') else 'FAILED'}",
                   f"  LoRA:     {b.get('lora', {}).get('describe', '?')}",
+                  f"  training: {'yes (edge-client train)' if b.get('trainable') else 'no (inference-only bundle)'}",
                   f"  size:     {b.get('bytes', 0) / 1e6:.1f} MB"]
     lines.append(f"providers:  {', '.join(d['providers']) or 'onnxruntime not installed'}")
     torch = d["torch"]

@@ -71,6 +71,7 @@ def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
     out.update({"manifest": True, "bundle_id": bundle_id(verified), "round": source.get("round"),
                 "run": source.get("run"), "precision": m.get("precision"),
                 "model": (m.get("model") or {}).get("clip"), "classes": verified.class_names,
+                "trainable": verified.trainable,
                 "files": {name: entry.get("sha256") for name, entry in sorted(m.get("files", {}).items())},
                 "bytes": sum(int(e.get("bytes", 0)) for e in m.get("files", {}).values())})
     if out["hashes_ok"]:

@@ -256,6 +256,7 @@ def train_local(data: str | os.PathLike, bundle: str | os.PathLike | Bundle | No
     if optimizer not in OPTIMIZERS:
         raise TrainInputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     bundle = bundle if isinstance(bundle, Bundle) else read_bundle(resolve_bundle_dir(bundle), verify=True)
+    bundle.require_trainable()
     dataset = scan_folder(data, bundle.class_names)
     alpha = manifest_alpha(bundle) if alpha is None else float(alpha)
 

@@ -32,7 +32,9 @@ from export.sources import (ClassSet, ExportError, file_class_set, find_run, loa
 from fedmvp.clip import LoadedClip
 from fedmvp.model import FedMVP
 
-DEFAULT_PARITY_IMAGES = 64
+# 256: with 64 images "99% top-1 agreement" means all of them, and one near-tie decides; 256 lets the
+# fp16/int8 criterion mean what it says. The same count of training images calibrates int8.
+DEFAULT_PARITY_IMAGES = 256
 NUMERICS = {"fp32": "fp32 weights and compute",
             "fp16": "fp16 weights and compute; pixel_values, outputs and LoRA initializers fp32",
             "int8": "dynamic int8: MatMul weights s8 per output channel (7-bit range), activations u8 per "
@@ -109,11 +111,13 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | Path, *, images: torch.Tensor,
                  precision: str = "fp32", force: bool = False, source: dict[str, Any] | None = None,
                  image_note: dict[str, int] | None = None, calibration: torch.Tensor | None = None,
-                 progress: bool = False) -> BundleResult:
+                 training: bool = True, progress: bool = False) -> BundleResult:
     """Export ``model`` (round tensors loaded) over ``classes`` into the bundle directory ``out``.
 
     ``calibration``: images that choose which layers int8 keeps in fp32 (default: ``images``;
-    give other ones, e.g. training images, so that the parity check stays independent)."""
+    give other ones, e.g. training images, so that the parity check stays independent).
+    ``training=False``: an inference-only bundle, without the training program, and without the
+    fp32 frozen weights when the ONNX model embeds its own (fp16, int8)."""
     out = Path(out)
     if precision not in onnx_export.PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(onnx_export.PRECISIONS)}")
@@ -122,7 +126,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     if len(images) < parity.MIN_IMAGES:
         raise ExportError(f"parity needs at least {parity.MIN_IMAGES} images, got {len(images)}")
     steps = ["text features", "onnx", "parity fp32"] + ([f"{precision}"] if precision != "fp32" else []) \
-        + ["training artifact", "manifest"]
+        + (["training artifact"] if training else []) + ["manifest"]
+    names = bundle_roles(precision, training)
     bar = tqdm(total=len(steps), desc="export", unit="step", disable=not progress, file=sys.stderr, leave=False)
 
     def step(name: str) -> None:
@@ -135,15 +140,15 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         features = text_features(clip, classes)
         model.set_text_features(features)
         edge = build_edge_classifier(model, features)
-        names = fmt.ROLES
-        _save_safetensors(edge.frozen_tensors(), tmp / names["weights"])
+        weights_file = tmp / fmt.ROLES["weights"]  # the fp32 ONNX model's external data, at least for parity
+        _save_safetensors(edge.frozen_tensors(), weights_file)
         _save_safetensors(edge.lora_tensors(), tmp / names["lora"])
         bar.update()
 
         step("onnx export")
         graph = onnx_export.export_ir(edge, clip.image_size)
         proto = onnx_export.to_proto(graph)
-        linked = onnx_export.link_external(proto, tmp / names["weights"])
+        linked = onnx_export.link_external(proto, weights_file)
         onnx_export.save(proto, tmp / names["onnx"])
         onnx_export.check(tmp / names["onnx"])
         bar.update()
@@ -172,15 +177,18 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             linked = 0
             bar.update()
 
-        step("training artifact")
-        program = training_artifact.export_program(edge, clip.image_size)
-        training_artifact.save_program(program, tmp / names["training"])
-        fmt.verify_program_archive(tmp / names["training"])
-        bar.update()
+        if training:
+            step("training artifact")
+            program = training_artifact.export_program(edge, clip.image_size)
+            training_artifact.save_program(program, tmp / names["training"])
+            fmt.verify_program_archive(tmp / names["training"])
+            bar.update()
+        if "weights" not in names:
+            weights_file.unlink()
 
         step("manifest")
         manifest = _manifest(model, clip, classes, edge, precision, results, source or {},
-                             image_note or {"given": len(images)}, linked, int8_plan)
+                             image_note or {"given": len(images)}, linked, names, int8_plan)
         manifest["files"] = fmt.file_entries(tmp, list(names.values()))
         fmt.write_manifest(tmp, manifest)
         fmt.read_bundle(tmp)
@@ -195,10 +203,20 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     return BundleResult(path=out, manifest=manifest, parity=results, sizes=sizes, int8=int8_plan)
 
 
+def bundle_roles(precision: str, training: bool) -> dict[str, str]:
+    """The files a bundle holds: an inference-only one drops the training program, and the frozen
+    fp32 weights too unless the ONNX model reads them (fp32 stores its weights there)."""
+    roles = dict(fmt.ROLES)
+    if not training:
+        del roles["training"]
+        if precision != "fp32":
+            del roles["weights"]
+    return roles
+
+
 def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precision: str,
               results: dict[str, parity.ParityResult], source: dict[str, Any], image_note: dict[str, int],
-              linked: int, int8_plan: Int8Plan | None = None) -> dict[str, Any]:
-    names = fmt.ROLES
+              linked: int, names: dict[str, str], int8_plan: Int8Plan | None = None) -> dict[str, Any]:
     lora = edge.lora_tensors()
     return {
         "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
@@ -221,7 +239,8 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
         "training": {"file": names["training"], "format": "torch.export", "torch_version": torch.__version__,
                      "load": "torch.export.load(path).module()",
                      "inputs": list(training_artifact.INPUT_NAMES), "outputs": list(training_artifact.OUTPUT_NAMES),
-                     "weights_file": names["weights"], "trainable": "lora", "dict_keys": "sorted"},
+                     "weights_file": names["weights"], "trainable": "lora", "dict_keys": "sorted"}
+        if "training" in names else None,
         "lora": {"file": names["lora"], "scaling": lora_scaling(model),
                  "tensors": {k: list(v.shape) for k, v in lora.items()}},
         "parity": {"images": image_note, **{k: r.to_manifest() for k, r in results.items()}},
@@ -229,14 +248,22 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
 
 
 # ---- the run-reading layer ------------------------------------------------------------------------
+def _topped_up(images: torch.Tensor, image_size: int, seed: int) -> torch.Tensor:
+    """The run's images, with noise images added only up to parity's minimum: noise has near-tied
+    logits, so more of it would only make the fp16/int8 agreement meaningless."""
+    images = images.reshape(-1, 3, image_size, image_size)
+    missing = max(0, parity.MIN_IMAGES - len(images))
+    return torch.cat([images, synthetic_images(missing, image_size, seed=seed)]) if missing else images
+
+
 def default_out(run_path: Path, round_number: int, precision: str) -> Path:
     return run_path / "bundles" / f"round-{round_number:04d}-{precision}"
 
 
 def export_bundle(run: str | Path | None = None, round_number: int | None = None, out: str | Path | None = None,
                   *, precision: str = "fp32", force: bool = False, attributes: str | Path | None = None,
-                  domain: str | None = None, parity_images: int = DEFAULT_PARITY_IMAGES, progress: bool = False,
-                  runs_root: str | Path = "runs") -> BundleResult:
+                  domain: str | None = None, parity_images: int = DEFAULT_PARITY_IMAGES, training: bool = True,
+                  progress: bool = False, runs_root: str | Path = "runs") -> BundleResult:
     """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest)."""
     from fedmvp.clip import ClipLoadError, load_clip
     from fedmvp.clip import file_sha256
@@ -268,17 +295,15 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     ckpt_path = run_dir.round_path(checkpoint.round) / "global.safetensors"
     model = rebuild_model(clip, model_config(config, checkpoint.tensors), checkpoint, ckpt_path)
     images = run_images(federation, clip.preprocess, parity_images) if federation else torch.zeros(0)
-    note = {"run": len(images), "synthetic": max(0, parity_images - len(images))}
-    if note["synthetic"]:
-        images = torch.cat([images.reshape(-1, 3, clip.image_size, clip.image_size),
-                            synthetic_images(note["synthetic"], clip.image_size)])
+    note = {"run": len(images), "synthetic": max(0, parity.MIN_IMAGES - len(images))}
+    images = _topped_up(images, clip.image_size, seed=0)
     calibration = None
-    if precision == "int8":  # the run's training images, topped up like parity's (another seed)
+    if precision == "int8":  # the run's training images (another seed for any top-up)
         calibration = run_training_images(federation, clip.preprocess, parity_images) if federation \
             else torch.zeros(0)
-        calibration = torch.cat([calibration.reshape(-1, 3, clip.image_size, clip.image_size),
-                                 synthetic_images(parity_images - len(calibration), clip.image_size, seed=1)])
+        calibration = _topped_up(calibration, clip.image_size, seed=1)
     source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "round": checkpoint.round,
               "checkpoint_sha256": file_sha256(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
     return write_bundle(model, clip, classes, target, images=images, precision=precision, force=force,
-                        source=source, image_note=note, calibration=calibration, progress=progress)
+                        source=source, image_note=note, calibration=calibration, training=training,
+                        progress=progress)

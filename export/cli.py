@@ -33,12 +33,16 @@ def _quiet_libraries() -> None:
 @click.option("--attributes", type=click.Path(path_type=Path), default=None,
               help="{class: [phrases]} JSON: bake this class set instead of the run's (untrained classes too).")
 @click.option("--domain", default=None, help="With --attributes: sentence prefix of this domain (e.g. sketch).")
-@click.option("--parity-images", type=click.IntRange(min=32), default=64, show_default=True,
-              help="Images of the run's data compared between ONNX Runtime and PyTorch.")
+@click.option("--parity-images", type=click.IntRange(min=32), default=256, show_default=True,
+              help="Up to this many test images of the run are compared between ONNX Runtime and PyTorch "
+                   "(noise images only fill up to 32); int8 calibrates on as many training images.")
+@click.option("--inference-only", is_flag=True,
+              help="Leave out what only on-device training needs: the training program, and for fp16/int8 "
+                   "the fp32 frozen weights (the ONNX model then holds its own). `edge-client train` refuses it.")
 @click.option("--force", is_flag=True, help="Replace an existing output directory (after the new one is complete).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def main(run: Path | None, round_number: int | None, out: Path | None, precision: str, attributes: Path | None,
-         domain: str | None, parity_images: int, force: bool, as_json: bool) -> None:
+         domain: str | None, parity_images: int, inference_only: bool, force: bool, as_json: bool) -> None:
     """Compile a round of a fedmvp run into an edge bundle.
 
     The bundle holds one ONNX model (frozen CLIP + PromptFormer + the attribute text features
@@ -52,7 +56,8 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
 
     try:
         result = export_bundle(run, round_number, out, precision=precision, force=force, attributes=attributes,
-                               domain=domain, parity_images=parity_images, progress=not as_json)
+                               domain=domain, parity_images=parity_images, training=not inference_only,
+                               progress=not as_json)
     except ParityError as err:
         _fail(as_json, EXIT_PARITY, f"parity failed, no bundle written: {err}",
               {"parity": {k: r.to_manifest() for k, r in err.results.items()}})

@@ -42,7 +42,7 @@ def test_bundle_manifest_and_files(tiny_bundle, tiny_run):
     fp32 = m["parity"]["fp32"]
     assert fp32["passed"] and fp32["images"] >= 32
     assert fp32["max_abs_logit_diff"] <= 1e-3 and fp32["top1_agreement"] == 1.0
-    assert m["parity"]["images"] == {"run": 64, "synthetic": 0}
+    assert m["parity"]["images"] == {"run": 72, "synthetic": 0}  # every test image of the run, up to 256
     assert set(bundle.lora()) == set(LORA)
 
 
@@ -150,3 +150,14 @@ def test_attributes_file_bakes_untrained_classes(tiny_run, tmp_path):
     assert bundle.manifest["classes"]["source"] == str(path)
     logits = _session(out / "model.onnx").run(None, {"pixel_values": np.zeros((2, 3, 32, 32), np.float32)})[0]
     assert logits.shape == (2, 2)
+
+
+def test_noise_images_only_fill_up_to_the_parity_minimum():
+    from export.bundle_writer import _topped_up
+    from export.parity import MIN_IMAGES
+
+    real = torch.ones(10, 3, 32, 32)
+    filled = _topped_up(real, 32, seed=0)
+    assert len(filled) == MIN_IMAGES and torch.equal(filled[:10], real)
+    assert len(_topped_up(torch.zeros(0), 32, seed=0)) == MIN_IMAGES
+    assert len(_topped_up(torch.ones(MIN_IMAGES + 8, 3, 32, 32), 32, seed=0)) == MIN_IMAGES + 8  # no noise added

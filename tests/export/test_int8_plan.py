@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export.int8 import Int8Error, matmuls_as_matmul, plan_int8, quantizable_layers, quantize
+from export.int8 import Int8Error, expected_agreement, matmuls_as_matmul, plan_int8, quantizable_layers, quantize
 
 WIDTH, CLASSES, IMAGES = 32, 64, 256
 
@@ -66,6 +66,8 @@ def test_plan_reaches_the_target_on_calibration_images(images, margin, target, e
     out = run(model, images)
     agreement = float(np.mean(out.argmax(-1) == reference.argmax(-1)))
     assert agreement == pytest.approx(plan.calibration_agreement) and agreement >= target
+    assert plan.calibration_expected_agreement == pytest.approx(expected_agreement(reference, out))
+    assert plan.calibration_expected_agreement >= target
     assert sorted(plan.quantized + plan.kept_fp32) == sorted(quantizable_layers(proto, []))
     assert sum(n.op_type == "MatMulInteger" for n in model.graph.node) == len(plan.quantized)
     if expect == "all quantised":
@@ -81,3 +83,17 @@ def test_a_model_without_constant_matmuls_is_refused(images):
     names = [i.name for i in proto.graph.initializer]
     with pytest.raises(Int8Error, match="no MatMul"):
         plan_int8(proto, names, run(proto, images), lambda m: run(m, images), 0.99)
+
+
+# Two images with top-1 margins 1.0 and 3.0; the shift is what quantisation does to each margin.
+@pytest.mark.parametrize(("shifts", "expected"), [
+    ((0.0, 0.0), 1.0),    # nothing moves: every image keeps its top-1
+    ((2.0, 2.0), 0.5),    # a shift of 2 flips the image whose margin is 1, not the one of 3
+    ((0.5, 4.0), 0.5),    # shift 0.5 < both margins, shift 4 > both: half of the four pairs flip
+    ((5.0, 5.0), 0.0),    # larger than every margin
+])
+def test_expected_agreement_pairs_every_shift_with_every_margin(shifts, expected):
+    reference = np.array([[1.0, 0.0, -5.0], [3.0, 0.0, -5.0]])
+    logits = reference.copy()
+    logits[:, 0] -= np.array(shifts)  # the top-1 logit drops by the shift: the margin shrinks by it
+    assert expected_agreement(reference, logits) == pytest.approx(expected)
