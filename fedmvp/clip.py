@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,22 @@ def _offline(allow_download: bool):
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def _random_init_is_expected():
+    """Drop open_clip's "No pretrained weights loaded ... initialized randomly" while the
+    architecture is built only to receive a weights file: users read it as a failed load."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "initialized randomly" not in record.getMessage()
+
+    root = logging.getLogger()
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
+
+
 def _needs_url_download(name: str, tag: str, cache_dir: str | None) -> bool:
     """True when open_clip would fetch ``name``/``tag`` from a plain URL (no hub copy) not yet cached."""
     from open_clip import pretrained as oc_pretrained
@@ -236,7 +253,9 @@ def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.d
         # OpenAI's own archives were trained with QuickGELU; the `openai` tag switches it on by
         # itself, a file does not say, and plain GELU would run those weights with the wrong
         # activation. Other weight files: name the model `...-quickgelu` when they need it.
-        model, preprocess = _create(name, None, allow_download, cache_dir, quick_gelu=is_torchscript(weights_path))
+        with _random_init_is_expected():  # the weights file is loaded right below
+            model, preprocess = _create(name, None, allow_download, cache_dir,
+                                        quick_gelu=is_torchscript(weights_path))
         if "logit_scale" in state and state["logit_scale"].ndim != model.logit_scale.ndim:
             state["logit_scale"] = state["logit_scale"].reshape(model.logit_scale.shape)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import logging
 import pickle
 import threading
 
@@ -65,6 +66,16 @@ def test_openai_torchscript_archive_loads_with_quick_gelu(tiny_clip, tmp_path):
     activation = lambda clip: type(clip.model.visual.transformer.resblocks[0].mlp.gelu)  # noqa: E731
     assert activation(archive) is QuickGELU  # OpenAI's weights were trained with it
     assert activation(converted) is not QuickGELU  # a plain weights file keeps the config's activation
+
+
+def test_a_weights_file_load_does_not_claim_random_init(tiny_clip, tmp_path, caplog):
+    save_file({k: v.clone() for k, v in tiny_clip.model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    with caplog.at_level(logging.WARNING):
+        load_clip("fedmvp-tiny", str(tmp_path / "w.safetensors"))
+    assert not [r for r in caplog.records if "initialized randomly" in r.getMessage()]
+    with caplog.at_level(logging.WARNING):
+        load_clip("fedmvp-tiny")  # really random: open_clip may say so
+    assert [r for r in caplog.records if "initialized randomly" in r.getMessage()]
 
 
 def test_pickled_object_is_refused(tmp_path):
