@@ -222,13 +222,13 @@ def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, ref
 
     proto = matmuls_as_matmul(_folded(model, lora_names))
 
-    def logits_of(candidate: onnx.ModelProto) -> np.ndarray:
+    def run(candidate: onnx.ModelProto, limit: int | None) -> np.ndarray:
         with tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
             path = Path(work) / "candidate.onnx"
             save(candidate, path)
-            return parity.onnx_outputs(path, calibration)["logits"]
+            return parity.onnx_outputs(path, calibration[:limit])["logits"]
 
-    out, plan = plan_int8(proto, lora_names, reference, logits_of, target, progress)
+    out, plan = plan_int8(proto, lora_names, reference, run, target, progress)
     _check_lora_fp32(out, lora_names, "int8 quantisation")
     return _sorted(out), plan
 

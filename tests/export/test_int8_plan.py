@@ -35,11 +35,21 @@ def mlp(seed: int, margin: float) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+def outputs(model: onnx.ModelProto, x: np.ndarray) -> dict[str, np.ndarray]:
     with tempfile.TemporaryDirectory() as work:
         path = Path(work) / "m.onnx"
         path.write_bytes(model.SerializeToString())
-        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    return outputs(model, x)["logits"]
+
+
+def runner(x: np.ndarray):
+    """plan_int8's ``run``: a model's logits on the first ``limit`` rows of ``x``."""
+    return lambda model, limit: run(model, x[:limit])
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +72,7 @@ def test_gemm_becomes_a_named_matmul_and_every_constant_weight_counts():
 def test_plan_reaches_the_target_on_calibration_images(images, margin, target, expect):
     proto = matmuls_as_matmul(mlp(1, margin))
     reference = run(proto, images)
-    model, plan = plan_int8(proto, [], reference, lambda m: run(m, images), target)
+    model, plan = plan_int8(proto, [], reference, runner(images), target)
     out = run(model, images)
     agreement = float(np.mean(out.argmax(-1) == reference.argmax(-1)))
     assert agreement == pytest.approx(plan.calibration_agreement) and agreement >= target
@@ -82,7 +92,7 @@ def test_a_model_without_constant_matmuls_is_refused(images):
     proto = matmuls_as_matmul(mlp(2, 1.0))
     names = [i.name for i in proto.graph.initializer]
     with pytest.raises(Int8Error, match="no MatMul"):
-        plan_int8(proto, names, run(proto, images), lambda m: run(m, images), 0.99)
+        plan_int8(proto, names, run(proto, images), runner(images), 0.99)
 
 
 # Two images with top-1 margins 1.0 and 3.0; the shift is what quantisation does to each margin.
@@ -97,3 +107,4 @@ def test_expected_agreement_pairs_every_shift_with_every_margin(shifts, expected
     logits = reference.copy()
     logits[:, 0] -= np.array(shifts)  # the top-1 logit drops by the shift: the margin shrinks by it
     assert expected_agreement(reference, logits) == pytest.approx(expected)
+
