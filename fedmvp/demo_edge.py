@@ -54,8 +54,8 @@ def new_class_folders(run: RunDir, shots: int) -> tuple[Path, Path, list[str]]:
 # On-device personalisation settings. The edge client's defaults are the paper's (SGD 0.003, alpha 10),
 # and on the tiny CLIP they leave held-out accuracy where it was (the gradients reaching the LoRA are
 # ~1e-4). AdamW, the usual LoRA optimizer, at 0.01 with a lighter consistency weight (alpha 1) for
-# 20 epochs of 128 images lifts it by 7-10 points (seeds 0/1: 18.4% -> 25.8% / 28.1%); measured with
-# `edge-client train --optimizer adamw --lr 0.01 --alpha 1 --epochs 20` on the demo bundle.
+# 20 epochs of 128 images lifts it by 7-10 points (seeds 0/1: 18.4% -> 25.8% / 28.1%), where SGD at
+# large rates is erratic by seed (lr 1.0: 31.3% / 17.6%); `benchmarks/edge_personalise.py` measures it.
 EDGE_TRAIN = {"epochs": 20, "lr": 0.01, "optimizer": "adamw", "alpha": 1.0, "batch_size": 32}
 
 
