@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from edge_client.infer import infer_paths  # noqa: E402
 from edge_client.train import train_local  # noqa: E402
 from export.bundle_writer import export_bundle  # noqa: E402
-from fedmvp.demo_edge import EDGE_TRAIN, new_class_folders  # noqa: E402
+from fedmvp.demo_edge import EDGE_BATCH, EDGE_TRAIN, new_class_folders  # noqa: E402
 from fedmvp.runs import RunDir  # noqa: E402
 
 # name -> train_local keywords (epochs, lr, optimizer, alpha); the demo's own recipe comes last.
@@ -34,7 +34,7 @@ RECIPES = {
     "paper defaults (SGD 0.003, alpha 10, 5 epochs)": {"epochs": 5, "lr": 0.003, "optimizer": "sgd", "alpha": 10.0},
     "SGD 1.0, alpha 0, 20 epochs": {"epochs": 20, "lr": 1.0, "optimizer": "sgd", "alpha": 0.0},
     "AdamW 0.01, alpha 10, 20 epochs": {"epochs": 20, "lr": 0.01, "optimizer": "adamw", "alpha": 10.0},
-    "demo: AdamW 0.01, alpha 1, 20 epochs": {k: v for k, v in EDGE_TRAIN.items() if k != "batch_size"},
+    "demo: AdamW 0.01, alpha 1, 20 epochs": EDGE_TRAIN,
 }
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 copy = work_path / "copy"
                 shutil.rmtree(copy, ignore_errors=True)
                 shutil.copytree(exported.path, copy)
-                result = train_local(str(local), copy, out=str(work_path / "updates"), batch_size=32, seed=seed,
+                result = train_local(str(local), copy, out=str(work_path / "updates"), batch_size=EDGE_BATCH, seed=seed,
                                      start="bundle", **recipe)
                 after = infer_paths([str(held_out)], copy).accuracy()
                 rows.append({"recipe": name, "seed": seed, "before": before, "after": after,

@@ -165,8 +165,8 @@ class _BatchSize(click.ParamType):
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
 @_json_option
 def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, max_memory_gb: float | None,
-          out: Path, lr: float, optimizer: str, alpha: float | None, device: str, seed: int, from_bundle: bool, no_apply: bool,
-          threads: int | None, as_json: bool) -> None:
+          out: Path, lr: float, optimizer: str, alpha: float | None, device: str, seed: int, from_bundle: bool,
+          no_apply: bool, threads: int | None, as_json: bool) -> None:
     """Train only the LoRA tensors on local labelled images (needs torch: fedmvp[edge-train]).
 
     Loss: cross-entropy over the bundle's classes + alpha * (1 - cos(prompted, frozen CLIP
@@ -182,8 +182,8 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
     try:
         result = train_local(data, bundle, epochs=epochs, batch_size=batch_size, max_memory_gb=max_memory_gb,
                              out=out, lr=lr, optimizer=optimizer.lower(), alpha=alpha, device=device.lower(),
-                             seed=seed, apply=not no_apply, start="bundle" if from_bundle else "active", threads=threads,
-                             progress=not as_json)
+                             seed=seed, apply=not no_apply, start="bundle" if from_bundle else "active",
+                             threads=threads, progress=not as_json)
     except KeyboardInterrupt:
         _fail(as_json, EXIT_INTERRUPTED, "interrupted: nothing was written, the bundle is unchanged")
     except (TrainInputError, BundleError, UpdateError) as err:

@@ -166,10 +166,11 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             variant = onnx_export.to_fp16(graph, edge.lora_names)
         elif precision == "int8":
             step(precision)
-            calib = calibration if calibration is not None and len(calibration) else images
+            own = calibration is not None and len(calibration) > 0
+            calib, calib_reference = (calibration, parity.torch_logits(model, calibration)) if own \
+                else (images, reference)  # no calibration images of its own: the parity ones, logits reused
             variant, int8_plan = onnx_export.to_int8(graph, edge.lora_names, calib.numpy().astype("float32"),
-                                                     parity.torch_logits(model, calib),
-                                                     parity.MIN_AGREEMENT["int8"], progress=step)
+                                                     calib_reference, parity.MIN_AGREEMENT["int8"], progress=step)
         if precision != "fp32":
             onnx_export.save(variant, tmp / names["onnx"])
             onnx_export.check(tmp / names["onnx"])
