@@ -49,7 +49,7 @@ def world_inputs(clip, work: Path) -> tuple[ClassSet, torch.Tensor]:
     from PIL import Image
 
     from fedmvp.attributes.files import load_attributes
-    from fedmvp.data.write_world import write_world
+    from fedmvp.synthetic.writer import write_world
 
     root = write_world(work / "world", seed=0, counts={"test": 2}, domains=["photo"], workers=1)
     attributes = load_attributes(root / "attributes.json", k=10)

@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO))
 
 from fedmvp.atomic import write_json  # noqa: E402
 from fedmvp.clip import load_clip  # noqa: E402
-from fedmvp.data.write_world import ensure_world  # noqa: E402
-from fedmvp.zero_shot_world import format_table, world_zero_shot  # noqa: E402
+from fedmvp.synthetic.writer import ensure_world  # noqa: E402
+from fedmvp.synthetic.zero_shot import format_table, world_zero_shot  # noqa: E402
 
 RECORD = REPO / "fedmvp" / "weights" / "fedmvp-tiny-synthetic.zero-shot.json"
 

@@ -150,7 +150,7 @@ def rebuild_model(clip: LoadedClip, config: FedMVPConfig, checkpoint: Checkpoint
 def run_federation(config: dict[str, Any], run: RunDir):
     """The run's preset turned into a Federation (None if the preset cannot be read)."""
     from fedmvp.data.federation import build_federation
-    from fedmvp.presets import load_preset
+    from fedmvp.presets.schema import load_preset
 
     path = Path(config.get("preset_path") or "")
     if not path.is_file() and (run.path / "preset.toml").is_file():

@@ -75,7 +75,7 @@ def build_tokenizer(name: str) -> Callable:
     """The model's own tokenizer: a registered compact one, else open_clip's."""
     spec = REGISTRY["tokenizers"].get(name)
     if spec and spec["type"] == "compact":
-        from fedmvp.tokenizer import CompactTokenizer
+        from fedmvp.synthetic.tokenizer import CompactTokenizer
 
         text_cfg = open_clip.get_model_config(name)["text_cfg"]
         return CompactTokenizer.from_file(PACKAGE_DIR / spec["vocab"], text_cfg["vocab_size"],

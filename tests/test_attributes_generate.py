@@ -242,41 +242,26 @@ def test_check_command(classes: Path, tmp_path: Path) -> None:
                                   "zebra": ["1 phrases, need 10"]}
 
 
-def _has_presets() -> bool:
-    try:
-        from fedmvp.presets import preset_class_names  # noqa: F401
-    except (ImportError, AttributeError):
-        return False
-    return True
+def test_preset_classes_and_domains_come_from_a_real_preset(tmp_path: Path, monkeypatch) -> None:
+    """--preset/--domain read the class list and domains of a real preset (an ImageFolder tree)."""
+    from data_trees import imagefolder
 
-
-@pytest.mark.skipif(_has_presets(), reason="fedmvp.presets exists: the missing-preset path is moot")
-def test_preset_without_presets_module_is_one_line_error(tmp_path: Path) -> None:
-    result = run(["generate", "--preset", "pacs", "--out", str(tmp_path / "a.json"), "--offline"])
-    assert result.exit_code == 2
-    assert "fedmvp.presets.preset_class_names" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
-
-
-def test_preset_contract_with_a_stand_in_module(tmp_path: Path, monkeypatch) -> None:
-    """The CLI side of --preset/--domain, against the documented presets functions."""
-    import types
-
-    module = types.ModuleType("fedmvp.presets")
-    module.preset_class_names = lambda name: {"toy": ["giraffe", "zebra"]}[name]
-    module.preset_domains = lambda name: ["photo", "sketch"]
-    monkeypatch.setitem(sys.modules, "fedmvp.presets", module)
+    imagefolder(tmp_path / "toy" / "train", ["giraffe", "zebra"], n=1)
+    imagefolder(tmp_path / "toy" / "test", ["giraffe", "zebra"], n=1)
+    (tmp_path / "toy.toml").write_text(
+        'protocol = "ssmt"\n[train]\nrounds = 1\n[[datasets]]\nname = "toy"\nlayout = "imagefolder"\n'
+        'root = "toy"\ndomain = "sketch"\n')
     monkeypatch.chdir(tmp_path)  # the default --out is relative: attributes/<preset>_<domain>.json
     runner = CliRunner()
-    ok = runner.invoke(main, ["attributes", "generate", "--preset", "toy", "--domain",
+    ok = runner.invoke(main, ["attributes", "generate", "--preset", "toy.toml", "--domain",
                               "sketch", "--offline"], env={"OPENAI_API_KEY": None})
     assert ok.exit_code == 0, ok.output
     written = Path("attributes/toy_sketch.json")
     assert list(load_attributes(written)) == ["giraffe", "zebra"]
     assert json.loads(written.read_text())[META_KEY]["domain"] == "sketch"
-    typo = runner.invoke(main, ["attributes", "generate", "--preset", "toy", "--domain",
+    typo = runner.invoke(main, ["attributes", "generate", "--preset", "toy.toml", "--domain",
                                 "skecth", "--offline"])
     assert typo.exit_code == 2
-    assert "preset 'toy' has no domain 'skecth'; its domains are: photo, sketch" in typo.stderr
+    assert "preset 'toy.toml' has no domain 'skecth'; its domains are: sketch" in typo.stderr
     unknown = runner.invoke(main, ["attributes", "generate", "--preset", "nope", "--offline"])
     assert unknown.exit_code == 2 and "preset 'nope'" in unknown.stderr

@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from fedmvp.cli import main
-from fedmvp.presets import preset_class_names
+from fedmvp.data.catalog import preset_class_names
 
 
 def test_offline_attributes_for_every_class_of_the_demo_preset(tmp_path):

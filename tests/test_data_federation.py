@@ -14,7 +14,7 @@ from data_trees import attributes, coop, corrupt, domainbed, fake_world, imagefo
 
 from fedmvp.data.dataset import UnreadableImageWarning  # noqa: E402
 from fedmvp.data.federation import build_federation  # noqa: E402
-from fedmvp.presets import load_preset  # noqa: E402
+from fedmvp.presets.schema import load_preset  # noqa: E402
 
 HEAD = """
 protocol = "{protocol}"
@@ -178,7 +178,7 @@ def test_unreadable_training_image_is_reported_once_and_replaced(tmp_path):
 
 
 def test_shipped_demo_preset_builds_on_a_real_world(tmp_path):
-    from fedmvp.data.write_world import write_world
+    from fedmvp.synthetic.writer import write_world
 
     demo = Path(__file__).parents[1] / "fedmvp" / "presets" / "demo.toml"
     if not demo.exists():

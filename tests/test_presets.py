@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from data_trees import attributes, imagefolder  # noqa: E402
 
 from fedmvp.data.federation import build_federation  # noqa: E402
-from fedmvp.presets import (DatasetSpec, ModelSpec, Preset, PresetError, TrainSpec,  # noqa: E402
-                            list_presets, load_preset, preset_class_names, preset_domains)
+from fedmvp.data.catalog import preset_class_names, preset_domains  # noqa: E402
+from fedmvp.presets.schema import (DatasetSpec, ModelSpec, Preset, PresetError, TrainSpec,  # noqa: E402
+                                   list_presets, load_preset)
 
 CLASSES = ["ant", "bee", "cat", "dog", "eel", "fox"]
 

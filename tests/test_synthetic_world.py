@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedmvp.data.render import image_rng, render
-from fedmvp.data.world import (DOMAINS, K_PHRASES, attributes_dict, class_phrases, held_out_classes, load_classes,
+from fedmvp.synthetic.render import image_rng, render
+from fedmvp.synthetic.world import (DOMAINS, K_PHRASES, attributes_dict, class_phrases, held_out_classes, load_classes,
                                seen_classes, world_texts)
-from fedmvp.data.write_world import WORLD_VERSION, ensure_world, write_world
+from fedmvp.synthetic.writer import WORLD_VERSION, ensure_world, write_world
 
 SMALL = {"train": 2, "test": 1}
 
@@ -133,7 +133,7 @@ def test_attributes_and_world_json(small_world: Path) -> None:
 
 
 def test_ensure_world_reuses_and_never_leaves_half_a_tree(tmp_path: Path, monkeypatch) -> None:
-    import fedmvp.data.write_world as ww
+    import fedmvp.synthetic.writer as ww
 
     root = tmp_path / "cache-world"
     counts = {"test": 1}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedmvp.clip import load_clip, shipped_weights
-from fedmvp.data.write_world import ensure_world
+from fedmvp.synthetic.writer import ensure_world
 
 RECORD = Path(__file__).resolve().parents[1] / "fedmvp" / "weights" / "fedmvp-tiny-synthetic.zero-shot.json"
 MARGIN = 3.0  # percentage points
@@ -50,7 +50,7 @@ def test_shipped_weights_load_offline_by_name(monkeypatch) -> None:
 
 
 def test_zero_shot_figures_match_the_record(shipped, test_world: Path, record: dict) -> None:
-    from fedmvp.zero_shot_world import world_zero_shot
+    from fedmvp.synthetic.zero_shot import world_zero_shot
 
     report = world_zero_shot(shipped, test_world, split=record["split"])
     for domain, groups in record["results"].items():
@@ -95,8 +95,8 @@ def test_pretrain_tiny_smoke(tmp_path: Path) -> None:
 
 
 def test_caption_stream_never_names_held_out_classes() -> None:
-    from fedmvp.data.world import held_out_classes
-    from fedmvp.pretrain import PretrainConfig, render_batch, CaptionSampler
+    from fedmvp.synthetic.world import held_out_classes
+    from fedmvp.synthetic.pretrain import PretrainConfig, render_batch, CaptionSampler
 
     config = PretrainConfig(batch_size=64)
     sampler = CaptionSampler(config)

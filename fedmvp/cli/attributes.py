@@ -6,12 +6,10 @@ written stay on disk); 2 bad input or usage (nothing was asked).
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Callable
 
 import click
 
@@ -32,15 +30,6 @@ class _EchoHandler(logging.Handler):
         click.echo(f"{record.levelname.lower()}: {self.format(record)}", err=True)
 
 
-def _preset_function(name: str) -> Callable[..., Any]:
-    """``fedmvp.presets.<name>``, imported only when a preset is used."""
-    try:
-        return getattr(importlib.import_module("fedmvp.presets"), name)
-    except (ImportError, AttributeError):
-        raise BadInput(f"--preset needs fedmvp.presets.{name}, which this install does not "
-                       "have; pass --classes FILE instead") from None
-
-
 def _class_names(classes: Path | None, preset: str | None) -> list[str]:
     if (classes is None) == (preset is None):
         raise BadInput("give exactly one of --classes FILE or --preset NAME")
@@ -49,10 +38,10 @@ def _class_names(classes: Path | None, preset: str | None) -> list[str]:
             return read_class_names(classes)
         except AttributeFileError as exc:
             raise BadInput(str(exc)) from None
+    from fedmvp.data.catalog import preset_class_names
+
     try:
-        names = list(_preset_function("preset_class_names")(preset))
-    except BadInput:
-        raise
+        names = preset_class_names(preset)
     except (KeyError, ValueError, OSError) as exc:
         raise BadInput(f"preset {preset!r}: {exc}") from None
     if not names:
@@ -64,10 +53,10 @@ def _check_domain(preset: str | None, domain: str | None) -> None:
     """With a preset that lists domains, the hint must be one of them (catches typos early)."""
     if not (preset and domain):
         return
+    from fedmvp.data.catalog import preset_domains
+
     try:
-        domains = list(_preset_function("preset_domains")(preset))
-    except BadInput:
-        return  # presets without domain support: any hint is allowed
+        domains = preset_domains(preset)
     except (KeyError, ValueError, OSError) as exc:
         raise BadInput(f"preset {preset!r}: {exc}") from None
     if domains and domain not in domains:

@@ -42,7 +42,7 @@ def pretrain_tiny(out: Path, steps: int, batch_size: int, lr: float, warmup: int
     """
     quiet_open_clip_logging()
     from fedmvp.clip import REGISTRY, PACKAGE_DIR
-    from fedmvp.pretrain import PretrainConfig, pretrain, write_vocab as regenerate_vocab
+    from fedmvp.synthetic.pretrain import PretrainConfig, pretrain, write_vocab as regenerate_vocab
 
     vocab_path = PACKAGE_DIR / REGISTRY["tokenizers"]["fedmvp-tiny"]["vocab"]
     kept = None

@@ -13,7 +13,7 @@ def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume
     from fedmvp.attributes.files import AttributeFileError
     from fedmvp.clip import ClipLoadError
     from fedmvp.federated.simulation import prepare_run, simulate
-    from fedmvp.presets import PresetError
+    from fedmvp.presets.schema import PresetError
     from fedmvp.runs import RunError
 
     try:

@@ -33,8 +33,8 @@ def world(out: Path | None, seed: int, n_train: int, n_val: int, n_test: int, do
 
     Writes OUT/<domain>/<split>/<class>/<nnnn>.png (each OUT/<domain>/<split> is an
     ImageFolder), OUT/attributes.json ({class: [10 phrases]}) and OUT/world.json."""
-    from fedmvp.data.world import DOMAINS
-    from fedmvp.data.write_world import ensure_world, read_world, write_world
+    from fedmvp.synthetic.world import DOMAINS
+    from fedmvp.synthetic.writer import ensure_world, read_world, write_world
 
     picked = [d.strip() for d in domains.split(",") if d.strip()]
     unknown = [d for d in picked if d not in DOMAINS]

@@ -37,9 +37,9 @@ from fedmvp.data.dataset import is_readable
 from fedmvp.data.layouts import LayoutError, read_coop_split, read_imagefolder
 from fedmvp.data.partitions import contiguous_clients, groups_from_names, uncovered
 from fedmvp.data.sampling import dirichlet_label_skew, k_shot
-from fedmvp.data.sources import (ClassPlan, Pool, align, class_plan, domain_images, names_file,
+from fedmvp.data.catalog import (ClassPlan, Pool, align, class_plan, domain_images, names_file,
                                  preset_failure, source_pools, test_folder, world_root)
-from fedmvp.presets import DatasetSpec, Preset, PresetError
+from fedmvp.presets.schema import DatasetSpec, Preset, PresetError
 
 __all__ = ["ClientData", "EvalSet", "Federation", "PresetError", "build_federation"]
 

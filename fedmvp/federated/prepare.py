@@ -29,7 +29,7 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
                 device: str = "auto") -> RunDir:
     """Validate the preset, create or reopen the run directory, write config.json."""
     from fedmvp.data.federation import build_federation
-    from fedmvp.presets import load_preset
+    from fedmvp.presets.schema import load_preset
 
     preset = load_preset(preset_path)
     federation = build_federation(preset)

@@ -50,7 +50,7 @@ def deployment_settings(run_config: dict) -> ServerSettings:
 
     An existing run directory resumes: ``preset`` may then be empty or must name the same preset,
     ``rounds`` must be 0 or the run's. Bad settings raise RuntimeError before any round starts."""
-    from fedmvp.presets import preset_path
+    from fedmvp.presets.schema import preset_path
 
     run_dir = str(run_config.get("run-dir", "")).strip()
     if not run_dir:
@@ -79,7 +79,7 @@ def deployment_settings(run_config: dict) -> ServerSettings:
 
 def client_preset(preset_path: str) -> str:
     """What the clients are told to load: a shipped preset by name (its path differs per machine)."""
-    from fedmvp.presets import PRESET_DIR
+    from fedmvp.presets.schema import PRESET_DIR
 
     path = Path(preset_path)
     if path.suffix == ".toml" and path.parent.resolve() == PRESET_DIR.resolve() and path.is_file():

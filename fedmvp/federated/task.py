@@ -121,7 +121,7 @@ def build_model(clip: LoadedClip, preset, device: torch.device) -> FedMVP:
 def task_context(preset_path: str, device: str = "cpu") -> TaskContext:
     """Built once per process and preset (the frozen CLIP is loaded once per worker, not per client)."""
     from fedmvp.data.federation import build_federation
-    from fedmvp.presets import load_preset
+    from fedmvp.presets.schema import load_preset
 
     preset = load_preset(preset_path)
     federation = build_federation(preset)

@@ -17,7 +17,7 @@ def pretrained_tag() -> str:
 
 def write_dataset(root: Path) -> None:
     """A small synthetic world (photo domain): shapes the tiny CLIP was pretrained to recognise."""
-    from fedmvp.data.write_world import write_world
+    from fedmvp.synthetic.writer import write_world
 
     write_world(root, seed=0, counts={"train": 2, "test": 6}, domains=["photo"], workers=1)
 

@@ -36,7 +36,7 @@ classes_per_client = 2
 
 @pytest.fixture(scope="session")
 def small_world(tmp_path_factory) -> Path:
-    from fedmvp.data.write_world import write_world
+    from fedmvp.synthetic.writer import write_world
 
     return write_world(tmp_path_factory.mktemp("world") / "world", counts={"train": 2, "test": 2},
                        domains=["photo", "painting"])

@@ -215,7 +215,7 @@ def test_bad_run_config_is_one_clear_error(preset_file, tmp_path, run_config, me
 
 
 def test_clients_get_a_shipped_preset_by_name_and_any_other_by_path(preset_file):
-    from fedmvp.presets import preset_path
+    from fedmvp.presets.schema import preset_path
 
     assert client_preset(str(preset_path("demo").resolve())) == "demo"
     assert client_preset(str(preset_file)) == str(preset_file)

@@ -1,12 +1,14 @@
-"""What images a preset dataset names: its class plan and its per-domain train/test pools.
+"""What a preset's datasets hold: class plans, per-domain train/test pools, class-name queries.
 
 Why separate from the federation: ``preset_class_names`` (attribute generation) needs a dataset's
 class list without listing a single image, and the partition code should not care which layout
-the images came from. Everything here is in the dataset's own label space.
+the images came from. Everything here is in the dataset's own label space. The preset module
+itself stays schema + parsing; every question about a preset's *data* is answered here.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from fedmvp.data.layouts import (LabelledImages, LayoutError, domainbed_classes,
                                  read_world_meta)
 from fedmvp.data.partitions import split_base_new
 from fedmvp.data.sampling import holdout_split
-from fedmvp.presets import DatasetSpec, Preset, PresetError
+from fedmvp.presets.schema import DatasetSpec, Preset, PresetError, load_preset
 
 Sample = tuple[str, int]
 
@@ -45,7 +47,7 @@ class Pool:
 def world_root(spec: DatasetSpec) -> Path:
     """The synthetic world's folder; ``root = ""`` renders (once, cached) the default world."""
     if spec.synthetic_default:
-        from fedmvp.data.write_world import ensure_world
+        from fedmvp.synthetic.writer import ensure_world
 
         return Path(ensure_world(seed=spec.world_seed))
     return spec.root_path()
@@ -54,7 +56,7 @@ def world_root(spec: DatasetSpec) -> Path:
 def world_table(spec: DatasetSpec) -> list[tuple[str, bool]]:
     """(name, held_out) in label order; the default world's list needs no rendering."""
     if spec.synthetic_default:
-        from fedmvp.data.world import load_classes
+        from fedmvp.synthetic.world import load_classes
 
         return [(c.name, c.held_out) for c in load_classes()]
     return [(c["name"], bool(c.get("held_out"))) for c in read_world_meta(spec.root_path())["classes"]]
@@ -163,3 +165,23 @@ def preset_failure(preset: Preset, spec: DatasetSpec, exc: BaseException) -> Pre
     index = preset.datasets.index(spec) if spec in preset.datasets else "?"
     message = " ".join(str(exc).split()) or type(exc).__name__
     return PresetError(f"{preset.path}: datasets[{index}] ({spec.name}): {message}")
+
+
+def preset_class_names(name_or_path: str | os.PathLike) -> list[str]:
+    """Every class name the preset uses, over all datasets, first occurrence first (for
+    ``fedmvp attributes generate``). Reads class lists only, never images."""
+    preset = name_or_path if isinstance(name_or_path, Preset) else load_preset(name_or_path)
+    names: dict[str, None] = {}
+    for spec in preset.datasets:
+        names.update(dict.fromkeys(dataset_class_names(preset, spec)))
+    return list(names)
+
+
+def preset_domains(name_or_path: str | os.PathLike) -> list[str]:
+    """Every domain the preset names (train, test and single-dataset domains), in order."""
+    preset = name_or_path if isinstance(name_or_path, Preset) else load_preset(name_or_path,
+                                                                               check_roots=False)
+    domains: dict[str, None] = {}
+    for d in preset.datasets:
+        domains.update(dict.fromkeys([*d.train_domains, *d.test_domains, *([d.domain] if d.domain else [])]))
+    return list(domains)

@@ -16,7 +16,7 @@ import math
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from fedmvp.data.world import COLOURS, SHAPES, SIZES, WorldClass
+from fedmvp.synthetic.world import COLOURS, SHAPES, SIZES, WorldClass
 
 CANVAS = 64
 IMAGE_SIZE = 32

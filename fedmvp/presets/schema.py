@@ -22,7 +22,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-PRESET_DIR = Path(__file__).with_name("presets")
+PRESET_DIR = Path(__file__).parent
 PROTOCOLS = ("base-to-new", "msst", "ssmt")
 PROTOCOL_ALIASES = {"base2new": "base-to-new", "multi-source-single-target": "msst",
                     "single-source-multi-target": "ssmt"}
@@ -322,25 +322,3 @@ def load_preset(name_or_path: str | os.PathLike, check_roots: bool = True) -> Pr
     if check_roots:
         _check_roots(preset, err)
     return preset
-
-
-def preset_class_names(name_or_path: str | os.PathLike) -> list[str]:
-    """Every class name the preset uses, over all datasets, first occurrence first (for
-    ``fedmvp attributes generate``). Reads class lists only, never images."""
-    from fedmvp.data.sources import dataset_class_names
-
-    preset = name_or_path if isinstance(name_or_path, Preset) else load_preset(name_or_path)
-    names: dict[str, None] = {}
-    for spec in preset.datasets:
-        names.update(dict.fromkeys(dataset_class_names(preset, spec)))
-    return list(names)
-
-
-def preset_domains(name_or_path: str | os.PathLike) -> list[str]:
-    """Every domain the preset names (train, test and single-dataset domains), in order."""
-    preset = name_or_path if isinstance(name_or_path, Preset) else load_preset(name_or_path,
-                                                                               check_roots=False)
-    domains: dict[str, None] = {}
-    for d in preset.datasets:
-        domains.update(dict.fromkeys([*d.train_domains, *d.test_domains, *([d.domain] if d.domain else [])]))
-    return list(domains)

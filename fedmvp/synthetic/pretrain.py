@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedmvp.attributes.sentences import SentenceStyle, sentence
-from fedmvp.data.render import image_rng, render
-from fedmvp.data.world import (WorldClass, article, class_phrases, load_classes, made_up_words,
+from fedmvp.synthetic.render import image_rng, render
+from fedmvp.synthetic.world import (WorldClass, article, class_phrases, load_classes, made_up_words,
                                seen_classes, world_texts)
 
 MODEL_NAME = "fedmvp-tiny"
@@ -188,7 +188,7 @@ def normaliser(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 def write_vocab(path: Path) -> int:
     """Regenerate the compact tokenizer's kept-ids file from every text of the world."""
     from fedmvp.atomic import write_text
-    from fedmvp.tokenizer import CompactTokenizer
+    from fedmvp.synthetic.tokenizer import CompactTokenizer
 
     ids = CompactTokenizer.kept_ids_for(world_texts())
     doc = ("BPE ids kept by the fedmvp-tiny tokenizer: every token of the synthetic world's texts. "

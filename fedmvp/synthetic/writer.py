@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from fedmvp.data.render import IMAGE_SIZE, image_rng, render
-from fedmvp.data.world import DOMAINS, K_PHRASES, SPLITS, attributes_dict, load_classes
+from fedmvp.synthetic.render import IMAGE_SIZE, image_rng, render
+from fedmvp.synthetic.world import DOMAINS, K_PHRASES, SPLITS, attributes_dict, load_classes
 
 WORLD_VERSION = 3  # bump when rendering or the class list changes: cached worlds are then rebuilt
 DEFAULT_COUNTS: dict[str, int] = {"train": 16, "val": 8, "test": 16}  # images per class, domain and split

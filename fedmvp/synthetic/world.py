@@ -193,7 +193,7 @@ def write_classes_file(path: Path = CLASSES_FILE, seed: int = 2025) -> None:
     rows = [asdict(c) for c in design_classes(seed)]
     body = ",\n".join("    " + json.dumps(r) for r in rows)
     doc = ("Classes of the synthetic world in label order (48 seen, then 16 held-out). "
-           "Made by fedmvp.data.world.design_classes(seed=%d)." % seed)
+           "Made by fedmvp.synthetic.world.design_classes(seed=%d)." % seed)
     write_text(path, '{\n  "_doc": %s,\n  "classes": [\n%s\n  ]\n}\n' % (json.dumps(doc), body))
 
 

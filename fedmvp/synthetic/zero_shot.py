@@ -18,7 +18,7 @@ from PIL import Image
 
 from fedmvp.attributes.sentences import SentenceStyle, build_sentences
 from fedmvp.clip import LoadedClip
-from fedmvp.data.world import DOMAINS
+from fedmvp.synthetic.world import DOMAINS
 
 GROUPS = ("seen", "held_out")
 PROMPTS = ("name", "attributes")
