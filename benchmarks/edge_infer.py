@@ -37,7 +37,8 @@ def build_tiny_bundle(work: Path, num_classes: int = 16) -> Path:
     import torch
 
     from export.bundle_writer import write_bundle
-    from export.sources import ClassSet, synthetic_images
+    from export.class_set import ClassSet
+    from export.run_inputs import synthetic_images
     from fedmvp.clip import load_clip
     from fedmvp.model import FedMVP
 

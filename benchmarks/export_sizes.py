@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from export.bundle_writer import write_bundle  # noqa: E402
-from export.sources import ClassSet, synthetic_images  # noqa: E402
+from export.class_set import ClassSet  # noqa: E402
+from export.run_inputs import synthetic_images  # noqa: E402
 from fedmvp.clip import load_clip  # noqa: E402
 from fedmvp.model import FedMVP  # noqa: E402
 

@@ -22,15 +22,18 @@ def main() -> None:
     parser.add_argument("--preset", default="demo", help="preset name or TOML file")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--alpha", type=float, default=0.0, help="consistency weight (SPEC: 10)")
+    parser.add_argument("--alpha", type=float, default=0.0, help="consistency weight (the paper: 10)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from fedmvp.federated.task import evaluate_global, task_context
+    from fedmvp.federated.evaluation import evaluate_global
+    from fedmvp.federated.prepare import method_config
+    from fedmvp.federated.task import task_context
+    from fedmvp.presets.schema import load_preset
 
     torch.manual_seed(0)
-    ctx = task_context(args.preset)
+    ctx = task_context(args.preset, method_config(load_preset(args.preset).train))
     model = ctx.model
     base = next(ev for ev in ctx.federation.evaluations if ev.kind == "base")
     names = base.class_names

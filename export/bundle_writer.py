@@ -24,11 +24,12 @@ from tqdm import tqdm
 
 from edge_client import bundle as fmt
 from export import onnx_export, parity, training_artifact
-from export.graph import build_edge_classifier, lora_scaling
+from export.class_set import ClassSet, file_class_set, run_class_set, text_features
+from export.edge_module import build_edge_classifier, lora_scaling
+from export.errors import ExportError
 from export.int8 import Int8Plan
-from export.sources import (ClassSet, ExportError, file_class_set, find_run, load_checkpoint, model_config,
-                            preprocess_spec, read_config, rebuild_model, run_class_set, run_federation,
-                            run_images, run_training_images, synthetic_images, text_features)
+from export.run_inputs import (find_run, load_checkpoint, method_config, preprocess_spec, read_config,
+                               rebuild_model, run_federation, run_images, run_training_images, synthetic_images)
 from fedmvp.clip import LoadedClip
 from fedmvp.model import FedMVP
 
@@ -223,9 +224,8 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
         "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
         "source": source,
         "model": {"clip": clip.name, "pretrained": clip.pretrained, "weights_identity": clip.identity,
-                  "embed_dim": clip.embed_dim, "vision_width": clip.vision_width,
-                  "num_prompts": model.config.num_prompts, "lora_rank": model.config.lora_rank,
-                  "lora_in_checkpoint": bool(model.config.use_lora)},
+                  "embed_dim": clip.embed_dim, "vision_width": clip.vision_width},
+        "method": model.config.to_dict(),  # the record the weights were trained as (alpha, lora_rank, ...)
         "classes": {"names": list(classes.names), "count": len(classes.names),
                     "attributes_per_class": classes.k, "source": classes.source},
         "preprocess": preprocess_spec(clip).to_manifest(),
@@ -294,7 +294,7 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     except ClipLoadError as err:
         raise ExportError(str(err)) from None
     ckpt_path = run_dir.round_path(checkpoint.round) / "global.safetensors"
-    model = rebuild_model(clip, model_config(config, checkpoint.tensors), checkpoint, ckpt_path)
+    model = rebuild_model(clip, method_config(run_dir, checkpoint), checkpoint, ckpt_path)
     images = run_images(federation, clip.preprocess, parity_images) if federation else torch.zeros(0)
     note = {"run": len(images), "synthetic": max(0, parity.MIN_IMAGES - len(images))}
     images = _topped_up(images, clip.image_size, seed=0)

@@ -52,7 +52,7 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
     """
     _quiet_libraries()
     from export.bundle_writer import ParityError, export_bundle
-    from export.sources import ExportError
+    from export.errors import ExportError
 
     try:
         result = export_bundle(run, round_number, out, precision=precision, force=force, attributes=attributes,

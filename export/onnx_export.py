@@ -31,7 +31,7 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, numpy_helper
 
-from export.graph import EdgeClassifier
+from export.edge_module import EdgeClassifier
 
 if TYPE_CHECKING:
     from export.int8 import Int8Plan
@@ -231,18 +231,3 @@ def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, ref
     out, plan = plan_int8(proto, lora_names, reference, run, target, progress)
     _check_lora_fp32(out, lora_names, "int8 quantisation")
     return _sorted(out), plan
-
-
-# ---- swapping LoRA without re-exporting -----------------------------------------------------------
-def replace_initializers(proto: onnx.ModelProto, tensors: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """A copy of ``proto`` with named initializers replaced (same shape; stored as fp32)."""
-    out = onnx.ModelProto()
-    out.CopyFrom(proto)
-    found = {init.name: init for init in out.graph.initializer}
-    for name, value in tensors.items():
-        if name not in found:
-            raise KeyError(f"no initializer named {name}")
-        if list(found[name].dims) != list(np.shape(value)):
-            raise ValueError(f"{name}: shape {list(np.shape(value))} != {list(found[name].dims)}")
-        found[name].CopyFrom(numpy_helper.from_array(np.asarray(value, dtype=np.float32), name))
-    return out

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from export.graph import EdgeClassifier
+from export.edge_module import EdgeClassifier
 from export.onnx_export import no_mha_fastpath
 
 OUTPUT_NAMES = ("prompted_features", "logits", "frozen_features")
@@ -77,8 +77,3 @@ def save_program(exported: torch.export.ExportedProgram, path: Path) -> None:
     """Save without example inputs: they would store every weight again, pickled."""
     exported.example_inputs = None
     torch.export.save(exported, str(path))
-
-
-def load_program(path: Path) -> nn.Module:
-    """The callable module (verify the file's hash before calling this on untrusted input)."""
-    return torch.export.load(str(path)).module()

@@ -1,6 +1,6 @@
 """FedMVP: frozen CLIP + PromptFormer (+ peft LoRA), the attribute classifier and the loss.
 
-SPEC sections 2-5. The only trainable tensors are the PromptFormer's (before the LoRA
+docs/method.md §2-5. The only trainable tensors are the PromptFormer's (before the LoRA
 switch) or its LoRA's (after). They travel under stable names, ``promptformer.*`` and
 ``lora.*``, identical in checkpoints, Flower messages, bundles and update files.
 """
@@ -8,7 +8,8 @@ switch) or its LoRA's (after). They travel under stable names, ``promptformer.*`
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ LORA_PREFIX = "lora."
 
 @dataclass
 class FedMVPConfig:
-    """Method hyper-parameters (SPEC defaults)."""
+    """Method hyper-parameters (the paper's defaults, docs/method.md)."""
 
     num_prompts: int = field(default=4, metadata={"help": "m, prompt tokens appended per image"})
     heads: int = field(default=4, metadata={"help": "attention heads in the PromptFormer"})
@@ -36,6 +37,29 @@ class FedMVPConfig:
     lora_targets: tuple[str, ...] = field(default=("to_q", "to_k", "to_v"),
                                           metadata={"help": "PromptFormer Linear layers that get LoRA"})
     use_lora: bool = field(default=True, metadata={"help": "False reproduces the 'w/o LoRA' ablation"})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record that travels with the weights (run config, round states, bundle manifest)."""
+        return {**asdict(self), "lora_targets": list(self.lora_targets)}
+
+    @classmethod
+    def from_dict(cls, record: Any, where: str = "method") -> "FedMVPConfig":
+        """Rebuild exactly what was recorded: every field must be there, nothing else may be.
+
+        Why strict: a reader that filled a missing key from the defaults would silently build
+        another model than the one the weights were trained as."""
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: not a method record (got {type(record).__name__})")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(record) - set(names))
+        missing = [n for n in names if n not in record]
+        if unknown or missing:
+            detail = "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
+                                             f"unknown {', '.join(unknown)}" if unknown else ""]))
+            raise ValueError(f"{where}: method record does not match this fedmvp ({detail})")
+        values = dict(record)
+        values["lora_targets"] = tuple(values["lora_targets"])
+        return cls(**values)
 
 
 def autocast_for(device: torch.device | str) -> contextlib.AbstractContextManager:
@@ -97,7 +121,7 @@ class FedMVP(nn.Module):
             self._set_trainable(promptformer=True, lora=False)
 
     def use_lora(self) -> None:
-        """The switch (SPEC section 4): freeze the PromptFormer, train only LoRA from now on."""
+        """The switch (docs/method.md §4): freeze the PromptFormer, train only LoRA from now on."""
         if not self.config.use_lora:
             raise RuntimeError("this model was built without LoRA (use_lora=False)")
         self.lora_active = True

@@ -1,4 +1,4 @@
-"""open_clip's VisionTransformer forward, split so prompt tokens can be injected (SPEC section 3).
+"""open_clip's VisionTransformer forward, split so prompt tokens can be injected (docs/method.md §3).
 
 ``patch_embeds`` is open_clip's ``_embeds`` up to (not including) patch dropout and
 ``ln_pre``: conv1, flatten, [CLS] + patches, + positional embedding. Prompts are

@@ -1,4 +1,4 @@
-"""The PromptFormer (SPEC section 3): image patches cross-attend to attribute text features.
+"""The PromptFormer (docs/method.md §3): image patches cross-attend to attribute text features.
 
 Queries are the patch embeddings (after conv1 + positional embedding, before ln_pre,
 CLS excluded); keys/values are a Linear(embed -> width) projection of every attribute

@@ -6,15 +6,19 @@ from pathlib import Path
 
 import torch
 
-def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: int = 0) -> None:
-    """config.json + rounds 1 and 2; LoRA B perturbed so LoRA changes the outputs."""
+def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: int = 0,
+              lora_rank: int = 4) -> None:
+    """config.json + rounds 1 and 2; LoRA B perturbed so LoRA changes the outputs.
+
+    Rank 4, not the default 8: every export and edge test then shows the recorded rank travels."""
     from fedmvp.clip import load_clip
-    from fedmvp.model import FedMVP
+    from fedmvp.model import FedMVP, FedMVPConfig
     from fedmvp.runs import RunDir
 
     torch.manual_seed(seed)
     clip = load_clip("fedmvp-tiny", pretrained or None)
-    model = FedMVP(clip)
+    method = FedMVPConfig(lora_rank=lora_rank)
+    model = FedMVP(clip, method)
     generator = torch.Generator().manual_seed(seed + 1)
     state = model.state("all")
     for name in state:
@@ -23,15 +27,16 @@ def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: in
     run = RunDir(run_path)
     run.write_config({"preset": name, "preset_path": str(preset), "seed": seed, "rounds": 2,
                       "model": {"clip": "fedmvp-tiny", "pretrained": pretrained},
-                      "train": {"num_prompts": 4, "alpha": 10.0, "use_lora": True}})
+                      "method": method.to_dict()})
     for round_number in (1, 2):
-        run.save_checkpoint(round_number, state, {"lora_clients": [0] if round_number == 2 else []})
+        run.save_checkpoint(round_number, state, {"lora_clients": [0] if round_number == 2 else [],
+                                                  "method": method.to_dict()})
 
 
 def rebuilt_model(run_path: Path, round_number: int = 2):
     """The PyTorch model exactly as the exporter rebuilds it (same seed, tensors, class set)."""
-    from export.sources import (load_checkpoint, model_config, read_config, rebuild_model, run_class_set,
-                                run_federation, text_features)
+    from export.class_set import run_class_set, text_features
+    from export.run_inputs import load_checkpoint, method_config, read_config, rebuild_model, run_federation
     from fedmvp.clip import load_clip
     from fedmvp.runs import RunDir
 
@@ -41,6 +46,6 @@ def rebuilt_model(run_path: Path, round_number: int = 2):
     classes = run_class_set(run_federation(config, run), "run")
     torch.manual_seed(int(config["seed"]))
     clip = load_clip("fedmvp-tiny", config["model"]["pretrained"] or None)
-    model = rebuild_model(clip, model_config(config, checkpoint.tensors), checkpoint, run.path)
+    model = rebuild_model(clip, method_config(run, checkpoint), checkpoint, run.path)
     model.set_text_features(text_features(clip, classes))
     return model, clip

@@ -9,7 +9,7 @@ import pytest
 from fedmvp.data.partitions import contiguous_clients, groups_from_names, split_base_new, uncovered
 from fedmvp.data.sampling import dirichlet_label_skew, holdout_split, k_shot
 
-# SPEC section 6: (dataset, classes, clients of 20 base classes)
+# docs/method.md §6: (dataset, classes, clients of 20 base classes)
 BASE_TO_NEW = [
     ("Caltech101", 100, 2), ("OxfordFlowers", 102, 3), ("FGVCAircraft", 100, 2), ("UCF101", 101, 3),
     ("OxfordPets", 37, 1), ("Food101", 101, 3), ("DTD", 47, 1), ("StanfordCars", 196, 5),

@@ -122,7 +122,7 @@ def test_consistency_term_matches_its_definition(tiny_model):
 
 
 def test_thirty_sgd_steps_lower_the_loss_substantially():
-    """SPEC optimiser on a fixed batch; the random CLIP gets a trained CLIP's logit scale (100)."""
+    """The paper's optimiser on a fixed batch; the random CLIP gets a trained CLIP's logit scale (100)."""
     torch.manual_seed(0)
     clip = load_clip("fedmvp-tiny", None)
     clip.model.logit_scale.data.fill_(math.log(100.0))

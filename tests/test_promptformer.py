@@ -1,4 +1,4 @@
-"""PromptFormer structure: the SPEC's exact parameter counts, pooling, shapes."""
+"""PromptFormer structure: the paper's exact parameter counts (docs/method.md §3), pooling, shapes."""
 
 from __future__ import annotations
 

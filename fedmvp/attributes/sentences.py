@@ -1,4 +1,4 @@
-"""Attribute phrases -> CLIP sentences (SPEC section 2).
+"""Attribute phrases -> CLIP sentences (docs/method.md §2).
 
 ``"{prefix} {class}, {suffix}{connector} {phrase}"``: "a photo of a giraffe, which has
 exceptionally long neck". The connector drops "has" when the phrase starts with a

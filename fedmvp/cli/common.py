@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import click
@@ -31,8 +30,3 @@ def quiet_open_clip_logging() -> None:
     import logging
 
     logging.getLogger().setLevel(logging.ERROR)
-
-
-def fail(message: str, code: int = EXIT_FAILED) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)

@@ -1,15 +1,88 @@
 """`fedmvp demo`: the whole flow on the embedded synthetic world, offline, in minutes.
 
-Trains the `demo` preset (base classes cut into clients, new classes and one domain
-held out) on Flower's simulation engine, writes ./runs/demo-<time>/ like any run, and
-prints the paper-style table: zero-shot vs tuned Local / Base / New / HM.
+Trains the `demo` preset (base classes cut into clients, new classes and one domain held out) on
+Flower's simulation engine, writes ./runs/demo-<time>/ like any run, prints the paper-style
+table (zero-shot vs tuned Local / Base / New / HM), then exports the last round and runs the
+edge client on it. This module is the one place in ``fedmvp`` that drives ``export`` and
+``edge_client`` (docs/architecture.md): the training core itself knows nothing of bundles.
 """
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
 import click
 
 from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
+from fedmvp.runs import RunDir
+
+# On-device personalisation recipe of the demo. The edge client's defaults are the paper's (SGD 0.003,
+# alpha 10), under which the tiny CLIP's LoRA barely moves; AdamW, the usual LoRA optimizer, with a
+# lighter consistency weight learns (README "What fedmvp demo does"; benchmarks/edge_personalise.py).
+EDGE_TRAIN = {"epochs": 20, "lr": 0.01, "optimizer": "adamw", "alpha": 1.0}
+EDGE_BATCH = 32
+DEMO_EVAL_EVERY = 5
+
+
+@dataclass
+class EdgeDemoResult:
+    bundle: Path
+    bundle_mb: float
+    parity: list[str]
+    classes: list[str]
+    before: float | None
+    after: float | None
+    train_examples: int
+    train_loss: tuple[float, float]
+    recipe: str = ""
+
+
+def new_class_folders(run: RunDir, shots: int) -> tuple[Path, Path, list[str]]:
+    """(local training folder, held-out test folder) of the run's new classes, as ImageFolder trees.
+
+    Needs only the run's federation (image paths), not a CLIP."""
+    from fedmvp.data.federation import load_federation
+
+    _, federation = load_federation(run.read_config()["preset_path"])
+    new_sets = [ev for ev in federation.evaluations if ev.kind == "new"]
+    if not new_sets:
+        raise RuntimeError("the preset has no new classes to personalise on")
+    ev = new_sets[0]
+    local, held_out = run.path / "edge" / "local", run.path / "edge" / "held-out"
+    for folder in (local, held_out):
+        shutil.rmtree(folder, ignore_errors=True)
+    for path, label in ev.samples:
+        test_file = Path(path)
+        name = ev.class_names[label]
+        train_dir = test_file.parent.parent.parent / "train" / test_file.parent.name
+        (held_out / name).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(test_file, held_out / name / test_file.name)
+        if not (local / name).exists():
+            (local / name).mkdir(parents=True)
+            for src in sorted(train_dir.glob("*.png"))[:shots]:
+                shutil.copyfile(src, local / name / src.name)
+    return local, held_out, list(ev.class_names)
+
+
+def run_edge_demo(run: RunDir, shots: int = 8) -> EdgeDemoResult:
+    """Export the last round, classify held-out new-class images, personalise on them, classify again."""
+    from edge_client.infer import infer_paths
+    from edge_client.train import train_local
+    from export.bundle_writer import export_bundle
+
+    bundle = export_bundle(run.path, out=run.path / "bundle", force=True, progress=True)
+    local, held_out, classes = new_class_folders(run, shots)
+    before = infer_paths([str(held_out)], bundle.path).accuracy()
+    trained = train_local(str(local), bundle.path, out=str(run.path / "edge" / "updates"), batch_size=EDGE_BATCH,
+                          progress=True, **EDGE_TRAIN)
+    after = infer_paths([str(held_out)], bundle.path).accuracy()
+    losses = trained.epoch_losses
+    return EdgeDemoResult(bundle=bundle.path, bundle_mb=bundle.total_bytes / 1e6, parity=bundle.lines()[:-1],
+                          classes=classes, before=before, after=after, train_examples=trained.num_examples,
+                          train_loss=(losses[0], losses[-1]),
+                          recipe="{optimizer} lr {lr:g}, alpha {alpha:g}, {epochs} epochs".format(**EDGE_TRAIN))
 
 
 @click.command()
@@ -17,34 +90,31 @@ from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (default: runs/demo-<timestamp>).")
 @click.option("--config", default="demo", show_default=True, help="Preset to demonstrate.")
+@click.option("--eval-every", type=click.IntRange(min=0), default=DEMO_EVAL_EVERY, show_default=True,
+              help="Evaluate every N rounds, so accuracy.png shows tuned vs zero-shot over the rounds "
+                   "(0: only the last round).")
 @click.option("--edge/--no-edge", default=True, show_default=True,
               help="Also export the last round and run the edge client (infer, then LoRA training).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def demo(rounds: int | None, run_dir: str | None, config: str, edge: bool, as_json: bool) -> None:
+def demo(rounds: int | None, run_dir: str | None, config: str, eval_every: int, edge: bool, as_json: bool) -> None:
     """The whole flow on the embedded world, offline: federated training on Flower, the
     paper's Local/Base/New/HM table, an ONNX bundle of the last round, and the edge
     client classifying held-out new-class images before and after on-device LoRA
     training."""
     quiet_open_clip_logging()
     from fedmvp.cli.train import train_or_resume
-    from fedmvp.evaluation import evaluate_run, format_table
+    from fedmvp.federated.evaluation import evaluate_run, format_table
     from fedmvp.runs import RunError
 
     try:
-        run = train_or_resume(config, rounds, run_dir, resume=False, eval_every=0, device="auto")
+        run = train_or_resume(config, rounds, run_dir, resume=False, eval_every=eval_every, device="auto")
         result = evaluate_run(run)
     except RunError as err:
         raise click.ClickException(str(err)) from err
     except BadInput:
         raise
-    edge_result = None
-    if edge:
-        from fedmvp.demo_edge import run_edge_demo
-
-        edge_result = run_edge_demo(run)
+    edge_result = run_edge_demo(run) if edge else None
     if as_json:
-        from dataclasses import asdict
-
         emit_json({**result, "edge": asdict(edge_result) if edge_result else None})
         return
     click.echo("")

@@ -18,7 +18,7 @@ def evaluate(run_dir: str, round_number: int | None, as_json: bool) -> None:
     Local: each client on the test images of its own classes; Base / New: the global
     model on each dataset's base / new test classes; HM: harmonic mean of the three."""
     quiet_open_clip_logging()
-    from fedmvp.evaluation import evaluate_run, format_table
+    from fedmvp.federated.evaluation import evaluate_run, format_table
     from fedmvp.runs import RunDir, RunError
 
     try:

@@ -12,7 +12,8 @@ def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume
     """Shared by `train` and `demo`: validate, then simulate. Bad input raises BadInput."""
     from fedmvp.attributes.files import AttributeFileError
     from fedmvp.clip import ClipLoadError
-    from fedmvp.federated.simulation import prepare_run, simulate
+    from fedmvp.federated.prepare import prepare_run
+    from fedmvp.federated.simulation import simulate
     from fedmvp.presets.schema import PresetError
     from fedmvp.runs import RunError
 

@@ -1,6 +1,6 @@
 """A preset turned into clients and evaluation sets: the one call the training code makes.
 
-Protocols (SPEC sections 6 and 7):
+Protocols (docs/method.md §6 and §7):
 * ``base-to-new``: base = the first ceil(C/2) classes (or ``base_classes``) cut into contiguous,
   disjoint clients of ``classes_per_client`` (20); new = the rest. Evaluations "base" and "new":
   label subsets of the test split.
@@ -17,7 +17,7 @@ ONE domain and its sentences the matching prefix ("a sketch of a ..."); ``mix_do
 set over all domains instead (k shots per class and domain, default prefix). The demo (train photo
 + sketch, test painting) thus has clients "shapes/photo/base-j" and "shapes/sketch/base-j"; "base"
 and "new" use the test split of the FIRST train domain (photo: the paper's main table); each
-held-out domain is a "domain" evaluation over base + new classes (as SPEC's MSST "target = all
+held-out domain is a "domain" evaluation over base + new classes (as the paper's MSST "target = all
 classes"), measuring class and domain shift together.
 
 k-shot sets are drawn once per client (seed = preset seed + client id) and verified on the spot: an
@@ -27,7 +27,9 @@ checked lazily (``ImageDataset``). Every failure is a one-line ``PresetError`` (
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +41,7 @@ from fedmvp.data.partitions import contiguous_clients, groups_from_names, uncove
 from fedmvp.data.sampling import dirichlet_label_skew, k_shot
 from fedmvp.data.catalog import (ClassPlan, Pool, align, class_plan, domain_images, names_file,
                                  preset_failure, source_pools, test_folder, world_root)
-from fedmvp.presets.schema import DatasetSpec, Preset, PresetError
-
-__all__ = ["ClientData", "EvalSet", "Federation", "PresetError", "build_federation"]
+from fedmvp.presets.schema import DatasetSpec, Preset, load_preset, preset_path
 
 Sample = tuple[str, int]
 DEFAULT_CLASSES_PER_CLIENT = {"base-to-new": 20, "ssmt": 5}
@@ -95,25 +95,15 @@ class Federation:
     def clients_per_round(self) -> int:
         return max(1, round(len(self.clients) * self.fraction_per_round))
 
-    def summary(self) -> dict[str, Any]:
-        datasets: dict[str, dict[str, int]] = {}
-        for c in self.clients:
-            d = datasets.setdefault(c.dataset, {"clients": 0, "classes": 0, "train_images": 0})
-            d["clients"] += 1
-            d["classes"] += len(c.class_names)
-            d["train_images"] += len(c.train)
-        return {"protocol": self.protocol, "clients": len(self.clients),
-                "clients_per_round": self.clients_per_round, "datasets": datasets,
-                "evaluations": {e.name: {"classes": len(e.class_names), "images": len(e.samples)}
-                                for e in self.evaluations}}
-
-    def summary_text(self) -> str:
-        s = self.summary()
-        return "\n".join([f"{s['protocol']}: {s['clients']} clients, {s['clients_per_round']} per round"]
-                         + [f"  {n}: {d['clients']} clients, {d['classes']} client classes, "
-                            f"{d['train_images']} training images" for n, d in s["datasets"].items()]
-                         + [f"  eval {n}: {e['classes']} classes, {e['images']} images"
-                            for n, e in s["evaluations"].items()])
+    def record(self) -> dict[str, Any]:
+        """What later readers of a run need of the federation (config.json), without building it."""
+        return {
+            "clients": [{"id": c.client_id, "name": c.name, "dataset": c.dataset, "domain": c.domain,
+                         "classes": list(c.class_names), "train_images": len(c.train), "test_images": len(c.test)}
+                        for c in self.clients],
+            "evaluations": [{"name": e.name, "kind": e.kind, "dataset": e.dataset, "domain": e.domain,
+                             "classes": list(e.class_names), "images": len(e.samples)} for e in self.evaluations],
+        }
 
 
 def _relabel(samples: list[Sample], labels: list[int]) -> list[Sample]:
@@ -269,3 +259,24 @@ def build_federation(preset: Preset) -> Federation:
         except (LayoutError, AttributeFileError, ValueError, OSError) as exc:
             raise preset_failure(preset, spec, exc) from None
     return Federation(clients, evaluations, preset.train.fraction_fit, preset.protocol, preset.seed, preset)
+
+
+def load_federation(name_or_path: str) -> tuple[Preset, Federation]:
+    """The preset and its federation, built ONCE per process and preset file content.
+
+    Listing a dataset and drawing (and verifying) every client's k-shot set is the costly part
+    of starting; the run preparation, the ServerApp, evaluation, export and the demo all ask for
+    the same federation in one process, so they share this one. An edited preset file is a new
+    key (its bytes are hashed), never a stale federation."""
+    path = preset_path(name_or_path)
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        digest = ""  # load_preset reports the unreadable file in one line
+    return _federation(str(path), digest)
+
+
+@lru_cache(maxsize=4)
+def _federation(path: str, digest: str) -> tuple[Preset, Federation]:
+    preset = load_preset(path)
+    return preset, build_federation(preset)

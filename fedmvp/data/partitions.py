@@ -1,4 +1,4 @@
-"""Class-level partitions (SPEC section 6), pure functions on label lists.
+"""Class-level partitions (docs/method.md §6), pure functions on label lists.
 
 Why pure: the paper's client table (9 datasets -> 30 clients) and every preset's coverage can
 be checked from class counts alone, before any image is listed.

@@ -2,8 +2,8 @@
 
 The client id comes from the node's config (``partition-id``, set by the simulation
 engine or by ``flower-supernode --node-config "partition-id=3"``); the preset (a shipped
-preset's name, else the TOML path on the server's machine) and the round's settings come in
-the server's message. A SuperNode whose preset file lives elsewhere names it itself:
+preset's name, else the TOML path on the server's machine), the run's method record (what
+model to build) and the round's settings come in the server's message. A SuperNode whose preset file lives elsewhere names it itself:
 ``--node-config "partition-id=3 preset='/data/site3.toml'"``. A client not selected this
 round answers with zero examples.
 """
@@ -17,8 +17,9 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedmvp.federated.strategy import array_record, numpy_state
-from fedmvp.federated.task import client_by_id, local_train, task_context, to_numpy_state, to_torch_state
+from fedmvp.federated.task import LocalSettings, local_train, task_context
+from fedmvp.federated.wire import record_to_torch, torch_record
+from fedmvp.model import FedMVPConfig
 
 app = ClientApp()
 
@@ -47,15 +48,16 @@ def train(msg: Message, context: Context) -> Message:
     device = str(config.get("device", "cpu"))
     if device == "cuda" and not torch.cuda.is_available():
         device = "cpu"
-    ctx = task_context(preset, device)
-    client = client_by_id(ctx, client_id)
+    method = FedMVPConfig.from_dict(json.loads(str(config["method"])), "the server's method record")
+    ctx = task_context(preset, method, device)
+    client = ctx.client(client_id)
     lora_active = client_id in json.loads(str(config["lora-clients"]))
-    result = local_train(ctx, client, to_torch_state(numpy_state(msg.content["arrays"])),
-                         int(config["round"]), float(config["lr"]), lora_active)
+    result = local_train(ctx, client, record_to_torch(msg.content["arrays"]), int(config["round"]),
+                         float(config["lr"]), lora_active, LocalSettings.from_json(str(config["local"])))
     metrics = MetricRecord({
         "num-examples": result.num_examples, "partition-id": client_id, "train-loss": result.loss,
         "train-ce": result.ce, "train-consistency": result.consistency,
         "lora-active": int(result.lora_active), "switch-next": int(result.switch_next),
     })
-    return Message(content=RecordDict({"arrays": array_record(to_numpy_state(result.state)),
-                                       "metrics": metrics}), reply_to=msg)
+    return Message(content=RecordDict({"arrays": torch_record(result.state), "metrics": metrics}),
+                   reply_to=msg)

@@ -1,7 +1,10 @@
 """A run directory from a preset: shared by `fedmvp train` (simulation) and the deployed ServerApp.
 
 Validation happens here, before any round starts: the preset and its data are checked and the
-federation is built once, so a bad preset costs one clear line.
+federation is built (once per process, ``load_federation``), so a bad preset costs one clear
+line. config.json is the run's record: the method config the model is built as (``method``),
+the training settings, and what later readers need of the federation (client count, each
+client's and evaluation's classes), so none of them rebuilds those from defaults or shapes.
 """
 
 from __future__ import annotations
@@ -9,8 +12,12 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
-from fedmvp.runs import RunDir, RunError
+from fedmvp.model import FedMVPConfig
+from fedmvp.runs import Checkpoint, RunDir, RunError
+
+RECORD_VERSION = 2
 
 
 def default_run_dir(preset_name: str) -> Path:
@@ -25,14 +32,31 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def method_config(train: Any) -> FedMVPConfig:
+    """The model's method config from a preset's [train] table (the keys that shape the model)."""
+    return FedMVPConfig(num_prompts=train.num_prompts, alpha=train.alpha, use_lora=train.use_lora,
+                        lora_rank=train.lora_rank)
+
+
+def run_method(run: RunDir, checkpoint: Checkpoint | None = None) -> FedMVPConfig:
+    """The method config a run's weights were trained as: the round's own record, else config.json's."""
+    record = (checkpoint.state.get("method") if checkpoint is not None else None) or run.read_config().get("method")
+    where = run.round_path(checkpoint.round) / "state.json" if checkpoint is not None and \
+        checkpoint.state.get("method") else run.config_path
+    if record is None:
+        raise RunError(f"{where}: no method record (a run made by an older fedmvp); train it again")
+    try:
+        return FedMVPConfig.from_dict(record, str(where))
+    except ValueError as err:
+        raise RunError(str(err)) from None
+
+
 def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resume: bool,
                 device: str = "auto") -> RunDir:
     """Validate the preset, create or reopen the run directory, write config.json."""
-    from fedmvp.data.federation import build_federation
-    from fedmvp.presets.schema import load_preset
+    from fedmvp.data.federation import load_federation
 
-    preset = load_preset(preset_path)
-    federation = build_federation(preset)
+    preset, federation = load_federation(preset_path)
     path = Path(run_dir) if run_dir else None
     if resume:
         if path is None:
@@ -44,6 +68,7 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
         config = run.read_config()
         if rounds is not None and rounds != config["rounds"]:
             raise RunError(f"{run.path}: was started with {config['rounds']} rounds; resume keeps them")
+        run_method(run)  # refuses a run without a usable method record before anything starts
         return run
     run = RunDir(path or default_run_dir(preset.name))
     if run.exists() and run.rounds():
@@ -56,12 +81,15 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
     dev = resolve_device(device)
     train = preset.train
     run.write_config({
+        "record_version": RECORD_VERSION,
         "preset": preset.name, "preset_path": str(source.resolve()) if source.is_file() else preset_path,
         "protocol": preset.protocol, "seed": preset.seed, "rounds": int(rounds or train.rounds),
         "lr": train.lr, "num_clients": len(federation.clients),
-        "fraction": float(getattr(federation, "fraction_per_round", 1.0)),
+        "fraction": float(federation.fraction_per_round),
         "model": {"clip": preset.model.clip, "pretrained": preset.model.pretrained},
-        "train": {k: getattr(train, k) for k in vars(train)} if hasattr(train, "__dict__") else {},
+        "method": method_config(train).to_dict(),
+        "train": dict(vars(train)),
+        "federation": federation.record(),
         "client_device": dev, "server_device": dev, "central_eval": True,
     })
     return run

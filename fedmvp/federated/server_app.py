@@ -1,14 +1,16 @@
 """The FedMVP ServerApp: rounds, per-tensor aggregation, a checkpoint every round, evaluation.
 
-In simulation, ``fedmvp train`` writes the run directory and sets ``SIMULATION_SETTINGS``;
-deployed on a SuperLink (``flwr run``), the same app reads ``run-dir``, ``preset``, ``rounds``
-and ``eval-every`` from the run config and, when ``run-dir`` has no config.json yet, writes it
-itself (``prepare_run``, on the ServerApp's machine). Either way the run directory's config.json
-says which preset and how many rounds, and a restart resumes from the last complete round.
+Deployed on a SuperLink (``flwr run``), ``app`` reads ``run-dir``, ``preset``, ``rounds`` and
+``eval-every`` from the run config and, when ``run-dir`` has no config.json yet, writes it itself
+(``prepare_run``, on the ServerApp's machine). In simulation, ``fedmvp train`` prepares the run
+directory and builds its own app with ``server_app_for(settings)``. Either way the run
+directory's config.json is the record (preset, rounds, method config), and a restart resumes
+from the last complete round.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +19,13 @@ import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedmvp.federated.prepare import prepare_run
-from fedmvp.federated.strategy import FedMVPStrategy, array_record
-from fedmvp.federated.task import evaluate_global, task_context, to_numpy_state, to_torch_state
+from fedmvp.federated.evaluation import evaluate_global
+from fedmvp.federated.prepare import prepare_run, run_method
+from fedmvp.federated.strategy import FedMVPStrategy
+from fedmvp.federated.task import LocalSettings, task_context
+from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
 from fedmvp.runs import RunDir
 
-app = ServerApp()
 log = logging.getLogger("fedmvp.server")
 
 
@@ -41,7 +44,6 @@ class ServerSettings:
                    progress=False)
 
 
-SIMULATION_SETTINGS: ServerSettings | None = None
 EXAMPLE = "flwr run . <superlink> --run-config \"preset='demo' run-dir='runs/deployed'\""
 
 
@@ -91,8 +93,8 @@ class RoundRecorder:
     """Called after every aggregation: checkpoint, metrics, plot, progress."""
 
     def __init__(self, run: RunDir, ctx, total_rounds: int, settings: ServerSettings, central_eval: bool,
-                 strategy_ref: list):
-        self.run, self.ctx, self.total = run, ctx, total_rounds
+                 strategy_ref: list, method: dict):
+        self.run, self.ctx, self.total, self.method = run, ctx, total_rounds, method
         self.settings, self.central_eval, self.strategy_ref = settings, central_eval, strategy_ref
         self.bar = None
         if settings.progress:
@@ -112,7 +114,7 @@ class RoundRecorder:
         self.run.save_checkpoint(round_number, {k: t for k, t in to_torch_state(state).items()},
                                  {"lora_clients": sorted(strategy.lora_clients), "seed": strategy.seed,
                                   "lr": strategy.base_lr, "total_rounds": self.total,
-                                  "metrics": row})
+                                  "method": self.method, "metrics": row})
         self.run.append_metrics(row)
         if "hm" in row:
             self.run.plot()
@@ -127,7 +129,8 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
     run = RunDir(settings.run_dir)
     config = run.read_config()
     preset_path, total = config["preset_path"], int(config["rounds"])
-    ctx = task_context(preset_path, config.get("server_device", "cpu"))
+    method = run_method(run)
+    ctx = task_context(preset_path, method, config.get("server_device", "cpu"))
     start = run.last_round() or 0
     if start >= total:
         log.info("run %s already has %s rounds", run.path, total)
@@ -142,23 +145,36 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
     if central_eval and start == 0 and run.read_json("zero_shot.json") is None:
         run.write_json("zero_shot.json", evaluate_global(ctx, None))
     strategy_ref: list = []
-    recorder = RoundRecorder(run, ctx, total, settings, central_eval, strategy_ref)
+    recorder = RoundRecorder(run, ctx, total, settings, central_eval, strategy_ref, method.to_dict())
+    client_config = {"preset": client_preset(preset_path), "device": config.get("client_device", "cpu"),
+                     "method": json.dumps(method.to_dict(), sort_keys=True),
+                     "local": LocalSettings.from_train(config["train"]).to_json()}
     strategy = FedMVPStrategy(
-        preset_path=client_preset(preset_path), seed=int(config["seed"]), total_rounds=total,
+        client_config=client_config, seed=int(config["seed"]), total_rounds=total,
         base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), fraction=float(config.get("fraction", 1.0)),
-        round_offset=start, lora_clients=lora_clients, device=config.get("client_device", "cpu"),
-        on_aggregated=recorder)
+        round_offset=start, lora_clients=lora_clients, on_aggregated=recorder)
     strategy_ref.append(strategy)
     strategy.start(grid=grid, initial_arrays=array_record(initial), num_rounds=total - start,
                    timeout=settings.round_timeout)
 
 
+def server_app_for(settings: ServerSettings) -> ServerApp:
+    """A ServerApp bound to a prepared run directory (``fedmvp train`` on the simulation engine)."""
+    bound = ServerApp()
+
+    @bound.main()
+    def main(grid: Grid, context: Context) -> None:
+        run_server(grid, settings)
+
+    return bound
+
+
+app = ServerApp()
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    if SIMULATION_SETTINGS is not None and not context.run_config.get("run-dir"):
-        settings = SIMULATION_SETTINGS  # `fedmvp train` prepared the run directory
-    else:
-        settings = deployment_settings(context.run_config)
-    run_server(grid, settings)
+    """Deployment: everything comes from the run config (``flwr run ... --run-config``)."""
+    run_server(grid, deployment_settings(context.run_config))
 

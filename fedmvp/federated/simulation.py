@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 
-from fedmvp.federated.prepare import default_run_dir, prepare_run, resolve_device  # noqa: F401 (re-exported)
 from fedmvp.runs import RunDir, RunError
 
 FLOWER_QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
@@ -21,8 +20,8 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     os.environ.update(FLOWER_QUIET_ENV)
     from flwr.simulation import run_simulation
 
-    from fedmvp.federated import server_app
     from fedmvp.federated.client_app import app as client_app
+    from fedmvp.federated.server_app import ServerSettings, server_app_for
 
     config = run.read_config()
     cpus = cpus or max(1, min(os.cpu_count() or 1, int(config["num_clients"])))
@@ -30,8 +29,7 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     if config.get("client_device") == "cuda":
         gpu = 1.0 / cpus
     os.environ["FEDMVP_CLIENT_THREADS"] = str(max(1, (os.cpu_count() or 1) // cpus))
-    server_app.SIMULATION_SETTINGS = server_app.ServerSettings(run_dir=str(run.path), eval_every=eval_every,
-                                                               progress=progress)
+    server_app = server_app_for(ServerSettings(run_dir=str(run.path), eval_every=eval_every, progress=progress))
     # Flower logs every round at INFO and warns that run_simulation is deprecated in favour of
     # `flwr run`; our progress bar and run directory say what happened, errors still print.
     logging.getLogger("flwr").setLevel(logging.ERROR)
@@ -39,7 +37,7 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
                # Ray's workers inherit this process's environment (set above) at ray.init.
                "init_args": {"num_cpus": cpus, "log_to_driver": False, "logging_level": logging.ERROR,
                              "include_dashboard": False}}
-    run_simulation(server_app=server_app.app, client_app=client_app, num_supernodes=int(config["num_clients"]),
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=int(config["num_clients"]),
                    backend_config=backend)
     done = run.last_round() or 0
     if done < int(config["rounds"]):

@@ -9,38 +9,64 @@ cosine schedule and a deterministic client sample, so a resumed run replays exac
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import random
 from collections.abc import Callable, Iterable
 from logging import WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from fedmvp.federated.task import cosine_lr, derived_seed, weighted_average
+from fedmvp.federated.wire import array_record, numpy_state
 
 
-def array_record(state: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in sorted(state.items())})
+# ---- server maths ----------------------------------------------------------------------------------
+def derived_seed(*parts: object) -> int:
+    """A stable 63-bit seed from (run seed, round, client, ...): resume replays the same randomness."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def numpy_state(record: ArrayRecord) -> dict[str, np.ndarray]:
-    return {k: v.numpy() for k, v in record.items()}
+def cosine_lr(base_lr: float, round_number: int, total_rounds: int) -> float:
+    """Cosine decay over the rounds (round 1 uses base_lr; docs/method.md §6)."""
+    if total_rounds <= 1:
+        return base_lr
+    return 0.5 * base_lr * (1 + math.cos(math.pi * (round_number - 1) / total_rounds))
+
+
+def weighted_average(replies: list[tuple[dict[str, np.ndarray], float]]) -> dict[str, np.ndarray]:
+    """Per-tensor FedAvg weighted by examples over the clients that SENT that tensor.
+
+    LoRA-only clients send only ``lora.*``; full clients send ``promptformer.*``; a tensor
+    nobody sent is absent from the result (the caller keeps the previous global value).
+    """
+    sums: dict[str, np.ndarray] = {}
+    weights: dict[str, float] = {}
+    for arrays, weight in replies:
+        for key, value in arrays.items():
+            contribution = np.asarray(value, dtype=np.float64) * weight
+            sums[key] = sums[key] + contribution if key in sums else contribution
+            weights[key] = weights.get(key, 0.0) + weight
+    return {k: (sums[k] / weights[k]).astype(np.float32) for k in sums}
 
 
 class FedMVPStrategy(FedAvg):
     """FedAvg per tensor over heterogeneous replies (full PromptFormer or LoRA only)."""
 
-    def __init__(self, *, preset_path: str, seed: int, total_rounds: int, base_lr: float,
+    def __init__(self, *, client_config: dict[str, str], seed: int, total_rounds: int, base_lr: float,
                  num_clients: int, fraction: float, round_offset: int = 0,
-                 lora_clients: Iterable[int] = (), device: str = "cpu",
+                 lora_clients: Iterable[int] = (),
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None):
+        """``client_config``: what every round's message carries besides the round's own values
+        (preset, device, the method record and the local settings, as strings)."""
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=num_clients,
                          min_available_nodes=num_clients)
-        self.preset_path = preset_path
+        self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
         self.base_lr = base_lr
@@ -48,7 +74,6 @@ class FedMVPStrategy(FedAvg):
         self.fraction = fraction
         self.round_offset = round_offset
         self.lora_clients: set[int] = set(lora_clients)
-        self.device = device
         self.global_state: dict[str, np.ndarray] = {}
         self.on_aggregated = on_aggregated
 
@@ -69,8 +94,8 @@ class FedMVPStrategy(FedAvg):
         self.global_state = numpy_state(arrays)
         config["round"] = round_number
         config["lr"] = cosine_lr(self.base_lr, round_number, self.total_rounds)
-        config["preset"] = self.preset_path
-        config["device"] = self.device
+        for key, value in self.client_config.items():
+            config[key] = value
         config["lora-clients"] = json.dumps(sorted(self.lora_clients))
         config["selected"] = json.dumps(self.selected_clients(round_number))
         return super().configure_train(server_round, arrays, config, grid)

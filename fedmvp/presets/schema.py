@@ -43,7 +43,7 @@ def _help(text: str, default: Any = MISSING, **kw: Any) -> Any:
 
 @dataclass
 class ModelSpec:
-    """The frozen CLIP backbone (SPEC section 1)."""
+    """The frozen CLIP backbone (docs/method.md §1)."""
 
     clip: str = _help("open_clip model name or a registered fedmvp config", "ViT-B-16")
     pretrained: str = _help("open_clip pretrained tag or a local weights file", "openai")
@@ -51,7 +51,7 @@ class ModelSpec:
 
 @dataclass
 class TrainSpec:
-    """Optimisation and round settings (SPEC sections 4-6); defaults are the paper's."""
+    """Optimisation and round settings (docs/method.md §4-6); defaults are the paper's."""
 
     rounds: int = _help("federated rounds")
     local_epochs: int = _help("local epochs per round (one step per batch)", 1)

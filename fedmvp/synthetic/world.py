@@ -102,17 +102,6 @@ def class_phrases(cls: WorldClass) -> list[str]:
     return phrases
 
 
-def value_phrases(attribute: str, value: str) -> tuple[str, ...]:
-    """Phrases that mention exactly one attribute value (used for pretraining captions)."""
-    if attribute == "shape":
-        return SHAPES[value]
-    if attribute == "colour":
-        return COLOURS[value][1]
-    if attribute == "pattern":
-        return PATTERNS[value][1]
-    return (SIZES[value][1],)
-
-
 # ---- class list ------------------------------------------------------------------------------
 
 @lru_cache(maxsize=1)
@@ -128,10 +117,6 @@ def seen_classes() -> list[WorldClass]:
 
 def held_out_classes() -> list[WorldClass]:
     return [c for c in load_classes() if c.held_out]
-
-
-def class_by_name() -> dict[str, WorldClass]:
-    return {c.name: c for c in load_classes()}
 
 
 def attributes_dict(classes: tuple[WorldClass, ...] | list[WorldClass] | None = None) -> dict[str, list[str]]:

@@ -1,7 +1,7 @@
 """Zero-shot top-1 of a CLIP on the synthetic world, the way the method classifies.
 
 Why: the shipped tiny CLIP must be measured (README figures, a drift test) with the
-classifier FedMVP itself uses (SPEC section 2): t_ck = normalize(E_text(sentence_ck)),
+classifier FedMVP itself uses (docs/method.md §2): t_ck = normalize(E_text(sentence_ck)),
 logit_c = s * mean_k cos(f_img, t_ck), i.e. the image feature against the UN-renormalised
 mean of the class's sentence features. "name" prompts are the one-sentence case
 ("a photo of a zorblin"); "attributes" prompts are the 10 attribute sentences per class.

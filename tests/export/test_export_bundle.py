@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 import onnxruntime as ort
 import torch
 from click.testing import CliRunner
@@ -14,7 +15,7 @@ from export_helpers import NUM_CLASSES, rebuilt_model
 
 from edge_client.bundle import read_bundle
 from export.cli import main
-from export.sources import read_config, run_federation
+from export.run_inputs import read_config, run_federation
 from fedmvp.runs import RunDir
 
 LORA = [f"lora.block.attn.to_{t}.lora_{p}.weight" for t in "qkv" for p in "AB"]
@@ -68,10 +69,22 @@ def test_onnx_graph(tiny_bundle):
         np.testing.assert_allclose(np.linalg.norm(embeds, axis=-1), 1.0, atol=1e-5)
 
 
+def replace_initializers(proto: onnx.ModelProto, tensors: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of ``proto`` with named initializers replaced (same shape; stored as fp32)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    found = {init.name: init for init in out.graph.initializer}
+    for name, value in tensors.items():
+        if name not in found:
+            raise KeyError(f"no initializer named {name}")
+        if list(found[name].dims) != list(np.shape(value)):
+            raise ValueError(f"{name}: shape {list(np.shape(value))} != {list(found[name].dims)}")
+        found[name].CopyFrom(numpy_helper.from_array(np.asarray(value, dtype=np.float32), name))
+    return out
+
+
 def test_lora_initializers_swap_like_pytorch(tiny_bundle, tiny_run, tmp_path):
     """Replacing the LoRA initializers changes the ONNX outputs exactly as loading them in PyTorch does."""
-    from export.onnx_export import replace_initializers
-
     model, _ = rebuilt_model(tiny_run)
     generator = torch.Generator().manual_seed(7)
     new = {n: torch.randn(model.state("lora")[n].shape, generator=generator) * 0.3 for n in LORA}
@@ -122,7 +135,7 @@ def test_defaults_newest_run_last_round_and_out_path(tiny_run, tmp_path):
     import os
 
     from export.bundle_writer import default_out
-    from export.sources import find_run, load_checkpoint
+    from export.run_inputs import find_run, load_checkpoint
     from fedmvp.runs import RunDir
 
     runs = tmp_path / "runs"

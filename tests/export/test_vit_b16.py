@@ -11,7 +11,8 @@ import torch
 def test_vit_b16_export_and_parity(tmp_path):
     from edge_client.bundle import read_bundle
     from export.bundle_writer import write_bundle
-    from export.sources import ClassSet, synthetic_images
+    from export.class_set import ClassSet
+    from export.run_inputs import synthetic_images
     from fedmvp.clip import load_clip
     from fedmvp.model import FedMVP
 

@@ -46,7 +46,7 @@ def test_shortened_demo_beats_zero_shot_on_base_and_hm_and_keeps_new(demo_run):
 
 @pytest.mark.timeout(300)
 def test_demo_edge_step_personalises_the_new_classes(demo_run):
-    from fedmvp.demo_edge import run_edge_demo
+    from fedmvp.cli.demo import run_edge_demo
     from fedmvp.runs import RunDir
 
     result = run_edge_demo(RunDir(demo_run))

@@ -1,0 +1,99 @@
+"""The class set a bundle bakes in: class names in label order, their attribute phrases and sentence
+styles, and their [C, K, E] text features.
+
+From the run (``run_class_set``: base then new classes of every dataset) or from any
+``{class: [phrases]}`` file (``file_class_set``: classes nobody trained on included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from export.errors import ExportError
+from fedmvp.attributes.sentences import SentenceStyle, build_sentences
+from fedmvp.clip import LoadedClip
+
+
+@dataclass
+class ClassSet:
+    """Classes in label order with their attribute phrases and sentence style."""
+
+    names: list[str]
+    attributes: dict[str, list[str]]
+    styles: dict[str, SentenceStyle] = field(default_factory=dict)
+    source: str = "explicit"
+
+    def style(self, name: str) -> SentenceStyle:
+        return self.styles.get(name, SentenceStyle())
+
+    @property
+    def k(self) -> int:
+        return min(len(self.attributes[c]) for c in self.names)
+
+    def validate(self) -> None:
+        if not self.names:
+            raise ExportError(f"{self.source}: the class set is empty")
+        if len(set(self.names)) != len(self.names):
+            raise ExportError(f"{self.source}: duplicate class names")
+        missing = [c for c in self.names if not self.attributes.get(c)]
+        if missing:
+            raise ExportError(f"{self.source}: no attribute phrases for {', '.join(missing[:5])}")
+
+
+def text_features(clip: LoadedClip, classes: ClassSet, cache=None) -> torch.Tensor:
+    """[C, K, E] attribute features, one sentence style per run of consecutive classes.
+
+    Computed afresh (memory cache only): a disk entry is keyed by the weights' tag, not their
+    bytes, so it could be stale after shipped weights are rebuilt, and C*K sentences are cheap."""
+    from fedmvp.attributes.cache import TextFeatureCache
+
+    cache = cache or TextFeatureCache(use_disk=False)
+    k, groups, start = classes.k, [], 0
+    for i in range(1, len(classes.names) + 1):
+        if i == len(classes.names) or classes.style(classes.names[i]) != classes.style(classes.names[start]):
+            names = classes.names[start:i]
+            groups.append(cache.class_features(clip, build_sentences(names, classes.attributes,
+                                                                     classes.style(names[0]), k=k)))
+            start = i
+    return torch.cat(groups)
+
+
+def run_class_set(federation, source: str) -> ClassSet:
+    """Base then new classes of every dataset (deduplicated, first occurrence wins).
+
+    Without base/new evaluations (domain protocols) every evaluated or trained class is taken."""
+    evals = [e for e in federation.evaluations if e.kind in ("base", "new")]
+    groups = [(e.class_names, e.attributes, e.style) for e in evals]
+    if not groups:
+        groups = [(e.class_names, e.attributes, e.style) for e in federation.evaluations]
+        groups += [(c.class_names, c.attributes, c.style) for c in federation.clients]
+    known: dict[str, list[str]] = {}
+    for group in [*groups, *((c.class_names, c.attributes, c.style) for c in federation.clients)]:
+        for name, phrases in group[1].items():
+            known.setdefault(name, list(phrases))
+    names: list[str] = []
+    styles: dict[str, SentenceStyle] = {}
+    for class_names, attrs, style in groups:
+        for name in class_names:
+            if name not in styles:
+                names.append(name)
+                styles[name] = style
+    k = getattr(getattr(federation.preset, "train", None), "num_attributes", None)
+    attributes = {n: known.get(n, [])[:k] if k else known.get(n, []) for n in names}
+    return ClassSet(names=names, attributes=attributes, styles=styles, source=source)
+
+
+def file_class_set(path: Path, domain: str | None = None) -> ClassSet:
+    """Any class set from a ``{class: [phrases]}`` file (classes nobody trained on included)."""
+    from fedmvp.attributes.files import AttributeFileError, load_attributes
+
+    try:
+        attributes = load_attributes(path, k=None)
+    except AttributeFileError as err:
+        raise ExportError(str(err)) from None
+    style = SentenceStyle.for_domain(domain)
+    names = list(attributes)
+    return ClassSet(names=names, attributes=attributes, styles={n: style for n in names}, source=str(path))
