@@ -3,13 +3,18 @@
 ```
 bundle/
   manifest.json        format + version, source run and round, model, classes, preprocessing,
-                       precision, files (sha256 + bytes), LoRA names and shapes, parity
+                       precision, method config, files (sha256 + bytes), LoRA names and shapes, parity
   model.onnx           pixel_values -> logits, probs, image_embeds (fp32: weights external,
                        in weights.safetensors)
   weights.safetensors  every frozen tensor by name (the ONNX model's and the training program's)
   lora.safetensors     the LoRA tensors (lora.block.attn.to_{q,k,v}.lora_{A,B}.weight)
   train.pt2            torch.export training program (no tensors of its own)
 ```
+The manifest's ``method`` is the model's method configuration (num_prompts, heads, ff_mult,
+alpha, flip_prob, lora_rank, lora_targets, use_lora; docs/method.md §3-§5): local training
+takes its loss weight alpha from there. A bundle's identity (`Bundle.id`, what update files
+and the personalisation state are tied to) is the sha256 of its manifest.json, which lists
+every file's sha256.
 An inference-only bundle (``fedmvp-export --inference-only``) has no train.pt2, and no
 weights.safetensors either when its ONNX model embeds its weights (fp16, int8).
 Only numpy, safetensors and the standard library are used here: the smallest install can
@@ -27,11 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_client.atomic import write_bytes
 from edge_client.preprocess import PreprocessSpec
 
 FORMAT = "fedmvp-edge-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest records the method config (``method``)
 MANIFEST = "manifest.json"
+METHOD_KEYS = ("num_prompts", "heads", "ff_mult", "alpha", "flip_prob", "lora_rank", "lora_targets", "use_lora")
+BUNDLE_ENV = "FEDMVP_BUNDLE"  # where `--bundle` is not given
+DEFAULT_BUNDLE = "bundle"  # where neither --bundle nor $FEDMVP_BUNDLE is given
 ROLES = {"onnx": "model.onnx", "weights": "weights.safetensors", "lora": "lora.safetensors",
          "training": "train.pt2"}
 
@@ -41,6 +50,7 @@ class BundleError(ValueError):
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in chunks (bundle files can be hundreds of MB)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
@@ -60,12 +70,8 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> Path:
-    """Write manifest.json (temp file + rename)."""
-    path = directory / MANIFEST
-    tmp = directory / f".{MANIFEST}.tmp"
-    tmp.write_bytes(manifest_bytes(manifest))
-    os.replace(tmp, path)
-    return path
+    """Write manifest.json atomically (a reader never sees a half-written manifest)."""
+    return write_bytes(directory / MANIFEST, manifest_bytes(manifest))
 
 
 @dataclass
@@ -74,6 +80,37 @@ class Bundle:
 
     path: Path
     manifest: dict[str, Any]
+
+    @staticmethod
+    def resolve_dir(bundle: str | os.PathLike | None = None) -> Path:
+        """``bundle`` if given (`--bundle`), else ``$FEDMVP_BUNDLE``, else ``./bundle``."""
+        if bundle is not None and str(bundle) != "":
+            return Path(bundle)
+        env = os.environ.get(BUNDLE_ENV)
+        return Path(env) if env else Path(DEFAULT_BUNDLE)
+
+    @classmethod
+    def open(cls, bundle: str | os.PathLike | Bundle | None = None, verify: bool = True) -> Bundle:
+        """A `Bundle` as given, or read (and by default verified) from `resolve_dir(bundle)`."""
+        if isinstance(bundle, Bundle):
+            return bundle
+        return read_bundle(cls.resolve_dir(bundle), verify=verify)
+
+    @property
+    def id(self) -> str:
+        """sha256 of manifest.json: the manifest lists every file's sha256, so this pins all of them."""
+        return hashlib.sha256((Path(self.path) / MANIFEST).read_bytes()).hexdigest()
+
+    @property
+    def round(self) -> int | None:
+        """The federated round the bundle was exported from (``source.round``), if recorded."""
+        value = (self.manifest.get("source") or {}).get("round")
+        return value if isinstance(value, int) else None
+
+    @property
+    def method(self) -> dict[str, Any]:
+        """The model's method config (docs/method.md §3-§5); ``read_bundle`` checked its keys."""
+        return dict(self.manifest["method"])
 
     def file(self, role: str) -> Path:
         """Path of the file with ``role`` (onnx, weights, lora, training)."""
@@ -89,24 +126,29 @@ class Bundle:
         return "training" in roles and "weights" in roles
 
     def require_trainable(self) -> None:
+        """Refuse (one line, what to do) a bundle exported for inference only."""
         if not self.trainable:
             raise BundleError(f"{self.path}: exported for inference only (fedmvp-export --inference-only): "
                               f"no training program to train with; re-export the round without that flag")
 
     @property
     def class_names(self) -> list[str]:
+        """Class names in logit order."""
         return list(self.manifest["classes"]["names"])
 
     @property
     def preprocess(self) -> PreprocessSpec:
+        """How images become the model's input (the data the manifest carries instead of open_clip)."""
         return PreprocessSpec.from_manifest(self.manifest["preprocess"])
 
     @property
     def precision(self) -> str:
+        """fp32, fp16 or int8: what the ONNX model computes in."""
         return str(self.manifest["precision"])
 
     @property
     def lora_shapes(self) -> dict[str, list[int]]:
+        """LoRA tensor name -> shape, as the manifest records them (what updates must match)."""
         return {k: list(v) for k, v in self.manifest["lora"]["tensors"].items()}
 
     def lora(self) -> dict[str, Any]:
@@ -117,6 +159,7 @@ class Bundle:
 
 
 def _fail(path: Path, reason: str) -> BundleError:
+    """One-line error naming the path at fault."""
     return BundleError(f"{path}: {reason}")
 
 
@@ -141,6 +184,12 @@ def read_bundle(directory: str | os.PathLike, verify: bool = True) -> Bundle:
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise _fail(manifest_path, "lists no files")
+    method = manifest.get("method")
+    missing = [k for k in METHOD_KEYS if k not in method] if isinstance(method, dict) else ["method"]
+    if missing:
+        where = "method" if isinstance(method, dict) else "manifest"
+        raise _fail(manifest_path, f"the {where} lacks {', '.join(missing)} (the model's method config); "
+                                   f"re-export the bundle with this version of fedmvp-export")
     for name, entry in sorted(files.items()):
         path = root / name
         if Path(name).name != name:

@@ -3,7 +3,8 @@
 Exit codes: 0 ok; 1 some files failed (infer), training failed, nothing to roll back;
 2 bad input (unreadable or tampered bundle, unknown class, unavailable provider, bad
 options); 130 interrupted. `infer` and `rollback` never import torch; `train` imports it
-when it starts training, `info` only to report on it.
+when it starts training, `info` only to report on it. `train`'s defaults and most of its
+help come from `TrainOptions`, the one place they are defined.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from edge_client.train_options import DEVICES, OPTIMIZERS, TrainOptions
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 _BUNDLE_HELP = "Bundle directory (default: $FEDMVP_BUNDLE, then ./bundle)."
@@ -85,8 +88,9 @@ def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: i
     except Exception as err:  # noqa: BLE001 - ORT's own load errors (e.g. a model it cannot parse)
         _fail(as_json, EXIT_INPUT, f"cannot load the model: {err}")
     if not as_json:
-        click.echo(f"provider: {predictor.provider}  ·  bundle: {predictor.bundle.path} (round {predictor.round}, "
-                   f"{predictor.bundle.precision})  ·  LoRA: {predictor.lora.describe()}", err=True)
+        loaded = predictor.bundle
+        click.echo(f"provider: {predictor.provider}  ·  bundle: {loaded.path} (round {loaded.round}, "
+                   f"{loaded.precision})  ·  LoRA: {predictor.lora.describe()}", err=True)
 
     def stream(item: Prediction | FileFailure) -> None:
         if as_json:
@@ -137,32 +141,34 @@ class _BatchSize(click.ParamType):
         return number
 
 
+def _train_option(*decls: str, name: str, **kwargs: Any) -> Any:
+    """A click option whose default and help are `TrainOptions` field ``name``'s."""
+    kwargs.setdefault("help", TrainOptions.help(name))
+    default = TrainOptions.default(name)
+    return click.option(*decls, default=default, show_default=default is not None, **kwargs)
+
+
 @main.command()
 @click.option("--data", type=click.Path(path_type=Path), required=True,
               help="ImageFolder tree of local labelled images: DATA/<class>/<image>; classes must be the bundle's.")
 @_bundle_option
-@click.option("--epochs", type=click.IntRange(min=1), default=5, show_default=True, help="Local epochs.")
-@click.option("--batch-size", type=_BatchSize(), default="auto", show_default=True,
-              help="Images per step; auto: on CUDA the largest under --max-memory-gb, on CPU 32.")
-@click.option("--max-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="GPU memory (GiB) --batch-size auto may use (default: 90% of what is free).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("updates"), show_default=True,
-              help="Directory for the update file (or a path ending in .safetensors).")
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.003, show_default=True,
-              help="Learning rate (SGD: momentum 0.9; both optimizers: weight decay 1e-5).")
-@click.option("--optimizer", type=click.Choice(["sgd", "adamw"], case_sensitive=False), default="sgd",
-              show_default=True,
-              help="sgd: the paper's (SPEC); adamw: the usual LoRA optimizer, learns where the gradients reaching "
-                   "the LoRA are tiny (small models; try --lr 0.01).")
-@click.option("--alpha", type=click.FloatRange(min=0), default=None,
-              help="Weight of the consistency loss (default: the bundle's, else 10).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"], case_sensitive=False), default="auto",
-              show_default=True, help="Where to train (auto: CUDA when torch sees a GPU).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Shuffling and flip augmentation seed.")
+@_train_option("--epochs", name="epochs", type=click.IntRange(min=1))
+@_train_option("--batch-size", name="batch_size", type=_BatchSize(),
+               help="Images per step; auto: on CUDA the largest under --max-memory-gb, on CPU 32.")
+@_train_option("--max-memory-gb", name="max_memory_gb", type=click.FloatRange(min=0, min_open=True),
+               help="GPU memory (GiB) --batch-size auto may use (default: 90% of what is free).")
+@_train_option("--out", name="out", type=click.Path(path_type=Path))
+@_train_option("--lr", name="lr", type=click.FloatRange(min=0, min_open=True),
+               help=f"Learning rate (SGD: momentum {TrainOptions.default('momentum')}; both optimizers: "
+                    f"weight decay {TrainOptions.default('weight_decay')}).")
+@_train_option("--optimizer", name="optimizer", type=click.Choice(OPTIMIZERS, case_sensitive=False))
+@_train_option("--alpha", name="alpha", type=click.FloatRange(min=0))
+@_train_option("--device", name="device", type=click.Choice(DEVICES, case_sensitive=False))
+@_train_option("--seed", name="seed", type=int)
 @click.option("--from-bundle", is_flag=True,
               help="Start from the bundle's exported LoRA instead of this device's active (personalised) one.")
 @click.option("--no-apply", is_flag=True, help="Only write the update file; keep the device's active LoRA.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
+@_train_option("--threads", name="threads", type=click.IntRange(min=1))
 @_json_option
 def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, max_memory_gb: float | None,
           out: Path, lr: float, optimizer: str, alpha: float | None, device: str, seed: int, from_bundle: bool,
@@ -176,14 +182,15 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
     Nothing is written until training has finished: an interrupted run changes nothing.
     """
     from edge_client.bundle import BundleError
-    from edge_client.train import TrainingError, TrainInputError, train_local
+    from edge_client.train import train_local
+    from edge_client.train_options import TrainingError, TrainInputError
     from edge_client.update import UpdateError
 
     try:
-        result = train_local(data, bundle, epochs=epochs, batch_size=batch_size, max_memory_gb=max_memory_gb,
-                             out=out, lr=lr, optimizer=optimizer.lower(), alpha=alpha, device=device.lower(),
-                             seed=seed, apply=not no_apply, start="bundle" if from_bundle else "active",
-                             threads=threads, progress=not as_json)
+        options = TrainOptions(epochs=epochs, batch_size=batch_size, max_memory_gb=max_memory_gb, out=out, lr=lr,
+                               optimizer=optimizer.lower(), alpha=alpha, device=device.lower(), seed=seed,
+                               apply=not no_apply, start="bundle" if from_bundle else "active", threads=threads)
+        result = train_local(data, bundle, options, progress=not as_json)
     except KeyboardInterrupt:
         _fail(as_json, EXIT_INTERRUPTED, "interrupted: nothing was written, the bundle is unchanged")
     except (TrainInputError, BundleError, UpdateError) as err:
@@ -218,13 +225,12 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
 @_json_option
 def rollback(bundle: Path | None, to_bundle: bool, as_json: bool) -> None:
     """Undo the last `edge-client train` personalisation: infer runs the previous LoRA again."""
-    from edge_client.bundle import BundleError, read_bundle
-    from edge_client.infer import resolve_bundle_dir
+    from edge_client.bundle import Bundle, BundleError
     from edge_client.lora_store import NothingToRollBack
     from edge_client.lora_store import rollback as do_rollback
 
     try:
-        verified = read_bundle(resolve_bundle_dir(bundle), verify=True)
+        verified = Bundle.open(bundle, verify=True)
         active = do_rollback(verified, to_bundle=to_bundle)
     except NothingToRollBack as err:
         _fail(as_json, EXIT_FAILED, str(err))

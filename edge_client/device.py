@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edge_client.bundle import BundleError, read_bundle
+from edge_client.bundle import Bundle, BundleError, read_bundle
 
 
 def memory_available_bytes() -> int | None:
@@ -51,11 +51,10 @@ def torch_report() -> dict[str, Any]:
 
 
 def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
-    from edge_client.infer import resolve_bundle_dir
+    """What `info` says about the bundle; a bundle that fails verification is still described."""
     from edge_client.lora_store import active_lora
-    from edge_client.update import bundle_id
 
-    path = resolve_bundle_dir(bundle)
+    path = Bundle.resolve_dir(bundle)
     out: dict[str, Any] = {"path": str(path), "hashes_ok": False}
     try:
         verified = read_bundle(path, verify=True)
@@ -68,7 +67,7 @@ def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
             return out
     m = verified.manifest
     source = m.get("source") or {}
-    out.update({"manifest": True, "bundle_id": bundle_id(verified), "round": source.get("round"),
+    out.update({"manifest": True, "bundle_id": verified.id, "round": verified.round,
                 "run": source.get("run"), "precision": m.get("precision"),
                 "model": (m.get("model") or {}).get("clip"), "classes": verified.class_names,
                 "trainable": verified.trainable,

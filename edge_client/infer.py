@@ -21,24 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.bundle import Bundle, read_bundle
+from edge_client.bundle import Bundle
 from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, iter_image_paths, load_image
-from edge_client.lora_store import ActiveLora, active_lora
+from edge_client.lora_store import ActiveLora, active_lora, bundle_lora
 from edge_client.preprocess import preprocess
 from edge_client.runtime import make_session
 
-BUNDLE_ENV = "FEDMVP_BUNDLE"
-DEFAULT_BUNDLE = "bundle"
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_TOP_K = 5
-
-
-def resolve_bundle_dir(bundle: str | os.PathLike | None = None) -> Path:
-    """``bundle`` if given, else ``$FEDMVP_BUNDLE``, else ``./bundle``."""
-    if bundle is not None and str(bundle) != "":
-        return Path(bundle)
-    env = os.environ.get(BUNDLE_ENV)
-    return Path(env) if env else Path(DEFAULT_BUNDLE)
 
 
 @dataclass
@@ -53,10 +43,12 @@ class Prediction:
 
     @property
     def label(self) -> str:
+        """The top-1 class."""
         return self.top_k[0][0]
 
     @property
     def prob(self) -> float:
+        """The top-1 probability."""
         return self.top_k[0][1]
 
     def to_json(self) -> dict[str, Any]:
@@ -92,6 +84,7 @@ class InferResult:
 
     @property
     def ok(self) -> bool:
+        """Whether every input was classified."""
         return not self.errors
 
     def accuracy(self, label_of: Callable[[Path], str] | None = None) -> float | None:
@@ -103,6 +96,7 @@ class InferResult:
         return None if not pairs else sum(got == want for got, want in pairs) / len(pairs)
 
     def summary(self) -> dict[str, Any]:
+        """Counts and throughput for the closing line of `edge-client infer`."""
         images = len(self.predictions)
         return {"images": images, "failed": len(self.errors), "provider": self.provider, "bundle": str(self.bundle),
                 "round": self.round, "lora": self.lora.get("source"), "batch_size": self.batch_size,
@@ -114,9 +108,9 @@ class Predictor:
     """A verified bundle with one ONNX Runtime session (personalised LoRA applied)."""
 
     def __init__(self, bundle: str | os.PathLike | Bundle | None = None, provider: str = "auto",
-                 threads: int | None = None, personalised: bool = True):
-        self.bundle = bundle if isinstance(bundle, Bundle) else read_bundle(resolve_bundle_dir(bundle), verify=True)
-        self.lora: ActiveLora = active_lora(self.bundle) if personalised else _bundle_lora(self.bundle)
+                 threads: int | None = None, personalised: bool = True) -> None:
+        self.bundle = Bundle.open(bundle, verify=True)
+        self.lora: ActiveLora = active_lora(self.bundle) if personalised else bundle_lora(self.bundle)
         overrides = self.lora.tensors if self.lora.personalised else None
         self.session, self.provider = make_session(self.bundle.file("onnx"), provider, threads,
                                                    initializers=overrides)
@@ -127,11 +121,6 @@ class Predictor:
         self._input = next((i for i in inputs if i.name == wanted), inputs[0])
         self._dtype = np.float16 if self._input.type == "tensor(float16)" else np.float32
         self._outputs = [o.name for o in self.session.get_outputs()]
-
-    @property
-    def round(self) -> int | None:
-        value = (self.bundle.manifest.get("source") or {}).get("round")
-        return value if isinstance(value, int) else None
 
     def run(self, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
         """Preprocessed images [N, 3, S, S] -> every model output by name (logits, probs, image_embeds)."""
@@ -202,7 +191,7 @@ class Predictor:
                 bar.update(len(decoded))
         bar.close()
         return InferResult(predictions=predictions, errors=errors, provider=self.provider, bundle=self.bundle.path,
-                           round=self.round, lora=self.lora.to_json(), batch_size=batch_size,
+                           round=self.bundle.round, lora=self.lora.to_json(), batch_size=batch_size,
                            seconds=time.perf_counter() - start, classes=list(self.classes))
 
     def _decode_chunk(self, chunk: list[Path], max_pixels: int | None) -> list[tuple[Path, Any, float]]:
@@ -236,12 +225,8 @@ def infer_paths(paths: Iterable[str | os.PathLike], bundle: str | os.PathLike | 
                            progress=progress, on_result=on_result)
 
 
-def _bundle_lora(bundle: Bundle) -> ActiveLora:
-    return ActiveLora(tensors={k: np.asarray(v, np.float32) for k, v in bundle.lora().items()}, source="bundle",
-                      file=bundle.file("lora"))
-
-
 def _softmax(logits: np.ndarray) -> np.ndarray:
+    """Probabilities for a model exported without a ``probs`` output (float64, stable)."""
     z = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(axis=-1, keepdims=True)

@@ -12,7 +12,7 @@ sub-directory with its own small, verified state::
 ``state.json``::
 
     {"format": "fedmvp-edge-personalisation", "format_version": 1,
-     "bundle_id": "<sha256 of manifest.json>",          # personalisation of THIS bundle only
+     "bundle_id": "<Bundle.id>",                        # personalisation of THIS bundle only
      "active": {"file": "lora-0002.safetensors", "sha256": "...", "bytes": 25512,
                 "applied": "2025-...Z", "update": {"mean_loss": ..., "num_examples": ..., ...}}
                | null,                                  # null: the bundle's own LoRA
@@ -26,8 +26,8 @@ the file, without copying the model (hundreds of MB for fp16/int8) and without t
 hashed file. The active file's sha256 (and the update's bundle id, names and shapes) are
 verified every time it is loaded; a mismatch refuses to run, like a tampered bundle.
 
-Commit points are single renames: a LoRA file is written under a temp name and renamed,
-then ``state.json`` is replaced. A crash in between leaves an unreferenced file that the
+Commit points are single renames (``edge_client.atomic``): a LoRA file is written under a
+temp name and renamed, then ``state.json`` is replaced. A crash in between leaves an unreferenced file that the
 next change removes; the active LoRA is always either the old or the new one.
 """
 
@@ -36,15 +36,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from edge_client.atomic import TEMP_SUFFIX, copy_file, write_bytes
 from edge_client.bundle import Bundle, BundleError, sha256_file
-from edge_client.update import UpdateError, bundle_id, fsync_dir, read_update, utc_now
+from edge_client.update import UpdateError, read_update, utc_now
 
 DIRECTORY = "personalised"
 STATE = "state.json"
@@ -75,9 +75,11 @@ class ActiveLora:
 
     @property
     def personalised(self) -> bool:
+        """Whether this is a personalised LoRA (inference must override the stored initializers)."""
         return self.source == "personalised"
 
     def describe(self) -> str:
+        """One line for people: which LoRA runs and what rollback would return to."""
         if not self.personalised:
             return "bundle LoRA (as exported)"
         update = self.entry.get("update", {})
@@ -92,17 +94,19 @@ class ActiveLora:
         return ", ".join(bits) + f"; {back}"
 
     def to_json(self) -> dict[str, Any]:
+        """The `--json` report of the active LoRA."""
         return {"source": self.source, "file": str(self.file), "history": self.history,
                 **({"update": self.entry.get("update", {}), "applied": self.entry.get("applied")}
                    if self.personalised else {})}
 
 
 def state_dir(bundle: Bundle) -> Path:
+    """Where the personalisation lives (beside the hashed files, never among them)."""
     return Path(bundle.path) / DIRECTORY
 
 
 def _empty_state(bundle: Bundle) -> dict[str, Any]:
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "bundle_id": bundle_id(bundle), "active": None,
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "bundle_id": bundle.id, "active": None,
             "history": [], "next": 1}
 
 
@@ -120,10 +124,10 @@ def read_state(bundle: Bundle) -> dict[str, Any] | None:
         raise PersonalisationError(f"{path}: not a {FORMAT} state file")
     if state.get("format_version") != FORMAT_VERSION:
         raise PersonalisationError(f"{path}: state version {state.get('format_version')} is not supported")
-    if state.get("bundle_id") != bundle_id(bundle):
+    if state.get("bundle_id") != bundle.id:
         raise PersonalisationError(
             f"{path}: personalisation of another bundle ({str(state.get('bundle_id'))[:12]}), not of this one "
-            f"({bundle_id(bundle)[:12]}); run `edge-client rollback --all` or remove {path.parent}")
+            f"({bundle.id[:12]}); run `edge-client rollback --all` or remove {path.parent}")
     if not isinstance(state.get("history"), list) or not isinstance(state.get("next"), int):
         raise PersonalisationError(f"{path}: malformed state (history/next)")
     return state
@@ -149,33 +153,26 @@ def _load_entry(bundle: Bundle, entry: dict[str, Any]) -> dict[str, np.ndarray]:
         raise PersonalisationError(str(err)) from None
 
 
+def bundle_lora(bundle: Bundle, history: int = 0) -> ActiveLora:
+    """The bundle's own exported LoRA (float32), whatever the device has personalised."""
+    return ActiveLora(tensors={k: np.asarray(v, np.float32) for k, v in bundle.lora().items()},
+                      source="bundle", file=bundle.file("lora"), history=history)
+
+
 def active_lora(bundle: Bundle) -> ActiveLora:
     """The LoRA inference should run, verified (the bundle's own when not personalised)."""
     state = read_state(bundle)
     if state is None or state.get("active") is None:
-        return ActiveLora(tensors={k: np.asarray(v, np.float32) for k, v in bundle.lora().items()},
-                          source="bundle", file=bundle.file("lora"),
-                          history=len(state["history"]) if state else 0)
+        return bundle_lora(bundle, history=len(state["history"]) if state else 0)
     entry = state["active"]
     return ActiveLora(tensors=_load_entry(bundle, entry), source="personalised", file=_entry_path(bundle, entry),
                       entry=entry, history=len(state["history"]))
 
 
 def _write_state(bundle: Bundle, state: dict[str, Any]) -> None:
-    directory = state_dir(bundle)
-    directory.mkdir(exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{STATE}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(state, indent=2, sort_keys=True) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, directory / STATE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(directory)
+    """Replace ``state.json`` atomically: the commit point of every change."""
+    data = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    write_bytes(state_dir(bundle) / STATE, data)
 
 
 def _cleanup(bundle: Bundle, state: dict[str, Any]) -> None:
@@ -184,7 +181,7 @@ def _cleanup(bundle: Bundle, state: dict[str, Any]) -> None:
     for path in state_dir(bundle).iterdir():
         if path.name == STATE or path.name in keep:
             continue
-        if (path.name.startswith("lora-") and path.suffix == ".safetensors") or path.name.endswith(".tmp"):
+        if (path.name.startswith("lora-") and path.suffix == ".safetensors") or path.name.endswith(TEMP_SUFFIX):
             path.unlink(missing_ok=True)
 
 
@@ -192,21 +189,8 @@ def apply_update(bundle: Bundle, update_path: str | os.PathLike, keep: int = DEF
     """Make the LoRA of ``update_path`` the device's active LoRA; the previous one goes to history."""
     update = read_update(update_path, bundle)  # names, shapes, bundle id: refuse before changing anything
     state = read_state(bundle) or _empty_state(bundle)
-    directory = state_dir(bundle)
-    directory.mkdir(exist_ok=True)
     name = f"lora-{state['next']:04d}.safetensors"
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as out, open(update.path, "rb") as src:
-            shutil.copyfileobj(src, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, directory / name)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    target = directory / name
+    target = copy_file(update.path, state_dir(bundle) / name)
     entry = {"file": name, "sha256": sha256_file(target), "bytes": target.stat().st_size, "applied": utc_now(),
              "update": {"source": str(Path(update_path).resolve()),
                         **{k: update.metadata[k] for k in _UPDATE_KEYS if k in update.metadata}}}

@@ -10,7 +10,7 @@ in torch. The parity test in tests/edge_client checks this against open_clip.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,27 +121,23 @@ def center_crop(image: Image.Image, size: int) -> Image.Image:
     return image.crop((left, top, left + size, top + size))
 
 
-def preprocess(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
-    """One PIL image -> normalised float32 array [3, size, size].
+def resize_crop_rgb(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
+    """One PIL image -> uint8 RGB array [size, size, 3]: resize and crop, not normalised.
 
     Steps run in open_clip's order (resize and crop in the image's own mode, then
     convert to RGB), so parity holds for any mode; `load_image` already gives RGB.
-    """
+    Training keeps these uint8 pixels and normalises per batch on its device."""
     img = resize_shorter_side(image, spec.image_size, _RESIZE_MODES[spec.resize])
     img = center_crop(img, spec.image_size)
     if img.mode != "RGB":
         img = img.convert("RGB")
-    x = np.asarray(img, dtype=np.uint8).astype(np.float32) / np.float32(255.0)
+    return np.asarray(img, dtype=np.uint8)
+
+
+def preprocess(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
+    """One PIL image -> normalised float32 array [3, size, size] (the model's input)."""
+    x = resize_crop_rgb(image, spec).astype(np.float32) / np.float32(255.0)
     mean = np.asarray(spec.mean, dtype=np.float32)
     std = np.asarray(spec.std, dtype=np.float32)
     x = (x - mean) / std
     return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
-
-
-def preprocess_batch(images: Iterable[Image.Image], spec: PreprocessSpec) -> np.ndarray:
-    """Many PIL images -> float32 array [N, 3, size, size] (N may be 0)."""
-    s = spec.image_size
-    arrays = [preprocess(im, spec) for im in images]
-    if not arrays:
-        return np.zeros((0, 3, s, s), dtype=np.float32)
-    return np.stack(arrays, axis=0)

@@ -45,7 +45,7 @@ class GraphRunner:
     Values are dropped as soon as their last user has run.
     """
 
-    def __init__(self, module: Any):
+    def __init__(self, module: Any) -> None:
         import torch
 
         self.module = module
@@ -55,12 +55,12 @@ class GraphRunner:
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.output = next(n for n in graph.nodes if n.op == "output")
         self.body = [n for n in graph.nodes if n.op not in ("placeholder", "output") and n.target not in skip]
-        self.skipped_asserts = sum(1 for n in graph.nodes if n.target in skip)
         self.cut_candidates = [i for i, n in enumerate(self.body) if n.target == torch.ops.aten.layer_norm.default]
         self._plans: dict[int, list[_Segment]] = {}
 
     # ---- inputs -----------------------------------------------------------------------------------
     def flatten(self, pixel_values: Any, view: Any, lora: dict[str, Any], weights: dict[str, Any]) -> list[Any]:
+        """The program's flat inputs, in the order torch.export recorded (refuses tensors that do not fit)."""
         from torch.utils._pytree import tree_flatten
 
         flat, spec = tree_flatten(((pixel_values, view, dict(sorted(lora.items())), dict(sorted(weights.items()))),
@@ -73,9 +73,11 @@ class GraphRunner:
 
     # ---- segments ---------------------------------------------------------------------------------
     def max_segments(self) -> int:
+        """Most pieces the graph can be cut into (one per LayerNorm, plus one)."""
         return len(self.cut_candidates) + 1
 
     def plan(self, segments: int) -> list[_Segment]:
+        """The graph cut into ``segments`` pieces at evenly spaced LayerNorms (cached per count)."""
         segments = max(1, min(int(segments), self.max_segments()))
         if segments not in self._plans:
             cuts = [0]
@@ -112,7 +114,8 @@ class GraphRunner:
 class _Segment:
     """A contiguous run of graph nodes: inputs from outside, outputs needed later."""
 
-    def __init__(self, nodes: list[Any], inputs: list[Any], outputs: list[Any], release: list[Any], module: Any):
+    def __init__(self, nodes: list[Any], inputs: list[Any], outputs: list[Any], release: list[Any],
+                 module: Any) -> None:
         self.nodes, self.inputs, self.outputs, self.release, self.module = nodes, inputs, outputs, release, module
         last: dict[Any, int] = {}
         for i, n in enumerate(nodes):
@@ -125,6 +128,7 @@ class _Segment:
                 self.drop_after[i].append(value)
 
     def run(self, *args: Any) -> tuple[Any, ...]:
+        """Run this piece's nodes, freeing each value after its last use."""
         import torch
 
         local: dict[Any, Any] = dict(zip(self.inputs, args))

@@ -7,8 +7,8 @@ metadata:
 =================  =====================================================================
 ``format``         ``fedmvp-edge-update``
 ``format_version`` ``1``
-``bundle_id``      sha256 of the bundle's ``manifest.json`` (which hashes every bundle file)
-``bundle_round``   the federated round the bundle was exported from (``source.round``)
+``bundle_id``      `Bundle.id`: sha256 of the bundle's ``manifest.json`` (which hashes every file)
+``bundle_round``   `Bundle.round`: the federated round the bundle was exported from
 ``num_examples``   local images trained on (the FedAvg weight)
 ``mean_loss``      mean training loss over every step (CE + alpha * L_con)
 ``final_loss``     mean loss of the last epoch
@@ -21,16 +21,14 @@ metadata:
 
 Numbers are stored as decimal strings (safetensors metadata is str -> str). Only numpy,
 safetensors and the standard library are used: the server and the smallest install read it.
-Files are written to a temp file in the target directory, fsynced and renamed, so a reader
-never sees half a file.
+Files are written with ``edge_client.atomic`` (temp file, fsync, rename), so a reader never
+sees half a file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -38,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from edge_client.atomic import write_bytes
+from edge_client.bundle import Bundle
 
 FORMAT = "fedmvp-edge-update"
 FORMAT_VERSION = 1
@@ -51,21 +52,8 @@ class UpdateError(ValueError):
     """An update file that cannot be used; one line naming the path."""
 
 
-def bundle_id(bundle: Any) -> str:
-    """Identity of a bundle: its manifest's own ``bundle_id`` if it has one, else the sha256
-    of ``manifest.json`` (the manifest lists every file's sha256, so this pins all of them)."""
-    explicit = bundle.manifest.get("bundle_id")
-    if isinstance(explicit, str) and explicit:
-        return explicit
-    return hashlib.sha256((Path(bundle.path) / "manifest.json").read_bytes()).hexdigest()
-
-
-def bundle_round(bundle: Any) -> int | None:
-    value = (bundle.manifest.get("source") or {}).get("round")
-    return int(value) if isinstance(value, int) else None
-
-
 def utc_now() -> str:
+    """UTC now as ISO 8601 with a ``Z`` (the ``created`` and ``applied`` stamps)."""
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
@@ -79,22 +67,27 @@ class Update:
 
     @property
     def bundle_id(self) -> str:
+        """`Bundle.id` of the bundle this update was trained on."""
         return str(self.metadata["bundle_id"])
 
     @property
     def round(self) -> int | None:
+        """`Bundle.round` of that bundle (None if it recorded none)."""
         return self.metadata.get("bundle_round")
 
     @property
     def num_examples(self) -> int:
+        """Local images trained on: the update's FedAvg weight."""
         return int(self.metadata["num_examples"])
 
     @property
     def mean_loss(self) -> float:
+        """Mean training loss over every step."""
         return float(self.metadata["mean_loss"])
 
 
 def _encode(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """Metadata as strings (safetensors metadata is str -> str); lists/dicts as JSON."""
     out: dict[str, str] = {}
     for key, value in metadata.items():
         if value is None:
@@ -109,6 +102,7 @@ def _encode(metadata: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _decode(raw: Mapping[str, str], path: Path) -> dict[str, Any]:
+    """The inverse of `_encode` for the known numeric and list fields; a bad number is an `UpdateError`."""
     out: dict[str, Any] = dict(raw)
     try:
         for key in _INT_FIELDS:
@@ -126,43 +120,8 @@ def _decode(raw: Mapping[str, str], path: Path) -> dict[str, Any]:
     return out
 
 
-def atomic_write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> Path:
-    """safetensors to ``path`` via a temp file in the same directory + fsync + rename."""
-    from safetensors.numpy import save
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=dict(metadata))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return path
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename durable (no-op where directories cannot be opened, e.g. Windows)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _as_float32(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """numpy or torch tensors -> contiguous float32 numpy (the update format's only dtype)."""
     out = {}
     for name, value in tensors.items():
         if hasattr(value, "detach"):  # a torch tensor: no torch import needed to convert it
@@ -171,16 +130,18 @@ def _as_float32(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
-def write_update(path: str | os.PathLike, tensors: Mapping[str, Any], *, bundle: Any, num_examples: int,
+def write_update(path: str | os.PathLike, tensors: Mapping[str, Any], *, bundle: Bundle, num_examples: int,
                  mean_loss: float, **extra: Any) -> Path:
     """Write an update file for ``bundle`` (names and shapes checked against it) atomically."""
+    from safetensors.numpy import save
+
     path = Path(path)
     arrays = _as_float32(tensors)
     check_lora(arrays, bundle.lora_shapes, path, UpdateError)
-    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "bundle_id": bundle_id(bundle),
-                "bundle_round": bundle_round(bundle), "num_examples": int(num_examples),
+    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "bundle_id": bundle.id,
+                "bundle_round": bundle.round, "num_examples": int(num_examples),
                 "mean_loss": float(mean_loss), "created": utc_now(), **extra}
-    return atomic_write_safetensors(path, arrays, _encode(metadata))
+    return write_bytes(path, save(arrays, metadata=_encode(metadata)))
 
 
 def check_lora(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, list[int]], path: Path,
@@ -204,7 +165,7 @@ def check_lora(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, list[int]
             raise error(f"{path}: {name} holds NaN or infinite values")
 
 
-def read_update(path: str | os.PathLike, bundle: Any = None, *, check_bundle_id: bool = True) -> Update:
+def read_update(path: str | os.PathLike, bundle: Bundle | None = None, *, check_bundle_id: bool = True) -> Update:
     """Read and validate an update file.
 
     Always: the format, the required metadata, only ``lora.*`` tensors, float32, finite.
@@ -236,14 +197,15 @@ def read_update(path: str | os.PathLike, bundle: Any = None, *, check_bundle_id:
     stray = [n for n in tensors if not n.startswith(LORA_PREFIX)]
     if stray:
         raise UpdateError(f"{path}: holds non-LoRA tensors ({', '.join(sorted(stray)[:5])})")
+    update = Update(path=path, tensors=dict(sorted(tensors.items())), metadata=metadata)
     if bundle is not None:
         check_lora(tensors, bundle.lora_shapes, path, UpdateError)
-        if check_bundle_id and metadata["bundle_id"] != bundle_id(bundle):
-            raise UpdateError(f"{path}: trained on bundle {metadata['bundle_id'][:12]}, not on this bundle "
-                              f"({bundle_id(bundle)[:12]}, {bundle.path})")
+        if check_bundle_id and update.bundle_id != bundle.id:
+            raise UpdateError(f"{path}: trained on bundle {update.bundle_id[:12]}, not on this bundle "
+                              f"({bundle.id[:12]}, {bundle.path})")
     else:
         check_lora(tensors, {k: list(v.shape) for k, v in tensors.items()}, path, UpdateError)
-    return Update(path=path, tensors=dict(sorted(tensors.items())), metadata=metadata)
+    return update
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:

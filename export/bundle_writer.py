@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from edge_client import bundle as fmt
+from edge_client.bundle import (FORMAT, FORMAT_VERSION, MANIFEST, ROLES, file_entries, read_bundle,
+                                 verify_program_archive, write_manifest)
 from export import onnx_export, parity, training_artifact
 from export.class_set import ClassSet, file_class_set, run_class_set, text_features
 from export.edge_module import build_edge_classifier, lora_scaling
@@ -141,7 +142,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         features = text_features(clip, classes)
         model.set_text_features(features)
         edge = build_edge_classifier(model, features)
-        weights_file = tmp / fmt.ROLES["weights"]  # the fp32 ONNX model's external data, at least for parity
+        weights_file = tmp / ROLES["weights"]  # the fp32 ONNX model's external data, at least for parity
         _save_safetensors(edge.frozen_tensors(), weights_file)
         _save_safetensors(edge.lora_tensors(), tmp / names["lora"])
         bar.update()
@@ -183,7 +184,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             step("training artifact")
             program = training_artifact.export_program(edge, clip.image_size)
             training_artifact.save_program(program, tmp / names["training"])
-            fmt.verify_program_archive(tmp / names["training"])
+            verify_program_archive(tmp / names["training"])
             bar.update()
         if "weights" not in names:
             weights_file.unlink()
@@ -191,9 +192,9 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         step("manifest")
         manifest = _manifest(model, clip, classes, edge, precision, results, source or {},
                              image_note or {"given": len(images)}, linked, names, int8_plan)
-        manifest["files"] = fmt.file_entries(tmp, list(names.values()))
-        fmt.write_manifest(tmp, manifest)
-        fmt.read_bundle(tmp)
+        manifest["files"] = file_entries(tmp, list(names.values()))
+        write_manifest(tmp, manifest)
+        read_bundle(tmp)
         bar.update()
         _publish(tmp, out, force)
     except BaseException:
@@ -201,14 +202,14 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         raise
     finally:
         bar.close()
-    sizes = {e: out.joinpath(e).stat().st_size for e in [*names.values(), fmt.MANIFEST]}
+    sizes = {e: out.joinpath(e).stat().st_size for e in [*names.values(), MANIFEST]}
     return BundleResult(path=out, manifest=manifest, parity=results, sizes=sizes, int8=int8_plan)
 
 
 def bundle_roles(precision: str, training: bool) -> dict[str, str]:
     """The files a bundle holds: an inference-only one drops the training program, and the frozen
     fp32 weights too unless the ONNX model reads them (fp32 stores its weights there)."""
-    roles = dict(fmt.ROLES)
+    roles = dict(ROLES)
     if not training:
         del roles["training"]
         if precision != "fp32":
@@ -221,8 +222,9 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
               linked: int, names: dict[str, str], int8_plan: Int8Plan | None = None) -> dict[str, Any]:
     lora = edge.lora_tensors()
     return {
-        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
+        "format": FORMAT, "format_version": FORMAT_VERSION,
         "source": source,
+        "method": {**asdict(model.config), "lora_targets": list(model.config.lora_targets)},
         "model": {"clip": clip.name, "pretrained": clip.pretrained, "weights_identity": clip.identity,
                   "embed_dim": clip.embed_dim, "vision_width": clip.vision_width},
         "method": model.config.to_dict(),  # the record the weights were trained as (alpha, lora_rank, ...)

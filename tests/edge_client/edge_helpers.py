@@ -94,6 +94,14 @@ def write_local_data(root: Path, classes: list[str], per_class: int = 4, seed: i
     return root
 
 
+def preprocess_batch(images: list[Image.Image], spec) -> np.ndarray:
+    """Many PIL images -> the model's float32 input [N, 3, S, S] (N may be 0), as inference builds it."""
+    from edge_client.preprocess import preprocess
+
+    arrays = [preprocess(im, spec) for im in images]
+    return np.stack(arrays) if arrays else np.zeros((0, 3, spec.image_size, spec.image_size), np.float32)
+
+
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file under ``root`` by relative path (to prove a directory did not change)."""
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -7,13 +7,12 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from edge_helpers import CLASSES, write_awkward_files
+from edge_helpers import CLASSES, preprocess_batch, write_awkward_files
 from PIL import Image
 
-from edge_client.bundle import BundleError
+from edge_client.bundle import Bundle, BundleError
 from edge_client.cli import main
-from edge_client.infer import Predictor, infer_paths, resolve_bundle_dir
-from edge_client.preprocess import preprocess_batch
+from edge_client.infer import Predictor, infer_paths
 
 
 def test_infer_synthetic_images_matches_the_session(edge_bundle, data_root):
@@ -94,9 +93,9 @@ def test_missing_inputs_are_per_file_errors(edge_bundle, data_root, tmp_path):
 def test_bundle_resolution_order(edge_bundle, tmp_path, monkeypatch):
     monkeypatch.delenv("FEDMVP_BUNDLE", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert resolve_bundle_dir(None) == resolve_bundle_dir("") and str(resolve_bundle_dir(None)) == "bundle"
+    assert Bundle.resolve_dir(None) == Bundle.resolve_dir("") and str(Bundle.resolve_dir(None)) == "bundle"
     monkeypatch.setenv("FEDMVP_BUNDLE", str(edge_bundle))
-    assert resolve_bundle_dir(None) == edge_bundle and resolve_bundle_dir("x") == resolve_bundle_dir("x")
+    assert Bundle.resolve_dir(None) == edge_bundle and Bundle.resolve_dir("x") == Bundle.resolve_dir("x")
     image = tmp_path / "a.png"
     Image.new("RGB", (20, 20), (10, 20, 30)).save(image)
     assert CliRunner().invoke(main, ["infer", str(image)]).exit_code == 0  # from $FEDMVP_BUNDLE

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from edge_helpers import preprocess_batch
 from PIL import Image
 
 from edge_client.preprocess import (
     PreprocessSpec,
     center_crop,
     preprocess,
-    preprocess_batch,
     resized_size,
 )
 

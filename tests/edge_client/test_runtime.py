@@ -140,12 +140,12 @@ def test_inference_path_imports_without_torch(model_path, tmp_path):
     code = f"""
         import sys
         from edge_client.images import load_image
-        from edge_client.preprocess import PreprocessSpec, preprocess, preprocess_batch
+        from edge_client.preprocess import PreprocessSpec, preprocess
         from edge_client.runtime import make_session
         im = load_image({str(img)!r})
         x = preprocess(im, PreprocessSpec(image_size=32))
         assert x.shape == (3, 32, 32), x.shape
-        assert preprocess_batch([im, im], PreprocessSpec.from_manifest({{"image_size": 32}})).shape == (2, 3, 32, 32)
+        assert preprocess(im, PreprocessSpec.from_manifest({{"image_size": 32}})).shape == (3, 32, 32)
         sess, used = make_session({str(model_path)!r}, "cpu")
         sess.run(None, {{"x": x[:, 0, :3].copy()}})
         bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchvision", "open_clip", "fedmvp"))

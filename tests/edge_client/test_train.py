@@ -10,17 +10,19 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from edge_helpers import LORA, rebuilt_model, tree_bytes, write_local_data
+from edge_helpers import LORA, preprocess_batch, rebuilt_model, tree_bytes, write_local_data
 from PIL import Image
 
-from edge_client.bundle import BundleError, read_bundle
+from edge_client.bundle import BundleError, manifest_bytes, read_bundle
 from edge_client.cli import main
 from edge_client.infer import Predictor
 from edge_client.lora_store import NothingToRollBack, active_lora, apply_update, rollback
-from edge_client.preprocess import preprocess_batch
 from edge_client.program import GraphRunner, load_program
-from edge_client.train import TrainInputError, decode_dataset, fedmvp_loss, find_batch_size, scan_folder, train_local
-from edge_client.update import UpdateError, bundle_id, read_update, write_update
+from edge_client.batch_fit import find_batch_size
+from edge_client.local_data import decode_dataset, scan_folder
+from edge_client.train import fedmvp_loss, train_local
+from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
+from edge_client.update import UpdateError, read_update, write_update
 
 LOCAL_CLASSES = ["purple_cross", "orange_ring", "yellow_star"]
 
@@ -88,7 +90,7 @@ def test_update_file_round_trips(trained):
     update = read_update(result.update_path, bundle)
     m = update.metadata
     assert m["format"] == "fedmvp-edge-update" and m["format_version"] == 1
-    assert m["bundle_id"] == bundle_id(bundle) and update.round == 2 and update.num_examples == 12
+    assert m["bundle_id"] == bundle.id and update.round == bundle.round == 2 and update.num_examples == 12
     assert abs(update.mean_loss - result.mean_loss) < 1e-9 and m["epochs"] == 4 and m["classes"] == result.classes
     assert m["created"].endswith("Z") and m["train_seconds"] > 0 and m["device"] == "cpu"
     # The personalised copy is the update, byte for byte, and is what inference now runs.
@@ -259,6 +261,56 @@ def test_each_optimizer_lowers_the_loss_and_is_recorded(edge_bundle, tmp_path, o
     assert result.optimizer == update.metadata["optimizer"] == optimizer and result.to_json()["optimizer"] == optimizer
 
 
+def _edit_method(source: Path, target: Path, **changes) -> Path:
+    """A copy of ``source`` whose manifest's method config has ``changes`` (None deletes ``method``).
+
+    manifest.json lists the other files' hashes, not its own, so the copy still verifies."""
+    shutil.copytree(source, target)
+    path = target / "manifest.json"
+    manifest = json.loads(path.read_text())
+    if changes.pop("drop", False):
+        del manifest["method"]
+    manifest.get("method", {}).update(changes)
+    path.write_bytes(manifest_bytes(manifest))
+    return target
+
+
+def test_training_takes_alpha_from_the_manifest(edge_bundle, tmp_path):
+    data = write_local_data(tmp_path / "local", ["red_circle", "blue_square"], per_class=2)
+    edited = _edit_method(edge_bundle, tmp_path / "edited", alpha=0.5)
+    assert read_bundle(edited).method["alpha"] == 0.5 and read_bundle(edge_bundle).method["alpha"] == 10.0
+
+    def run(bundle: Path, **overrides) -> tuple:
+        losses: list[float] = []
+        result = train_local(data, bundle, epochs=1, batch_size=4, apply=False, start="bundle", threads=1,
+                             out=tmp_path / "updates", on_step=lambda _step, loss: losses.append(loss), **overrides)
+        return result, losses
+
+    exported, exported_losses = run(edge_bundle)
+    edited_result, edited_losses = run(edited)
+    assert exported.alpha == 10.0 and edited_result.alpha == 0.5
+    assert float(read_update(edited_result.update_path).metadata["alpha"]) == 0.5
+    assert edited_losses[0] < exported_losses[0]  # same data, seed and LoRA: only the consistency weight differs
+    explicit, explicit_losses = run(edited, alpha=10.0)  # an explicit alpha wins over the manifest's
+    assert explicit.alpha == 10.0 and explicit_losses == pytest.approx(exported_losses, rel=1e-6)
+    with pytest.raises(BundleError, match="manifest.json.*method.*re-export"):
+        train_local(data, _edit_method(edge_bundle, tmp_path / "old", drop=True), out=tmp_path / "updates")
+
+
+def test_train_options_hold_the_defaults_the_cli_shows():
+    from edge_client.cli import train as train_command
+
+    params = {p.name: p for p in train_command.params}
+    for name in ("epochs", "batch_size", "max_memory_gb", "lr", "optimizer", "alpha", "device", "seed", "threads"):
+        assert params[name].default == TrainOptions.default(name), name
+    assert str(params["out"].default) == str(TrainOptions.default("out"))
+    assert params["epochs"].help == TrainOptions.help("epochs")
+    with pytest.raises(TrainInputError, match="epochs must be a positive int"):
+        TrainOptions(epochs=0)
+    with pytest.raises(TypeError, match="epoch"):
+        train_local("no-data", None, epoch=3)  # a misspelt option is a TypeError, as for any call
+
+
 def test_unknown_optimizer_is_refused_before_training(edge_bundle, tmp_path):
     data = write_local_data(tmp_path / "local", ["red_circle"])
     with pytest.raises(TrainInputError, match="optimizer must be one of sgd, adamw"):
@@ -308,7 +360,5 @@ def test_find_batch_size():
         return 1
 
     assert find_batch_size(oom_above_8, cap=64, max_bytes=10**9) == 8
-    from edge_client.train import TrainingError
-
     with pytest.raises(TrainingError, match="max-memory-gb"):
         find_batch_size(lambda b: 10**12, cap=64, max_bytes=10**9)

@@ -47,6 +47,13 @@ def test_manifest_problems(bundle_copy, tmp_path):
     data["format_version"] = 99
     manifest.write_text(json.dumps(data))
     assert "format version 99" in _error(bundle_copy)
+    data["format_version"] = 2
+    without_method = {k: v for k, v in data.items() if k != "method"}  # what an older exporter wrote
+    manifest.write_text(json.dumps(without_method))
+    message = _error(bundle_copy)
+    assert "manifest.json" in message and "method" in message and "re-export" in message
+    manifest.write_text(json.dumps({**data, "method": {k: v for k, v in data["method"].items() if k != "alpha"}}))
+    assert "method lacks alpha" in _error(bundle_copy)
     manifest.write_text("{not json")
     assert "corrupt JSON" in _error(bundle_copy)
     manifest.unlink()

@@ -30,7 +30,12 @@ def _session(path, options=None):
 def test_bundle_manifest_and_files(tiny_bundle, tiny_run):
     bundle = read_bundle(tiny_bundle.path)  # verifies every sha256
     m = bundle.manifest
-    assert m["format_version"] == 1 and m["precision"] == "fp32"
+    assert m["format_version"] == 2 and m["precision"] == "fp32"
+    config = rebuilt_model(tiny_run)[0].config  # the method config is recorded for the edge trainer (alpha)
+    assert bundle.method == {"num_prompts": config.num_prompts, "heads": config.heads, "ff_mult": config.ff_mult,
+                             "alpha": config.alpha, "flip_prob": config.flip_prob, "lora_rank": config.lora_rank,
+                             "lora_targets": list(config.lora_targets), "use_lora": config.use_lora}
+    assert bundle.method["lora_rank"] == 8 and bundle.round == 2 and len(bundle.id) == 64
     assert m["source"]["round"] == 2 and m["source"]["run"] == tiny_run.name
     assert m["model"]["clip"] == "fedmvp-tiny"
     federation = run_federation(read_config(RunDir(tiny_run)), RunDir(tiny_run))

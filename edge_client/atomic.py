@@ -1,0 +1,76 @@
+"""Atomic file replacement: the one way edge_client writes a file a reader may look at.
+
+A reader (inference, a server collecting updates, a second `edge-client` process) must see
+either the old file or the complete new one, never half of it, and a crash must not lose a
+file that was reported written. So: write a temp file in the target's directory (same file
+system, so the rename is atomic), fsync it, give it the permissions an ordinary new file gets
+(0o666 less the umask: ``mkstemp`` would leave 0o600), ``os.replace`` it over the target and
+fsync the directory so the rename itself survives a power cut. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+TEMP_SUFFIX = ".tmp"  # temp files are ".<name>.<random>.tmp" next to the target
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Replace ``path`` with ``data`` atomically (parent directories are created)."""
+    path = Path(path)
+    with _replacing(path) as handle:
+        handle.write(data)
+    return path
+
+
+def copy_file(source: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Replace ``path`` with a byte-for-byte copy of ``source`` atomically (streamed, not read whole)."""
+    path = Path(path)
+    with _replacing(path) as handle, open(source, "rb") as src:
+        shutil.copyfileobj(src, handle)
+    return path
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename durable (no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _new_file_mode() -> int:
+    """0o666 less the process umask: what ``open(path, "w")`` would have given the file."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[BinaryIO]:
+    """A binary handle on a temp file that replaces ``path`` when the block ends without error."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, _new_file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

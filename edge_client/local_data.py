@@ -1,0 +1,96 @@
+"""The local training data: an ImageFolder tree of the bundle's classes, decoded once.
+
+Scanning is separate from decoding so every problem with the folder (unknown class, no
+images) is reported before torch loads or anything is decoded. Images are resized and
+centre-cropped exactly as inference does (``edge_client.preprocess.resize_crop_rgb``) and
+kept as uint8, so normalisation and the flipped view happen per batch on the training device.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, is_image_path, iter_image_paths, load_image
+from edge_client.preprocess import PreprocessSpec, resize_crop_rgb
+from edge_client.train_options import TrainInputError
+
+@dataclass
+class LocalDataset:
+    """An ImageFolder tree resolved against the bundle's classes (paths only, nothing decoded)."""
+
+    root: Path
+    files: list[Path]
+    labels: list[int]
+    classes: list[str]  # class folders that hold images, sorted
+    skipped: list[str] = field(default_factory=list)  # one line per file or folder left out
+
+    def __len__(self) -> int:
+        """Images found (some may still fail to decode)."""
+        return len(self.files)
+
+
+def scan_folder(root: str | os.PathLike, class_names: Sequence[str]) -> LocalDataset:
+    """``root/<class>/**/image`` -> files and label indices into ``class_names``.
+
+    Every non-hidden sub-directory of ``root`` must be a class of the bundle; unknown ones are
+    a `TrainInputError` naming them. Image files directly in ``root`` are left out (reported)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise TrainInputError(f"{root}: not a directory (expected an ImageFolder tree: {root}/<class>/<image>)")
+    index = {name: i for i, name in enumerate(class_names)}
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    unknown = [p.name for p in folders if p.name not in index]
+    if unknown:
+        shown = ", ".join(class_names[:20]) + (", ..." if len(class_names) > 20 else "")
+        raise TrainInputError(f"{root}: unknown class{'es' if len(unknown) > 1 else ''} "
+                              f"{', '.join(repr(u) for u in unknown)}: not in the bundle's {len(class_names)} "
+                              f"classes ({shown})")
+    if not folders:
+        raise TrainInputError(f"{root}: no class folders (expected {root}/<class>/<image>)")
+    skipped = [f"{p}: not in a class folder, left out" for p in sorted(root.iterdir())
+               if p.is_file() and is_image_path(p)]
+    files: list[Path] = []
+    labels: list[int] = []
+    present: list[str] = []
+    for folder in folders:
+        errors: list[ImageReadError] = []
+        found = iter_image_paths([folder], errors=errors)
+        skipped.extend(f"{e.path}: {e.reason}" for e in errors)
+        if found:
+            present.append(folder.name)
+        files.extend(found)
+        labels.extend([index[folder.name]] * len(found))
+    if not files:
+        raise TrainInputError(f"{root}: no images in the class folders")
+    return LocalDataset(root=root, files=files, labels=labels, classes=present, skipped=skipped)
+
+
+def decode_dataset(dataset: LocalDataset, spec: PreprocessSpec, max_pixels: int | None = DEFAULT_MAX_PIXELS,
+                   progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Resize + crop every image once: (uint8 [N, S, S, 3], labels [N]); unreadable files are skipped."""
+    arrays, labels = [], []
+    for path, label in _progress(list(zip(dataset.files, dataset.labels)), progress, "read"):
+        try:
+            arrays.append(resize_crop_rgb(load_image(path, max_pixels=max_pixels), spec))
+            labels.append(label)
+        except ImageReadError as err:
+            dataset.skipped.append(str(err))
+    if not arrays:
+        raise TrainInputError(f"{dataset.root}: none of the {len(dataset.files)} images could be read")
+    return np.stack(arrays), np.asarray(labels, dtype=np.int64)
+
+
+def _progress(items: list, progress: bool, desc: str) -> Any:
+    """``items``, behind a tqdm bar on stderr when ``progress``."""
+    if not progress:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="img", file=sys.stderr, leave=False, dynamic_ncols=True)
