@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +224,6 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "source": source,
-        "method": {**asdict(model.config), "lora_targets": list(model.config.lora_targets)},
         "model": {"clip": clip.name, "pretrained": clip.pretrained, "weights_identity": clip.identity,
                   "embed_dim": clip.embed_dim, "vision_width": clip.vision_width},
         "method": model.config.to_dict(),  # the record the weights were trained as (alpha, lora_rank, ...)

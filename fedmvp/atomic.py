@@ -1,4 +1,9 @@
-"""Atomic file writes (temp file in the same folder + rename): a crash never leaves half a file."""
+"""The training core's one atomic writer: temp file in the same folder, fsync, rename.
+
+A crash, Ctrl-C or full disk never leaves half a file behind: readers see the old file or the
+new one. Used for run directories (config, checkpoints, metrics, plot), attribute files, the
+text-feature cache and the synthetic world's metadata.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +14,42 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # platforms without directory handles
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temp path beside ``path``; on success it replaces ``path``, on error it is removed."""
+    """Yield a temp path beside ``path``; on success it replaces ``path``, on error it is removed.
+
+    The result keeps the mode of the file it replaces (else the umask's default for new files)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~umask
     try:
         yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result should look like any written file
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)  # mkstemp makes 0600; the result should look like any written file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
@@ -43,8 +65,8 @@ def write_json(path: str | Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
-                     metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """torch tensors to a safetensors file."""
     from safetensors.torch import save_file
 
     with atomic_path(path) as tmp:

@@ -144,3 +144,14 @@ def test_stack_samples_makes_a_batch(tmp_path):
     assert images.shape == (3, 3, 4, 4) and labels.tolist() == [0, 1, 0]
     item = ds.ImageDataset(samples)[1]
     assert item[0].mode == "RGB" and item[1:] == (1, 1)
+
+
+def test_training_reads_the_image_files_the_edge_client_reads(tmp_path):
+    """One list of image extensions: the edge client's promise, and training follows it."""
+    from edge_client.images import IMAGE_EXTENSIONS as EDGE
+    from fedmvp.data.layouts import IMAGE_EXTENSIONS as TRAINING
+
+    assert len(TRAINING) == len(set(TRAINING)) and set(TRAINING) == set(EDGE)
+    for i, ext in enumerate((".jfif", ".gif", ".PNG")):
+        png(tmp_path / "train" / "cat" / f"{i}{ext}", i)
+    assert len(read_imagefolder(tmp_path / "train").samples) == 3

