@@ -8,9 +8,9 @@ takes every tensor as an input, the frozen ones from the bundle's ``weights.safe
 only the LoRA tensors get ``requires_grad``.
 
 Loss (docs/method.md §5): ``CE(logits, y) + alpha * (1 - cos(f_prompted(x), f_CLIP(x')))``,
-x' a per-sample random horizontal flip of x, f_CLIP frozen; alpha is the bundle's
-(``Bundle.method["alpha"]``) unless given. Optimiser (docs/method.md §6): SGD with momentum
-and weight decay by default; ``optimizer="adamw"`` learns where the gradients reaching the
+x' a per-sample random horizontal flip of x (probability ``method["flip_prob"]``), f_CLIP
+frozen; alpha is the bundle's (``Bundle.method["alpha"]``) unless given. Optimiser
+(docs/method.md §6): SGD with momentum and weight decay by default; ``optimizer="adamw"`` learns where the gradients reaching the
 LoRA are tiny (a small CLIP, B near 0). Defaults live in `TrainOptions`.
 
 On CUDA: autocast (bf16 where supported, else fp16 with a gradient scaler; fp32 master
@@ -187,10 +187,11 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
     bar = _bar(o.epochs * steps_per_epoch, progress)
     epoch_losses: list[float] = []
     total_loss, total_seen, step = 0.0, 0, 0
+    flip_prob = float(bundle.method["flip_prob"])  # the consistency view, as the server trained it
     try:
         for _epoch in range(o.epochs):
             order = torch.randperm(n, generator=generator)
-            flips = torch.rand(n, generator=generator) < 0.5
+            flips = torch.rand(n, generator=generator) < flip_prob
             epoch_sum, epoch_seen = 0.0, 0
             for first in range(0, n, batch):
                 index = order[first:first + batch]

@@ -41,8 +41,8 @@ def test_weighted_average_is_exact_per_tensor():
 
 
 def test_lora_only_and_full_clients_aggregate_in_the_same_round():
-    strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=0, total_rounds=4, base_lr=0.003, num_clients=3,
-                              fraction=1.0, lora_clients=[2])
+    strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=0, total_rounds=4, base_lr=0.003,
+                              num_clients=3, fraction=1.0, lora_clients=[2])
     strategy.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(3, np.float32)}
     rng = np.random.default_rng(0)
     full0 = {"promptformer.w": rng.normal(size=2).astype(np.float32), "lora.a": np.zeros(3, np.float32)}
@@ -66,7 +66,8 @@ def test_reply_order_does_not_change_the_result():
     states = [{"lora.a": rng.normal(size=64).astype(np.float32)} for _ in range(5)]
     outs = []
     for order in ([0, 1, 2, 3, 4], [4, 2, 0, 3, 1]):
-        strategy = FedMVPStrategy(client_config={"preset": "p"}, seed=0, total_rounds=2, base_lr=0.1, num_clients=5, fraction=1.0)
+        strategy = FedMVPStrategy(client_config={"preset": "p"}, seed=0, total_rounds=2, base_lr=0.1,
+                                  num_clients=5, fraction=1.0)
         strategy.global_state = {"lora.a": np.zeros(64, np.float32)}
         arrays, _ = strategy.aggregate_train(1, [reply(i, states[i], 7 + i, lora=True) for i in order])
         outs.append(arrays["lora.a"].numpy())
@@ -78,8 +79,8 @@ def test_configure_sends_flags_schedule_and_a_replayable_sample():
         def get_node_ids(self):
             return [11, 12, 13, 14]
 
-    strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=5, total_rounds=10, base_lr=0.003, num_clients=10,
-                              fraction=0.3, round_offset=4, lora_clients=[3, 1])
+    strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=5, total_rounds=10, base_lr=0.003,
+                              num_clients=10, fraction=0.3, round_offset=4, lora_clients=[3, 1])
     assert strategy.selected_clients(7) == strategy.selected_clients(7)
     assert len(strategy.selected_clients(7)) == 3
     import flwr.serverapp.strategy.fedavg as fedavg_module
