@@ -14,7 +14,7 @@ import json
 import os
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedmvp.federated.task import LocalSettings, local_train, task_context
@@ -38,12 +38,14 @@ def train(msg: Message, context: Context) -> Message:
         raise RuntimeError("this SuperNode has no partition-id: start it with "
                            "flower-supernode --node-config \"partition-id=N\" (N: its client, 0-based)")
     client_id = int(context.node_config["partition-id"])
-    selected = json.loads(str(config["selected"]))
-    if client_id not in selected:
-        metrics = MetricRecord({"num-examples": 0, "partition-id": client_id, "train-loss": 0.0,
-                                "train-ce": 0.0, "train-consistency": 0.0, "lora-active": 0,
-                                "switch-next": 0})
-        return Message(content=RecordDict({"arrays": ArrayRecord(), "metrics": metrics}), reply_to=msg)
+    # Which site, run and round this reply belongs to: the server checks it before using the reply.
+    identity = ConfigRecord({"partition-id": client_id, "round": int(config["round"]), "run-id": str(config["run-id"])})
+    selected = json.loads(str(config["selected"]))  # None: every node asked trains (deployment)
+    if selected is not None and client_id not in selected:
+        metrics = MetricRecord({"num-examples": 0, "partition-id": client_id, "train-loss": 0.0, "train-ce": 0.0,
+                                "train-consistency": 0.0, "lora-active": 0, "switch-next": 0})
+        return Message(content=RecordDict({"arrays": ArrayRecord(), "metrics": metrics, "identity": identity}),
+                       reply_to=msg)
     preset = str(context.node_config.get("preset", config["preset"]))
     device = str(config.get("device", "cpu"))
     if device == "cuda" and not torch.cuda.is_available():
@@ -59,5 +61,5 @@ def train(msg: Message, context: Context) -> Message:
         "train-ce": result.ce, "train-consistency": result.consistency,
         "lora-active": int(result.lora_active), "switch-next": int(result.switch_next),
     })
-    return Message(content=RecordDict({"arrays": torch_record(result.state), "metrics": metrics}),
-                   reply_to=msg)
+    return Message(content=RecordDict({"arrays": torch_record(result.state), "metrics": metrics,
+                                       "identity": identity}), reply_to=msg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
     dev = resolve_device(device)
     train = preset.train
     run.write_config({
-        "record_version": RECORD_VERSION,
+        "record_version": RECORD_VERSION, "run_id": uuid.uuid4().hex,
         "preset": preset.name, "preset_path": str(source.resolve()) if source.is_file() else preset_path,
         "protocol": preset.protocol, "seed": preset.seed, "rounds": int(rounds or train.rounds),
         "lr": train.lr, "num_clients": len(federation.clients),
@@ -89,6 +90,7 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
         "model": {"clip": preset.model.clip, "pretrained": preset.model.pretrained},
         "method": method_config(train).to_dict(),
         "train": dict(vars(train)),
+        "server": dict(vars(preset.server)),
         "federation": federation.record(),
         "client_device": dev, "server_device": dev, "central_eval": True,
     })

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedmvp.federated.evaluation import evaluate_global
 from fedmvp.federated.prepare import prepare_run, run_method
-from fedmvp.federated.strategy import FedMVPStrategy
+from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
 from fedmvp.federated.task import LocalSettings, task_context
 from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
 from fedmvp.runs import RunDir
@@ -36,12 +36,18 @@ class ServerSettings:
     run_dir: str
     eval_every: int = 0  # 0: evaluate only the last round
     progress: bool = True
-    round_timeout: float = 3600.0
+    sampling: str = "sites"  # simulation: every site has a node; deployment: "nodes", whoever is connected
+    overrides: dict = field(default_factory=dict)  # [server] settings given at run time (fedmvp serve flags)
 
     @classmethod
     def from_run_config(cls, run_config: dict) -> "ServerSettings":
+        overrides = {key.replace("-", "_"): run_config[key] for key in RUN_TIME_KEYS if run_config.get(key)}
         return cls(run_dir=str(run_config["run-dir"]), eval_every=int(run_config.get("eval-every", 0)),
-                   progress=False)
+                   progress=False, sampling="nodes", overrides=overrides)
+
+
+# Run-config keys that override the run record's [server] table at run time (0: keep the record's).
+RUN_TIME_KEYS = ("min-nodes", "round-timeout", "fraction")
 
 
 EXAMPLE = "flwr run . <superlink> --run-config \"preset='demo' run-dir='runs/deployed'\""
@@ -114,7 +120,8 @@ class RoundRecorder:
         self.run.save_checkpoint(round_number, {k: t for k, t in to_torch_state(state).items()},
                                  {"lora_clients": sorted(strategy.lora_clients), "seed": strategy.seed,
                                   "lr": strategy.base_lr, "total_rounds": self.total,
-                                  "method": self.method, "metrics": row})
+                                  "method": self.method, "sites": summary["sites"],
+                                  "rejected": summary["rejected"], "metrics": row})
         self.run.append_metrics(row)
         if "hm" in row:
             self.run.plot()
@@ -149,14 +156,16 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
     client_config = {"preset": client_preset(preset_path), "device": config.get("client_device", "cpu"),
                      "method": json.dumps(method.to_dict(), sort_keys=True),
                      "local": LocalSettings.from_train(config["train"]).to_json()}
+    declared = {c["id"]: int(c["train_images"]) for c in config["federation"]["clients"]}
+    server = {**config.get("server", {}), **settings.overrides}
+    policy = RoundPolicy.from_record(server, settings.sampling, float(server.get("fraction", config.get("fraction", 1.0))))
     strategy = FedMVPStrategy(
-        client_config=client_config, seed=int(config["seed"]), total_rounds=total,
-        base_lr=float(config["lr"]),
-        num_clients=int(config["num_clients"]), fraction=float(config.get("fraction", 1.0)),
-        round_offset=start, lora_clients=lora_clients, on_aggregated=recorder)
+        client_config=client_config, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
+        num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),
+        declared_examples=declared, policy=policy, round_offset=start, lora_clients=lora_clients,
+        on_aggregated=recorder)
     strategy_ref.append(strategy)
-    strategy.start(grid=grid, initial_arrays=array_record(initial), num_rounds=total - start,
-                   timeout=settings.round_timeout)
+    strategy.start(grid, array_record(initial), num_rounds=total - start)
 
 
 def server_app_for(settings: ServerSettings) -> ServerApp:

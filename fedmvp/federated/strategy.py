@@ -1,10 +1,18 @@
-"""FedMVP's Flower strategy: per-tensor FedAvg that accepts replies with different tensor sets.
+"""FedMVP's Flower strategy: rounds over whoever is there, every reply checked, per-tensor FedAvg.
 
-Stock FedAvg raises ``InconsistentMessageReplies`` when one client sends LoRA only and
-another the whole PromptFormer. Here each tensor is averaged, weighted by examples,
-over the clients that sent it; tensors nobody sent keep their global value. The server
-owns the per-client LoRA flags (sent down each round, persisted in checkpoints), the
-cosine schedule and a deterministic client sample, so a resumed run replays exactly.
+Each round the strategy picks who trains, sends the global tensors, waits up to the round timeout,
+checks every reply (``fedmvp.federated.replies``) and averages each tensor, weighted by examples,
+over the clients that sent it (a LoRA-only client sends only ``lora.*``; stock FedAvg would refuse
+such mixed replies). Tensors nobody sent keep their global value. A round that got fewer than
+``min_nodes`` usable replies is tried again, never skipped silently.
+
+Who trains:
+* ``sites`` (the simulation, one node per site): a deterministic sample of *sites* per round,
+  sent to every node; unselected sites answer with zero examples. A resumed run replays exactly.
+* ``nodes`` (deployment): a sample of the *connected* nodes (``fraction``, at least ``min_nodes``;
+  it waits up to ``node_wait`` for them); work goes to those nodes only.
+The server owns the per-site LoRA flags (keyed by the site id each node reports, sent down each
+round, persisted in checkpoints) and the cosine schedule.
 """
 
 from __future__ import annotations
@@ -13,15 +21,17 @@ import hashlib
 import json
 import math
 import random
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from logging import WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedmvp.federated.replies import ReplyRules, check_reply
 from fedmvp.federated.wire import array_record, numpy_state
 
 
@@ -55,75 +65,196 @@ def weighted_average(replies: list[tuple[dict[str, np.ndarray], float]]) -> dict
     return {k: (sums[k] / weights[k]).astype(np.float32) for k in sums}
 
 
-class FedMVPStrategy(FedAvg):
-    """FedAvg per tensor over heterogeneous replies (full PromptFormer or LoRA only)."""
+@dataclass(frozen=True)
+class RoundPolicy:
+    """How rounds run (the run record's ``server`` table, docs/architecture.md)."""
+
+    sampling: str = "sites"  # "sites" (simulation) or "nodes" (deployment)
+    fraction: float = 1.0
+    min_nodes: int | None = None  # None: every sampled client must answer
+    round_timeout: float = 3600.0
+    node_wait: float = 600.0
+    round_retries: int = 3
+    max_update_norm: float | None = None
+    norm_action: str = "reject"
+
+    @classmethod
+    def from_record(cls, server: dict, sampling: str, fraction: float) -> "RoundPolicy":
+        return cls(sampling=sampling, fraction=fraction, min_nodes=server.get("min_nodes"),
+                   round_timeout=float(server.get("round_timeout", 3600.0)),
+                   node_wait=float(server.get("node_wait", 600.0)),
+                   round_retries=int(server.get("round_retries", 3)),
+                   max_update_norm=server.get("max_update_norm"),
+                   norm_action=str(server.get("update_norm_action", "reject")))
+
+
+class RoundFailed(RuntimeError):
+    """A round could not gather enough usable replies (or nodes); the message says why."""
+
+
+class FedMVPStrategy:
+    """Rounds of per-tensor FedAvg over heterogeneous, checked replies (full PromptFormer or LoRA only)."""
 
     def __init__(self, *, client_config: dict[str, str], seed: int, total_rounds: int, base_lr: float,
-                 num_clients: int, fraction: float, round_offset: int = 0,
-                 lora_clients: Iterable[int] = (),
+                 num_clients: int, run_id: str = "", declared_examples: dict[int, int] | None = None,
+                 policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None):
         """``client_config``: what every round's message carries besides the round's own values
-        (preset, device, the method record and the local settings, as strings)."""
-        super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=num_clients,
-                         min_available_nodes=num_clients)
+        (preset, device, the method record and the local settings, as strings);
+        ``declared_examples[site]``: the most training images a site can report (run record)."""
         self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
         self.base_lr = base_lr
         self.num_clients = num_clients
-        self.fraction = fraction
+        self.run_id = run_id
+        self.declared_examples = dict(declared_examples) if declared_examples is not None else \
+            {site: 1 << 62 for site in range(num_clients)}
+        self.policy = policy or RoundPolicy()
         self.round_offset = round_offset
         self.lora_clients: set[int] = set(lora_clients)
         self.global_state: dict[str, np.ndarray] = {}
         self.on_aggregated = on_aggregated
+        self.rejected: list[dict] = []  # this round's left-out replies (node, site, reason)
+
+    @property
+    def fraction(self) -> float:
+        return self.policy.fraction
 
     def global_round(self, server_round: int) -> int:
         return self.round_offset + server_round
 
     def selected_clients(self, round_number: int) -> list[int]:
-        """A fraction of clients per round, the same set whenever this round is replayed."""
+        """A fraction of sites per round, the same set whenever this round is replayed (``sites``)."""
         count = max(1, round(self.fraction * self.num_clients))
         if count >= self.num_clients:
             return list(range(self.num_clients))
         rng = random.Random(derived_seed(self.seed, "sample", round_number))
         return sorted(rng.sample(range(self.num_clients), count))
 
+    def needed_replies(self, round_number: int) -> int:
+        if self.policy.sampling == "sites":
+            return len(self.selected_clients(round_number))
+        return self.policy.min_nodes or max(1, round(self.fraction * self.num_clients))
+
+    # ---- who trains ---------------------------------------------------------------------------------
+    def _connected(self, grid: Grid, needed: int) -> list[int]:
+        deadline = time.monotonic() + self.policy.node_wait
+        while True:
+            nodes = sorted(grid.get_node_ids())
+            if len(nodes) >= needed:
+                return nodes
+            if time.monotonic() >= deadline:
+                raise RoundFailed(f"only {len(nodes)} of the {needed} nodes a round needs connected within "
+                                  f"{self.policy.node_wait:g} s; start more SuperNodes (fedmvp join) or lower "
+                                  f"min_nodes")
+            time.sleep(1.0)
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+                        grid: Grid, attempt: int = 0) -> list[Message]:
         round_number = self.global_round(server_round)
         self.global_state = numpy_state(arrays)
         config["round"] = round_number
+        config["run-id"] = self.run_id
         config["lr"] = cosine_lr(self.base_lr, round_number, self.total_rounds)
         for key, value in self.client_config.items():
             config[key] = value
         config["lora-clients"] = json.dumps(sorted(self.lora_clients))
-        config["selected"] = json.dumps(self.selected_clients(round_number))
-        return super().configure_train(server_round, arrays, config, grid)
+        if self.policy.sampling == "sites":
+            nodes = self._connected(grid, self.num_clients)
+            config["selected"] = json.dumps(self.selected_clients(round_number))
+        else:
+            needed = self.needed_replies(round_number)
+            connected = self._connected(grid, needed)
+            count = min(len(connected), max(needed, round(self.fraction * len(connected))))
+            rng = random.Random(derived_seed(self.seed, "nodes", round_number, attempt))
+            nodes = sorted(rng.sample(connected, count))
+            config["selected"] = json.dumps(None)  # every node asked trains
+        record = RecordDict({"arrays": arrays, "config": config})
+        return [Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node) for node in nodes]
+
+    # ---- what comes back ------------------------------------------------------------------------------
+    def _expected_names(self) -> dict[int, set[str]]:
+        lora = {k for k in self.global_state if k.startswith("lora.")}
+        full = {k for k in self.global_state if k.startswith("promptformer.")}
+        return {site: (lora if site in self.lora_clients else full) for site in range(self.num_clients)}
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Check and average one round's replies; (None, None) when fewer than needed were usable."""
         round_number = self.global_round(server_round)
-        contents = []
+        rules = ReplyRules(run_id=self.run_id, round=round_number, max_update_norm=self.policy.max_update_norm,
+                           norm_action=self.policy.norm_action)
+        expected = self._expected_names()
+        contents, self.rejected = [], []
         for msg in replies:
+            node = int(msg.metadata.src_node_id)
             if msg.has_error():
-                log(WARNING, "round %s: a client failed: %s", round_number, msg.error.reason)
+                self._reject(round_number, node, None, f"the client failed: {msg.error.reason}")
                 continue
-            metrics = msg.content["metrics"]
-            if int(metrics["num-examples"]) > 0:
-                contents.append((int(metrics["partition-id"]), numpy_state(msg.content["arrays"]), metrics))
-        if not contents:
+            try:
+                metrics, arrays = dict(msg.content["metrics"]), numpy_state(msg.content["arrays"])
+                identity = dict(msg.content["identity"]) if "identity" in msg.content else {}
+            except (KeyError, TypeError, ValueError) as err:
+                self._reject(round_number, node, None, f"malformed reply ({err})")
+                continue
+            if self.policy.sampling == "sites" and metrics.get("num-examples") == 0 and not arrays:
+                continue  # a site not selected this round
+            verdict = check_reply(arrays, {**metrics, **identity}, rules=rules, global_state=self.global_state,
+                                  expected_names=expected, declared_examples=self.declared_examples)
+            if not verdict.accepted:
+                self._reject(round_number, node, verdict.site, verdict.reason or "rejected")
+                continue
+            if verdict.clipped_from is not None:
+                log(WARNING, "round %s: node %s (site %s): update norm %.4g clipped to %g", round_number, node,
+                    verdict.site, verdict.clipped_from, self.policy.max_update_norm)
+            contents.append((verdict.site, verdict.arrays, metrics))
+        sites = [site for site, _, _ in contents]
+        duplicates = sorted({s for s in sites if sites.count(s) > 1})
+        if duplicates:  # two nodes claiming one site: keep neither (their data would count twice)
+            for site in duplicates:
+                self._reject(round_number, None, site, "more than one node replied for this site")
+            contents = [c for c in contents if c[0] not in duplicates]
+        if len(contents) < self.needed_replies(round_number) or not contents:
             return None, None
         contents.sort(key=lambda item: item[0])  # arrival order must not change the float sums
         averaged = weighted_average([(arrays, float(m["num-examples"])) for _, arrays, m in contents])
         self.global_state = {**self.global_state, **averaged}
-        for client_id, _, metrics in contents:
+        for site, _, metrics in contents:
             if int(metrics["switch-next"]):
-                self.lora_clients.add(client_id)
+                self.lora_clients.add(site)
         total = sum(float(m["num-examples"]) for _, _, m in contents)
         summary = {key: sum(float(m[key]) * float(m["num-examples"]) for _, _, m in contents) / total
                    for key in ("train-loss", "train-ce", "train-consistency")}
         summary |= {"clients": len(contents), "lora-clients": len(self.lora_clients),
-                    "lora-uploads": sum(int(m["lora-active"]) for _, _, m in contents)}
+                    "lora-uploads": sum(int(m["lora-active"]) for _, _, m in contents),
+                    "sites": [site for site, _, _ in contents], "rejected": list(self.rejected)}
         if self.on_aggregated:
             self.on_aggregated(round_number, self.global_state, summary)
-        return array_record(self.global_state), MetricRecord(summary)
+        return array_record(self.global_state), MetricRecord({k: v for k, v in summary.items()
+                                                              if isinstance(v, (int, float))})
+
+    def _reject(self, round_number: int, node: int | None, site: int | None, reason: str) -> None:
+        log(WARNING, "round %s: reply of node %s (site %s) left out: %s", round_number, node, site, reason)
+        self.rejected.append({"node": node, "site": site, "reason": reason})
+
+    # ---- the rounds ---------------------------------------------------------------------------------------
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int) -> ArrayRecord:
+        """Run ``num_rounds`` rounds; a round short of usable replies is tried again (``round_retries``)."""
+        arrays = initial_arrays
+        for server_round in range(1, num_rounds + 1):
+            round_number = self.global_round(server_round)
+            for attempt in range(self.policy.round_retries):
+                messages = self.configure_train(server_round, arrays, ConfigRecord(), grid, attempt)
+                replies = list(grid.send_and_receive(messages, timeout=self.policy.round_timeout))
+                aggregated, _ = self.aggregate_train(server_round, replies)
+                if aggregated is not None:
+                    arrays = aggregated
+                    break
+                log(WARNING, "round %s: %s replies of %s nodes, %s rejected, %s usable ones needed (try %s of %s)",
+                    round_number, len(replies), len(messages), len(self.rejected), self.needed_replies(round_number),
+                    attempt + 1, self.policy.round_retries)
+            else:
+                raise RoundFailed(f"round {round_number}: fewer than {self.needed_replies(round_number)} usable "
+                                  f"replies in {self.policy.round_retries} tries (see the log for each reply)")
+        return arrays

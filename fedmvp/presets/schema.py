@@ -13,6 +13,7 @@ file per domain. ``root = ""`` (synthetic layout only) means the cached default 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -70,6 +71,22 @@ class TrainSpec:
 
 
 @dataclass
+class ServerSpec:
+    """How the server runs rounds across machines and which replies it accepts (docs/architecture.md)."""
+
+    min_nodes: int | None = _help("replies a round needs (and nodes that must be connected before it "
+                                  "starts); default: the clients sampled per round", None)
+    round_timeout: float = _help("seconds a round waits for replies; then it closes with what came back "
+                                 "if at least min_nodes did, else it is tried again", 3600.0)
+    node_wait: float = _help("seconds to wait for min_nodes connected nodes before giving up", 600.0)
+    round_retries: int = _help("tries of a round that got fewer than min_nodes replies", 3)
+    max_update_norm: float | None = _help("largest L2 distance of a reply's tensors to the round's "
+                                          "global tensors (none: no bound)", None)
+    update_norm_action: str = _help("beyond max_update_norm: 'reject' the reply or 'clip' it onto "
+                                    "the bound", "reject")
+
+
+@dataclass
 class DatasetSpec:
     """One dataset of a preset: where its images are, how it is split and cut into clients."""
 
@@ -124,6 +141,7 @@ class Preset:
     description: str = _help("free text", "")
     model: ModelSpec = _help("[model] table", None)
     train: TrainSpec = _help("[train] table", None)
+    server: ServerSpec = _help("[server] table", None)
     datasets: list[DatasetSpec] = _help("[[datasets]] tables", [])
     path: Path | None = field(default=None, metadata={"internal": True})
     raw: dict = field(default_factory=dict, repr=False, metadata={"internal": True})
@@ -191,12 +209,12 @@ def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = Non
         raise err(f"{where} must be a table, got {type(table).__name__}")
     hints = typing.get_type_hints(cls)
     allowed = [f for f in fields(cls) if not f.metadata.get("internal")
-               and not (isinstance(hints[f.name], type) and hints[f.name] in (ModelSpec, TrainSpec))
+               and not (isinstance(hints[f.name], type) and hints[f.name] in (ModelSpec, TrainSpec, ServerSpec))
                and f.name != "datasets"]
     names = [f.name for f in allowed]
     unknown = [k for k in table if k not in names]
     if unknown:
-        tables = ", [model], [train], [[datasets]]" if cls is Preset else ""
+        tables = ", [model], [train], [server], [[datasets]]" if cls is Preset else ""
         raise err(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(names)}{tables})")
     missing = [f.name for f in allowed if f.default is MISSING and f.default_factory is MISSING
                and f.name not in table]
@@ -218,8 +236,20 @@ def _check_values(preset: Preset, err: Any) -> None:
         if getattr(t, key) < 1:
             raise err(f"[train]: {key} must be at least 1, got {getattr(t, key)}")
     for key in ("lr", "momentum", "weight_decay", "sigma", "alpha"):
-        if getattr(t, key) < 0:
-            raise err(f"[train]: {key} must not be negative, got {getattr(t, key)}")
+        if not (math.isfinite(getattr(t, key)) and getattr(t, key) >= 0):
+            raise err(f"[train]: {key} must be a finite number >= 0, got {getattr(t, key)}")
+    srv = preset.server
+    for key in ("round_timeout", "node_wait"):
+        if not (math.isfinite(getattr(srv, key)) and getattr(srv, key) > 0):
+            raise err(f"[server]: {key} must be a finite number of seconds > 0, got {getattr(srv, key)}")
+    if srv.min_nodes is not None and srv.min_nodes < 1:
+        raise err(f"[server]: min_nodes must be at least 1, got {srv.min_nodes}")
+    if srv.round_retries < 1:
+        raise err(f"[server]: round_retries must be at least 1, got {srv.round_retries}")
+    if srv.max_update_norm is not None and not (math.isfinite(srv.max_update_norm) and srv.max_update_norm > 0):
+        raise err(f"[server]: max_update_norm must be a finite number > 0, got {srv.max_update_norm}")
+    if srv.update_norm_action not in ("reject", "clip"):
+        raise err(f"[server]: update_norm_action must be 'reject' or 'clip', got {srv.update_norm_action!r}")
     if not 0 < t.fraction_fit <= 1:
         raise err(f"[train]: fraction_fit must be in (0, 1], got {t.fraction_fit}")
     if not preset.datasets:
@@ -303,12 +333,13 @@ def load_preset(name_or_path: str | os.PathLike, check_roots: bool = True) -> Pr
     top = dict(raw)
     model = _build(ModelSpec, top.pop("model", {}), "[model]", err)
     train = _build(TrainSpec, top.pop("train", {}), "[train]", err)
+    server = _build(ServerSpec, top.pop("server", {}), "[server]", err)
     tables = top.pop("datasets", [])
     if not isinstance(tables, list):
         raise err("datasets must be an array of tables ([[datasets]])")
     top.setdefault("name", path.stem)
-    preset = _build(Preset, top, "top level", err, {"model": model, "train": train, "path": path,
-                                                     "raw": raw})
+    preset = _build(Preset, top, "top level", err, {"model": model, "train": train, "server": server,
+                                                     "path": path, "raw": raw})
     preset.protocol = PROTOCOL_ALIASES.get(preset.protocol, preset.protocol)
     if preset.protocol not in PROTOCOLS:
         raise err(f"unknown protocol {preset.protocol!r} (one of {', '.join(PROTOCOLS)}; "

@@ -9,7 +9,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedmvp.federated.evaluation import harmonic_mean
-from fedmvp.federated.strategy import FedMVPStrategy, cosine_lr, weighted_average
+from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, cosine_lr, weighted_average
 from fedmvp.federated.wire import array_record
 
 
@@ -24,12 +24,19 @@ def _flower_run_identity():
     yield
 
 
-def reply(client: int, arrays: dict[str, np.ndarray], n: int, lora: bool, switch: bool = False) -> Message:
+RUN = "run-1"
+
+
+def reply(client: int, arrays: dict[str, np.ndarray], n: int, lora: bool, switch: bool = False,
+          round_number: int = 1, run_id: str = RUN) -> Message:
     metrics = MetricRecord({"num-examples": n, "partition-id": client, "train-loss": 0.1 * (client + 1),
                             "train-ce": 0.0, "train-consistency": 0.0, "lora-active": int(lora),
                             "switch-next": int(switch)})
-    return Message(content=RecordDict({"arrays": array_record(arrays), "metrics": metrics}),
-                   dst_node_id=1, message_type="train")
+    identity = ConfigRecord({"partition-id": client, "round": round_number, "run-id": run_id})
+    message = Message(content=RecordDict({"arrays": array_record(arrays), "metrics": metrics, "identity": identity}),
+                      dst_node_id=1, message_type="train")
+    message.metadata._src_node_id = 100 + client  # a reply from node 100 + site (set by Flower in a run)
+    return message
 
 
 def test_weighted_average_is_exact_per_tensor():
@@ -42,18 +49,18 @@ def test_weighted_average_is_exact_per_tensor():
 
 def test_lora_only_and_full_clients_aggregate_in_the_same_round():
     strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=0, total_rounds=4, base_lr=0.003,
-                              num_clients=3, fraction=1.0, lora_clients=[2])
+                              num_clients=3, run_id=RUN, lora_clients=[2])
     strategy.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(3, np.float32)}
     rng = np.random.default_rng(0)
-    full0 = {"promptformer.w": rng.normal(size=2).astype(np.float32), "lora.a": np.zeros(3, np.float32)}
-    full1 = {"promptformer.w": rng.normal(size=2).astype(np.float32), "lora.a": np.zeros(3, np.float32)}
+    full0 = {"promptformer.w": rng.normal(size=2).astype(np.float32)}  # before the switch: the PromptFormer only
+    full1 = {"promptformer.w": rng.normal(size=2).astype(np.float32)}
     lora2 = {"lora.a": rng.normal(size=3).astype(np.float32)}
     replies = [reply(2, lora2, 30, lora=True), reply(0, full0, 10, lora=False, switch=True),
                reply(1, full1, 20, lora=False)]
     arrays, metrics = strategy.aggregate_train(1, replies)
     got = {k: v.numpy() for k, v in arrays.items()}
     expected_w = (10 * full0["promptformer.w"].astype(np.float64) + 20 * full1["promptformer.w"].astype(np.float64)) / 30
-    expected_a = (30 * lora2["lora.a"].astype(np.float64)) / 60
+    expected_a = lora2["lora.a"]  # only the LoRA client sent it
     assert np.array_equal(got["promptformer.w"], expected_w.astype(np.float32))
     assert np.array_equal(got["lora.a"], expected_a.astype(np.float32))
     assert strategy.lora_clients == {0, 2}  # client 0 switches from the next round
@@ -67,7 +74,7 @@ def test_reply_order_does_not_change_the_result():
     outs = []
     for order in ([0, 1, 2, 3, 4], [4, 2, 0, 3, 1]):
         strategy = FedMVPStrategy(client_config={"preset": "p"}, seed=0, total_rounds=2, base_lr=0.1,
-                                  num_clients=5, fraction=1.0)
+                                  num_clients=5, run_id=RUN, lora_clients=range(5))
         strategy.global_state = {"lora.a": np.zeros(64, np.float32)}
         arrays, _ = strategy.aggregate_train(1, [reply(i, states[i], 7 + i, lora=True) for i in order])
         outs.append(arrays["lora.a"].numpy())
@@ -80,17 +87,62 @@ def test_configure_sends_flags_schedule_and_a_replayable_sample():
             return [11, 12, 13, 14]
 
     strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=5, total_rounds=10, base_lr=0.003,
-                              num_clients=10, fraction=0.3, round_offset=4, lora_clients=[3, 1])
+                              num_clients=4, run_id=RUN, policy=RoundPolicy(fraction=0.5), round_offset=4,
+                              lora_clients=[3, 1])
     assert strategy.selected_clients(7) == strategy.selected_clients(7)
-    assert len(strategy.selected_clients(7)) == 3
-    import flwr.serverapp.strategy.fedavg as fedavg_module
-
-    fedavg_module.sample_nodes = lambda grid, min_available, size: (grid.get_node_ids(), grid.get_node_ids())
+    assert len(strategy.selected_clients(7)) == 2
     messages = list(strategy.configure_train(2, ArrayRecord(), ConfigRecord(), FakeGrid()))
+    assert sorted(m.metadata.dst_node_id for m in messages) == [11, 12, 13, 14]  # sites: every node is asked
     config = messages[0].content["config"]
-    assert config["round"] == 6
+    assert config["round"] == 6 and config["run-id"] == RUN
     assert config["lr"] == pytest.approx(cosine_lr(0.003, 6, 10))
     assert json.loads(config["lora-clients"]) == [1, 3]
+    assert json.loads(config["selected"]) == strategy.selected_clients(6)
+
+
+def test_deployment_asks_a_fraction_of_the_connected_nodes_and_at_least_min_nodes():
+    class Grid:
+        def get_node_ids(self):
+            return [21, 22, 23, 24, 25, 26, 27, 28]
+
+    def asked(fraction: float, min_nodes: int | None) -> list[int]:
+        strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=8, run_id=RUN,
+                                  policy=RoundPolicy(sampling="nodes", fraction=fraction, min_nodes=min_nodes))
+        messages = strategy.configure_train(1, ArrayRecord(), ConfigRecord(), Grid())
+        assert json.loads(messages[0].content["config"]["selected"]) is None  # whoever is asked trains
+        return [m.metadata.dst_node_id for m in messages]
+
+    assert asked(1.0, None) == [21, 22, 23, 24, 25, 26, 27, 28]
+    assert len(asked(0.25, None)) == 2 and set(asked(0.25, None)) <= set(range(21, 29))
+    assert len(asked(0.25, 5)) == 5  # at least min_nodes
+
+
+def test_too_few_connected_nodes_fail_with_a_clear_message():
+    class Grid:
+        def get_node_ids(self):
+            return [21]
+
+    strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=4, run_id=RUN,
+                              policy=RoundPolicy(sampling="nodes", min_nodes=3, node_wait=0.01))
+    with pytest.raises(RoundFailed, match="only 1 of the 3 nodes a round needs connected"):
+        strategy.configure_train(1, ArrayRecord(), ConfigRecord(), Grid())
+
+
+def test_bad_replies_are_left_out_and_recorded_and_the_round_goes_on():
+    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=4, run_id=RUN,
+                              declared_examples={0: 10, 1: 10, 2: 10, 3: 10}, lora_clients=range(4),
+                              policy=RoundPolicy(sampling="nodes", min_nodes=1))
+    strategy.global_state = {"lora.a": np.zeros(3, np.float32)}
+    good = {"lora.a": np.ones(3, np.float32)}
+    replies = [reply(0, good, 5, lora=True), reply(1, {"lora.a": np.array([np.nan, 0, 0], np.float32)}, 5, True),
+               reply(2, good, 5, lora=True, round_number=7), reply(3, good, 5, lora=True, run_id="other")]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert np.array_equal(arrays["lora.a"].numpy(), np.ones(3, np.float32)) and metrics["clients"] == 1
+    reasons = {r["site"]: r["reason"] for r in strategy.rejected}
+    assert set(reasons) == {1, 2, 3}
+    assert "NaN" in reasons[1] and "round 7" in reasons[2] and "another run" in reasons[3]
+    strategy.policy = RoundPolicy(sampling="nodes", min_nodes=2)
+    assert strategy.aggregate_train(1, replies) == (None, None)  # one usable reply, two needed: try again
 
 
 def test_cosine_schedule_and_harmonic_mean():
