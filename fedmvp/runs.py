@@ -154,10 +154,12 @@ class RunDir:
 
         zero_shot = self.read_json("zero_shot.json") or {}
         fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-        for key, colour in (("local", "C0"), ("base", "C1"), ("new", "C2"), ("hm", "C3")):
-            ax.plot([r["round"] for r in rows], [100 * r[key] for r in rows], marker="o", color=colour,
-                    label=key.capitalize() if key != "hm" else "HM")
-            if key in zero_shot:
+        for key, colour in (("local", "C0"), ("base", "C1"), ("new", "C2"), ("hm", "C3"), ("domain", "C4")):
+            points = [(r["round"], 100 * r[key]) for r in rows if r.get(key) is not None]
+            if not points:  # e.g. no new classes (domain protocols), no held-out domain
+                continue
+            ax.plot(*zip(*points), marker="o", color=colour, label=key.capitalize() if key != "hm" else "HM")
+            if zero_shot.get(key) is not None:
                 ax.axhline(100 * zero_shot[key], color=colour, linestyle="--", linewidth=0.8)
         ax.set_xlabel("round")
         ax.set_ylabel("top-1 accuracy (%)")

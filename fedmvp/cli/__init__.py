@@ -15,6 +15,9 @@ SUBCOMMANDS = {
     "train": "fedmvp.cli.train:train",
     "evaluate": "fedmvp.cli.evaluate:evaluate",
     "attributes": "fedmvp.cli.attributes:attributes",
+    "certs": "fedmvp.cli.certs:certs",
+    "serve": "fedmvp.cli.serve:serve",
+    "join": "fedmvp.cli.join:join",
 }
 
 

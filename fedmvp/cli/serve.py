@@ -1,0 +1,87 @@
+"""`fedmvp serve`: run a federation's server: a Flower SuperLink, the FedMVP run on it, progress."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
+
+
+@click.command()
+@click.option("--config", "config", required=True, metavar="PRESET",
+              help="Preset name or TOML file (validated here before anything starts).")
+@click.option("--run-dir", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Run directory on this machine; the same command on an existing one resumes it.")
+@click.option("--rounds", type=click.IntRange(min=1), default=None, help="Override the preset's rounds.")
+@click.option("--min-nodes", type=click.IntRange(min=1), default=None,
+              help="Replies a round needs (and nodes that must be connected); default: the preset's [server] "
+                   "min_nodes, else every client.")
+@click.option("--fraction", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Share of the connected nodes asked each round (default: the preset's fraction_fit).")
+@click.option("--round-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds a round waits; then it closes with the replies it has if at least --min-nodes came.")
+@click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Evaluate every N rounds (0: only the last round).")
+@click.option("--certs", "certs", type=click.Path(path_type=Path, file_okay=False), default=Path("certs"),
+              show_default=True, help="Folder with ca.crt, server.pem, server.key (`fedmvp certs`).")
+@click.option("--insecure", is_flag=True, help="No TLS: traffic in the clear, anyone may join. Trials only.")
+@click.option("--node-keys", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Admit only the SuperNodes whose public keys this file lists (one OpenSSH line each).")
+@click.option("--address", default="0.0.0.0:9092", show_default=True,
+              help="HOST:PORT the SuperLink listens on (SuperNodes and the CLI connect to this one port).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None, fraction: float | None,
+          round_timeout: float | None, eval_every: int, certs: Path, insecure: bool, node_keys: Path | None,
+          address: str, as_json: bool) -> None:
+    """Start a Flower SuperLink (TLS by default), submit the FedMVP run of PRESET to it, show
+    progress and exit with the run, stopping the SuperLink. Sites join with `fedmvp join`.
+    Offline: no runtime dependency installation, no telemetry. Exit codes: 0 the run completed,
+    1 it failed or stopped (start the same command again to resume), 2 bad arguments."""
+    quiet_open_clip_logging()
+    from fedmvp.deploy.superlink import ServeError, ServeOptions, serve as run_serve
+    from fedmvp.presets.schema import PresetError, load_preset
+
+    try:
+        load_preset(config, check_roots=False)
+    except PresetError as err:
+        raise BadInput(str(err)) from None
+    if insecure:
+        click.echo("warning: --insecure: no TLS, traffic is readable and anyone who reaches the port may join; "
+                   "use it only for a trial", err=True)
+    options = ServeOptions(preset=config, run_dir=run_dir, rounds=rounds, min_nodes=min_nodes, fraction=fraction,
+                           round_timeout=round_timeout, eval_every=eval_every, certs=certs, insecure=insecure,
+                           node_keys=node_keys, address=address)
+    bar = None
+    if not as_json and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(desc="rounds", unit="round", file=sys.stderr)
+
+    def progress(done: int, status: str) -> None:
+        if bar is not None:
+            bar.n = done
+            bar.set_postfix_str(status)
+            bar.refresh()
+
+    try:
+        status = run_serve(options, progress, on_event=lambda line: click.echo(f"serve: {line}", err=True))
+    except ServeError as err:
+        if "needs TLS" in str(err) or "missing" in str(err) or "--address" in str(err):
+            raise BadInput(str(err)) from None
+        raise click.ClickException(str(err)) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    from fedmvp.runs import RunDir
+
+    result = {"run_dir": str(run_dir), "status": status, "rounds": RunDir(run_dir).rounds()}
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"run {run_dir}: {status}, rounds {result['rounds'][-1] if result['rounds'] else 0}"
+                   f"  (fedmvp evaluate --run {run_dir})")
+    if status != "finished:completed":
+        sys.exit(1)

@@ -1,0 +1,247 @@
+"""`fedmvp serve`: a Flower SuperLink, the FedMVP run submitted to it, progress, and a clean stop.
+
+The SuperLink is Flower's own (``flower-superlink``), started with TLS from a certificate folder
+(``fedmvp certs``) unless ``--insecure`` is asked for, with SuperNode authentication when a file
+of node public keys is given (each key registered with ``flwr supernode register``), offline (no
+runtime dependency installation, no telemetry). The run is submitted with ``flwr run`` from a
+small app folder that names fedmvp's installed Flower apps (the FAB carries no code), and its
+``run-dir`` is absolute: the ServerApp writes the run there, and resumes it when the same
+command is started again after a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+CONNECTION = "fedmvp-serve"
+QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "HF_HUB_OFFLINE": "1"}
+CERT_FILES = ("ca.crt", "server.pem", "server.key")
+
+
+class ServeError(RuntimeError):
+    """The federation could not be served; one line (the SuperLink's log is named where it helps)."""
+
+
+@dataclass
+class ServeOptions:
+    """What `fedmvp serve` was asked for."""
+
+    preset: str
+    run_dir: Path
+    rounds: int | None = None
+    min_nodes: int | None = None
+    fraction: float | None = None
+    round_timeout: float | None = None
+    eval_every: int = 0
+    certs: Path | None = None
+    insecure: bool = False
+    node_keys: Path | None = None
+    address: str = "0.0.0.0:9092"
+    start_timeout: float = 60.0
+
+
+def executable(name: str) -> str:
+    """A Flower executable of this interpreter's environment, else one on PATH."""
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.is_file() else shutil.which(name)
+    if not found:
+        raise ServeError(f"{name} not found: install fedmvp[train] (it brings flwr) on this machine")
+    return found
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ServeError(f"--address {address!r}: expected HOST:PORT, e.g. 0.0.0.0:9092")
+    return host.strip("[]"), int(port)
+
+
+def check_certs(certs: Path) -> dict[str, Path]:
+    files = {name: certs / name for name in CERT_FILES}
+    missing = [name for name, path in files.items() if not path.is_file()]
+    if missing:
+        raise ServeError(f"{certs}: missing {', '.join(missing)} (write them with `fedmvp certs --out {certs}` "
+                         f"or bring your own; --insecure for a trial without TLS)")
+    return files
+
+
+def _app_dir(home: Path) -> Path:
+    """The app folder `flwr run` packs: only a pyproject that names fedmvp's installed apps."""
+    app = home / "app"
+    app.mkdir(parents=True, exist_ok=True)
+    from fedmvp import __version__
+
+    (app / "pyproject.toml").write_text(f'''[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "fedmvp"
+version = "{__version__}"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "fedmvp"
+fab-include = ["pyproject.toml"]
+
+[tool.flwr.app.components]
+serverapp = "fedmvp.federated.server_app:app"
+clientapp = "fedmvp.federated.client_app:app"
+
+[tool.flwr.app.config]
+run-dir = ""
+preset = ""
+rounds = 0
+eval-every = 0
+min-nodes = 0
+round-timeout = 0.0
+fraction = 0.0
+''')
+    return app
+
+
+def _toml_string(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+class Server:
+    """One SuperLink process and the `flwr` CLI pointed at it (its own FLWR_HOME)."""
+
+    def __init__(self, options: ServeOptions):
+        self.options = options
+        run_dir = options.run_dir.resolve()
+        self.home = run_dir.parent / f".{run_dir.name}.flwr"
+        self.log_path = run_dir.parent / f"{run_dir.name}.superlink.log"
+        self.proc: subprocess.Popen | None = None
+        self.host, self.port = split_address(options.address)
+        self.certs = None if options.insecure else check_certs((options.certs or Path("certs")).resolve())
+        if options.node_keys and options.insecure:
+            raise ServeError("--node-keys needs TLS: SuperNode authentication runs over TLS only (drop --insecure)")
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home)}
+
+    def start(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        args = [executable("flower-superlink"), "--host", self.host, "--port", str(self.port),
+                "--disable-runtime-dependency-installation"]
+        if self.certs is None:
+            args.append("--insecure")
+        else:
+            args += ["--ssl-ca-certfile", str(self.certs["ca.crt"]), "--ssl-certfile", str(self.certs["server.pem"]),
+                     "--ssl-keyfile", str(self.certs["server.key"])]
+        if self.options.node_keys:
+            args.append("--enable-supernode-auth")
+        link = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        tls = 'insecure = true' if self.certs is None else f'root-certificates = {_toml_string(str(self.certs["ca.crt"].resolve()))}'
+        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                                               f'address = "{link}:{self.port}"\n{tls}\n')
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + self.options.start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ServeError(f"the SuperLink exited at start (code {self.proc.returncode}); see {self.log_path}")
+            with socket.socket() as sock:
+                sock.settimeout(0.5)
+                if sock.connect_ex((link, self.port)) == 0:
+                    break
+            if time.monotonic() > deadline:
+                raise ServeError(f"the SuperLink did not listen on {link}:{self.port} within "
+                                 f"{self.options.start_timeout:g} s; see {self.log_path}")
+            time.sleep(0.3)
+
+    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([executable("flwr"), *args], env=self.env(), capture_output=True, text=True,
+                              timeout=timeout, cwd=self.home)
+
+    def register_nodes(self, keys: list[str]) -> None:
+        """Admit exactly these SuperNodes (their public keys), one `flwr supernode register` each."""
+        folder = self.home / "node-keys"
+        folder.mkdir(exist_ok=True)
+        for i, key in enumerate(keys):
+            path = folder / f"node-{i}.pub"
+            path.write_text(key + "\n")
+            done = self.flwr("supernode", "register", str(path), CONNECTION)
+            if done.returncode != 0 and "already" not in (done.stdout + done.stderr).lower():
+                raise ServeError(f"registering SuperNode key {i + 1} failed: "
+                                 f"{' '.join((done.stdout + done.stderr).split())[-300:]}")
+
+    def submit(self) -> int:
+        o = self.options
+        config = {"run-dir": str(o.run_dir.resolve()), "preset": o.preset, "rounds": o.rounds or 0,
+                  "eval-every": o.eval_every, "min-nodes": o.min_nodes or 0,
+                  "round-timeout": float(o.round_timeout or 0.0), "fraction": float(o.fraction or 0.0)}
+        text = " ".join(f"{k}={_toml_string(v) if isinstance(v, str) else v}" for k, v in config.items())
+        started = self.flwr("run", str(_app_dir(self.home)), CONNECTION, "--run-config", text, "--format", "json")
+        try:
+            return int(json.loads(started.stdout)["run-id"])
+        except (ValueError, KeyError, TypeError):
+            raise ServeError(f"flwr run failed: {' '.join((started.stdout + started.stderr).split())[-400:]}") from None
+
+    def status(self, run_id: int) -> str:
+        listed = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json", timeout=60)
+        try:
+            return str(json.loads(listed.stdout)["runs"][0]["status"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            return "unknown"
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=wait)
+                return
+            except (ProcessLookupError, PermissionError):
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None = None,
+          on_event: Callable[[str], None] | None = None) -> str:
+    """Start the SuperLink, submit the run, wait for it to end, stop the SuperLink; the run's final status.
+
+    ``on_event`` hears each milestone as one line (listening, SuperNode keys admitted, run submitted):
+    sites should join once the keys are admitted, as Flower refuses a node it does not know yet."""
+    say = on_event or (lambda line: None)
+    from fedmvp.deploy.certs import read_node_keys
+    from fedmvp.runs import RunDir
+
+    keys = read_node_keys(options.node_keys) if options.node_keys else []
+    server = Server(options)
+    run = RunDir(options.run_dir)
+    try:
+        server.start()
+        say(f"SuperLink listening on {options.address} ({'TLS' if server.certs else 'INSECURE, no TLS'}); "
+            f"log: {server.log_path}")
+        if keys:
+            server.register_nodes(keys)
+            say(f"{len(keys)} SuperNode keys admitted: sites may join now")
+        run_id = server.submit()
+        say(f"run {run_id} submitted: {options.preset} -> {options.run_dir}")
+        while True:
+            status = server.status(run_id)
+            if on_progress:
+                on_progress(run.last_round() or 0, status)
+            if status.startswith("finished"):
+                return status
+            if server.proc is not None and server.proc.poll() is not None:
+                raise ServeError(f"the SuperLink stopped during the run; see {server.log_path}")
+            time.sleep(1.0)
+    finally:
+        server.stop()

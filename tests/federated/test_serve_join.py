@@ -1,0 +1,118 @@
+"""`fedmvp certs`, `fedmvp serve` and `fedmvp join` as real processes on 127.0.0.1: TLS on, node
+authentication on, three sites; a node with an unregistered key and a node trusting another CA are
+refused, with the reason in their logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from safetensors.torch import load_file
+
+from fedmvp.deploy.supernode import free_port
+from tests.federated.conftest import write_preset
+
+FEDMVP = [sys.executable, "-m", "fedmvp"]
+ENV = {**os.environ, "FEDMVP_CLIENT_THREADS": "1", "PYTHONUNBUFFERED": "1", "FLWR_TELEMETRY_ENABLED": "0"}
+
+
+def three_site_preset(folder: Path, world: Path) -> Path:
+    """The federated tests' preset cut into three sites (6 base classes, 2 per site), 2 rounds."""
+    path = write_preset(folder, world)
+    text = path.read_text().replace("rounds = 3", "rounds = 2").replace("base_classes = 4", "base_classes = 6")
+    path.write_text(text.replace("new_classes = 2", "new_classes = 0"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def world6(tmp_path_factory):
+    from fedmvp.synthetic.writer import write_world
+
+    return write_world(tmp_path_factory.mktemp("world6") / "world", counts={"train": 2, "test": 2},
+                       domains=["photo", "painting"])
+
+
+def test_certs_are_a_ca_a_server_certificate_and_node_keys(tmp_path):
+    out = subprocess.run([*FEDMVP, "certs", "--out", str(tmp_path / "c"), "--host", "fl.example.org",
+                          "--host", "10.1.2.3", "--nodes", "2", "--json"], capture_output=True, text=True, env=ENV)
+    assert out.returncode == 0, out.stderr
+    files = json.loads(out.stdout)
+    ca = x509.load_pem_x509_certificate(Path(files["ca"]).read_bytes())
+    server = x509.load_pem_x509_certificate(Path(files["server_cert"]).read_bytes())
+    server.verify_directly_issued_by(ca)
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {str(n.value) for n in names} == {"fl.example.org", "10.1.2.3", "localhost", "127.0.0.1"}
+    assert (tmp_path / "c" / "server.key").stat().st_mode & 0o077 == 0  # private keys: owner only
+    assert len(files["nodes"]) == 2 and len((tmp_path / "c" / "node-keys.txt").read_text().splitlines()) == 2
+    again = subprocess.run([*FEDMVP, "certs", "--out", str(tmp_path / "c")], capture_output=True, text=True, env=ENV)
+    assert again.returncode == 2 and "already holds a CA" in again.stderr
+
+
+@pytest.mark.timeout(300)
+def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6):
+    preset = three_site_preset(tmp_path, world6)
+    certs = tmp_path / "certs"
+    subprocess.run([*FEDMVP, "certs", "--out", str(certs), "--nodes", "4"], check=True, capture_output=True, env=ENV)
+    admitted = certs / "admitted.txt"  # node-3's key is written but not admitted
+    admitted.write_text("".join((certs / f"node-{i}.pub").read_text() for i in range(3)))
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], log: str) -> subprocess.Popen:
+        with open(tmp_path / log, "wb") as handle:
+            proc = subprocess.Popen([*FEDMVP, *args], cwd=tmp_path, env=ENV, stdout=handle, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    def log(name: str) -> str:
+        return (tmp_path / name).read_text(errors="replace")
+
+    join = ["join", "--superlink", f"127.0.0.1:{port}", "--config", str(preset)]
+    try:
+        server = start(["serve", "--config", str(preset), "--run-dir", "runs/tls", "--certs", str(certs),
+                        "--node-keys", str(admitted), "--address", f"127.0.0.1:{port}", "--round-timeout", "120",
+                        "--json"], "serve.log")
+        deadline = time.time() + 60
+        while "SuperNode keys admitted" not in log("serve.log"):  # Flower refuses nodes it does not know yet
+            assert server.poll() is None and time.time() < deadline, log("serve.log")
+            time.sleep(0.5)
+        intruder = start([*join, "--site", "1", "--root-certificates", str(certs / "ca.crt"),
+                          "--auth-key", str(certs / "node-3")], "intruder.log")
+        from fedmvp.deploy.certs import write_certs
+
+        other = write_certs(tmp_path / "other-ca")
+        stranger = start([*join, "--site", "2", "--root-certificates", str(other.ca_cert),
+                          "--auth-key", str(certs / "node-2")], "stranger.log")
+        for site in range(3):
+            start([*join, "--site", str(site), "--root-certificates", str(certs / "ca.crt"),
+                   "--auth-key", str(certs / f"node-{site}")], f"site-{site}.log")
+        assert server.wait(timeout=240) == 0, log("serve.log") + log("site-0.log")
+        assert intruder.wait(timeout=30) != 0 and stranger.wait(timeout=30) != 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert "Failed to activate SuperNode" in log("intruder.log")
+    assert "CERTIFICATE_VERIFY_FAILED" in log("stranger.log")
+    result = json.loads(log("serve.log")[log("serve.log").index("{\n"):])
+    assert result["status"] == "finished:completed" and result["rounds"] == [1, 2]
+    run = tmp_path / "runs" / "tls"
+    for number in (1, 2):
+        state = json.loads((run / f"round-{number:04d}" / "state.json").read_text())
+        assert sorted(state["sites"]) == [0, 1, 2] and state["rejected"] == []
+        assert any(k.startswith("lora.") for k in load_file(str(run / f"round-{number:04d}" / "global.safetensors")))
