@@ -45,33 +45,72 @@ def accuracy(ctx: TaskContext, key: str, samples: Samples, text_features: torch.
     return correct, len(images)
 
 
-def evaluate_global(ctx: TaskContext, global_state: dict[str, torch.Tensor] | None) -> dict[str, float | None]:
-    """Local (each client on its own classes; mean over a dataset's clients, then over datasets),
-    Base and New (label subsets, mean over datasets and domains), HM of the three, Domain.
+Counts = dict[str, tuple[int, int]]  # set name ("local" or an evaluation set's name) -> (correct, total)
+
+
+def evaluation_sites(record: dict) -> dict[str, int]:
+    """Which site evaluates each evaluation set (run record ``federation``): the first site of the same
+    dataset and domain, else of the same dataset, else site 0 (a test-only dataset). Each set is
+    evaluated exactly once, so the federated numbers equal the central ones."""
+    clients = sorted(record["clients"], key=lambda c: c["id"])
+    sites = {}
+    for ev in record["evaluations"]:
+        same = [c["id"] for c in clients if c["dataset"] == ev["dataset"] and c["domain"] == ev["domain"]]
+        dataset = [c["id"] for c in clients if c["dataset"] == ev["dataset"]]
+        sites[ev["name"]] = (same or dataset or [0])[0]
+    return sites
+
+
+def site_counts(ctx: TaskContext, site: int, global_state: dict[str, torch.Tensor] | None,
+                assignment: dict[str, int]) -> Counts:
+    """What one site evaluates on its own data: its Local test set and the sets assigned to it.
 
     ``global_state`` None evaluates the frozen CLIP (zero-shot) with the same classifier."""
     prompted = global_state is not None
     if prompted:
         ctx.model.load_state(global_state)
         ctx.model.set_lora_mode(False)
-    local: dict[str, list[float]] = {}
-    for client in ctx.federation.clients:
-        feats = ctx.text_features(client.class_names, client.attributes, client.style)
-        c, n = accuracy(ctx, f"test/{client.client_id}", client.test, feats, prompted)
-        if n:
-            local.setdefault(client.dataset, []).append(c / n)
-    results: dict[str, list[float]] = {"base": [], "new": [], "domain": []}
+    counts: Counts = {}
+    client = ctx.client(site)
+    feats = ctx.text_features(client.class_names, client.attributes, client.style)
+    counts["local"] = accuracy(ctx, f"test/{client.client_id}", client.test, feats, prompted)
     for ev in ctx.federation.evaluations:
-        feats = ctx.text_features(ev.class_names, ev.attributes, ev.style)
-        c, n = accuracy(ctx, f"eval/{ev.kind}/{ev.dataset}/{ev.domain}", ev.samples, feats, prompted)
-        if n:
-            results[ev.kind].append(c / n)
+        if assignment.get(ev.name) == site:
+            feats = ctx.text_features(ev.class_names, ev.attributes, ev.style)
+            counts[ev.name] = accuracy(ctx, f"eval/{ev.kind}/{ev.dataset}/{ev.domain}", ev.samples, feats, prompted)
+    return counts
+
+
+def combine_counts(record: dict, counts_by_site: dict[int, Counts]) -> dict[str, float | None]:
+    """Local (each site on its own classes; mean over a dataset's sites, then over datasets), Base and
+    New (label subsets, mean over datasets and domains), HM of the three, Domain; from the sites'
+    counts, whoever computed them (one process or the nodes of a federation)."""
+    dataset_of = {c["id"]: c["dataset"] for c in record["clients"]}
+    kind_of = {ev["name"]: ev["kind"] for ev in record["evaluations"]}
+    local: dict[str, list[float]] = {}
+    results: dict[str, list[float]] = {"base": [], "new": [], "domain": []}
+    for site in sorted(counts_by_site):
+        for name, (correct, total) in sorted(counts_by_site[site].items()):
+            if not total:
+                continue
+            if name == "local":
+                local.setdefault(dataset_of[site], []).append(correct / total)
+            elif name in kind_of:
+                results[kind_of[name]].append(correct / total)
     per_dataset = [m for m in (_mean(v) for v in local.values()) if m is not None]
     metrics = {"local": _mean(per_dataset), "base": _mean(results["base"]), "new": _mean(results["new"]),
                "domain": _mean(results["domain"])}
     parts = [metrics[k] for k in ("local", "base", "new") if metrics[k] is not None]
     metrics["hm"] = harmonic_mean(parts) if parts else None
     return metrics
+
+
+def evaluate_global(ctx: TaskContext, global_state: dict[str, torch.Tensor] | None) -> dict[str, float | None]:
+    """The paper's metrics of the global model (or zero-shot CLIP), every site evaluated here."""
+    record = ctx.federation.record()
+    assignment = evaluation_sites(record)
+    counts = {c.client_id: site_counts(ctx, c.client_id, global_state, assignment) for c in ctx.federation.clients}
+    return combine_counts(record, counts)
 
 
 def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:

@@ -92,6 +92,6 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
         "train": dict(vars(train)),
         "server": dict(vars(preset.server)),
         "federation": federation.record(),
-        "client_device": dev, "server_device": dev, "central_eval": True,
+        "client_device": dev, "server_device": dev,
     })
     return run

@@ -37,13 +37,14 @@ class ServerSettings:
     eval_every: int = 0  # 0: evaluate only the last round
     progress: bool = True
     sampling: str = "sites"  # simulation: every site has a node; deployment: "nodes", whoever is connected
+    evaluation: str = "central"  # simulation: here, on the preset's data; deployment: "federated", on the nodes
     overrides: dict = field(default_factory=dict)  # [server] settings given at run time (fedmvp serve flags)
 
     @classmethod
     def from_run_config(cls, run_config: dict) -> "ServerSettings":
         overrides = {key.replace("-", "_"): run_config[key] for key in RUN_TIME_KEYS if run_config.get(key)}
         return cls(run_dir=str(run_config["run-dir"]), eval_every=int(run_config.get("eval-every", 0)),
-                   progress=False, sampling="nodes", overrides=overrides)
+                   progress=False, sampling="nodes", evaluation="federated", overrides=overrides)
 
 
 # Run-config keys that override the run record's [server] table at run time (0: keep the record's).
@@ -98,10 +99,11 @@ def client_preset(preset_path: str) -> str:
 class RoundRecorder:
     """Called after every aggregation: checkpoint, metrics, plot, progress."""
 
-    def __init__(self, run: RunDir, ctx, total_rounds: int, settings: ServerSettings, central_eval: bool,
-                 strategy_ref: list, method: dict):
-        self.run, self.ctx, self.total, self.method = run, ctx, total_rounds, method
-        self.settings, self.central_eval, self.strategy_ref = settings, central_eval, strategy_ref
+    def __init__(self, run: RunDir, evaluate, total_rounds: int, settings: ServerSettings, strategy_ref: list,
+                 method: dict):
+        """``evaluate(round, state)``: the paper's metrics of a global state (central or federated)."""
+        self.run, self.evaluate, self.total, self.method = run, evaluate, total_rounds, method
+        self.settings, self.strategy_ref = settings, strategy_ref
         self.bar = None
         if settings.progress:
             from tqdm import tqdm
@@ -115,8 +117,8 @@ class RoundRecorder:
                "train_consistency": summary["train-consistency"], "clients": summary["clients"],
                "lora_clients": summary["lora-clients"]}
         due = round_number == self.total or (self.settings.eval_every and round_number % self.settings.eval_every == 0)
-        if self.central_eval and due:
-            row |= evaluate_global(self.ctx, to_torch_state(state))
+        if due:
+            row |= self.evaluate(round_number, state)
         self.run.save_checkpoint(round_number, {k: t for k, t in to_torch_state(state).items()},
                                  {"lora_clients": sorted(strategy.lora_clients), "seed": strategy.seed,
                                   "lr": strategy.base_lr, "total_rounds": self.total,
@@ -148,11 +150,14 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
         run.truncate_metrics_after(start)
     else:
         initial, lora_clients = to_numpy_state(ctx.model.state("all")), []
-    central_eval = bool(config.get("central_eval", True))
-    if central_eval and start == 0 and run.read_json("zero_shot.json") is None:
-        run.write_json("zero_shot.json", evaluate_global(ctx, None))
     strategy_ref: list = []
-    recorder = RoundRecorder(run, ctx, total, settings, central_eval, strategy_ref, method.to_dict())
+
+    def evaluate(round_number: int, state: dict[str, np.ndarray] | None) -> dict:
+        if settings.evaluation == "federated":
+            return strategy_ref[0].federated_evaluate(grid, state, round_number, config["federation"])
+        return evaluate_global(ctx, to_torch_state(state) if state is not None else None)
+
+    recorder = RoundRecorder(run, evaluate, total, settings, strategy_ref, method.to_dict())
     client_config = {"preset": client_preset(preset_path), "device": config.get("client_device", "cpu"),
                      "method": json.dumps(method.to_dict(), sort_keys=True),
                      "local": LocalSettings.from_train(config["train"]).to_json()}
@@ -165,6 +170,8 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
         declared_examples=declared, policy=policy, round_offset=start, lora_clients=lora_clients,
         on_aggregated=recorder)
     strategy_ref.append(strategy)
+    if start == 0 and run.read_json("zero_shot.json") is None:
+        run.write_json("zero_shot.json", evaluate(0, None))
     strategy.start(grid, array_record(initial), num_rounds=total - start)
 
 

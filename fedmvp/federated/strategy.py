@@ -238,6 +238,47 @@ class FedMVPStrategy:
         log(WARNING, "round %s: reply of node %s (site %s) left out: %s", round_number, node, site, reason)
         self.rejected.append({"node": node, "site": site, "reason": reason})
 
+    # ---- federated evaluation ---------------------------------------------------------------------------
+    def federated_evaluate(self, grid: Grid, state: dict[str, np.ndarray] | None, round_number: int,
+                           record: dict) -> dict:
+        """Every connected node evaluates on its own data (its Local set and the evaluation sets
+        assigned to its site); the server combines the counts exactly as a central evaluation
+        would (docs/method.md §7). ``state`` None: zero-shot CLIP. Replies are checked like train
+        replies (site, run, round, counts that make sense); a missing site leaves its sets out."""
+        from fedmvp.federated.evaluation import combine_counts, evaluation_sites
+
+        assignment = evaluation_sites(record)
+        config = ConfigRecord({"round": round_number, "run-id": self.run_id, "prompted": int(state is not None),
+                               "assignment": json.dumps(assignment, sort_keys=True),
+                               **{k: v for k, v in self.client_config.items() if k in ("preset", "device", "method")}})
+        arrays = array_record(state) if state is not None else ArrayRecord()
+        nodes = self._connected(grid, 1)
+        messages = [Message(content=RecordDict({"arrays": arrays, "config": config}),
+                            message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
+        counts: dict[int, dict[str, tuple[int, int]]] = {}
+        for msg in grid.send_and_receive(messages, timeout=self.policy.round_timeout):
+            node = int(msg.metadata.src_node_id)
+            if msg.has_error():
+                log(WARNING, "evaluation of round %s: node %s failed: %s", round_number, node, msg.error.reason)
+                continue
+            identity = dict(msg.content["identity"]) if "identity" in msg.content else {}
+            site = identity.get("partition-id")
+            if identity.get("run-id") != self.run_id or identity.get("round") != round_number or \
+                    site not in range(self.num_clients) or site in counts:
+                log(WARNING, "evaluation of round %s: reply of node %s left out (identity %s)", round_number, node,
+                    identity)
+                continue
+            site_counts: dict[str, tuple[int, int]] = {}
+            metrics = dict(msg.content["metrics"])
+            for key, value in metrics.items():
+                name, _, part = key.rpartition(":")
+                if part == "correct" and f"{name}:total" in metrics:
+                    correct, total = int(value), int(metrics[f"{name}:total"])
+                    if 0 <= correct <= total and (name == "local" or assignment.get(name) == site):
+                        site_counts[name] = (correct, total)
+            counts[site] = site_counts
+        return {**combine_counts(record, counts), "eval_sites": len(counts)}
+
     # ---- the rounds ---------------------------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int) -> ArrayRecord:
         """Run ``num_rounds`` rounds; a round short of usable replies is tried again (``round_retries``)."""

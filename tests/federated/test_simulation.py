@@ -149,3 +149,31 @@ def test_existing_run_needs_resume(finished_run):
     preset, run_dir = finished_run
     result = CliRunner().invoke(main, ["train", "--config", str(preset), "--run-dir", str(run_dir)])
     assert result.exit_code == 2 and "--resume" in result.output
+
+
+def test_federated_evaluation_equals_the_central_one(finished_run):
+    """Each site's counts on its own data, combined by the server, give the central numbers exactly."""
+    import torch
+
+    from fedmvp.federated.evaluation import combine_counts, evaluate_global, evaluation_sites, site_counts
+    from fedmvp.federated.prepare import run_method
+    from fedmvp.federated.task import task_context
+    from fedmvp.runs import RunDir
+
+    _, run_dir = finished_run
+    run = RunDir(run_dir)
+    config, checkpoint = run.read_config(), run.load_checkpoint(3)
+    ctx = task_context(config["preset_path"], run_method(run, checkpoint))
+    record = config["federation"]
+    assignment = evaluation_sites(record)
+    assert sorted(assignment) == sorted(e["name"] for e in record["evaluations"])
+    for state in (checkpoint.tensors, None):  # tuned and zero-shot
+        per_site = {c["id"]: site_counts(ctx, c["id"], state, assignment) for c in record["clients"]}
+        assert all(set(counts) - {"local"} <= {n for n, s in assignment.items() if s == site}
+                   for site, counts in per_site.items())  # a site evaluates only what is assigned to it
+        torch.manual_seed(0)
+        assert combine_counts(record, per_site) == evaluate_global(ctx, state)
+    tuned = {k: v for k, v in json.loads((run_dir / "round-0003" / "state.json").read_text())["metrics"].items()
+             if k in ("local", "base", "new", "hm", "domain")}
+    assert tuned == combine_counts(record, {c["id"]: site_counts(ctx, c["id"], checkpoint.tensors, assignment)
+                                            for c in record["clients"]})
