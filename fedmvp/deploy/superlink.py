@@ -134,8 +134,10 @@ class Server:
 
     def start(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
+        # The SuperLink's state (nodes, runs) in a file beside the run: restarted after a crash, it still
+        # knows the SuperNodes, which then carry on instead of failing to reconnect.
         args = [executable("flower-superlink"), "--host", self.host, "--port", str(self.port),
-                "--disable-runtime-dependency-installation"]
+                "--database", str(self.home / "superlink.db"), "--disable-runtime-dependency-installation"]
         if self.certs is None:
             args.append("--insecure")
         else:
@@ -147,9 +149,8 @@ class Server:
         tls = 'insecure = true' if self.certs is None else f'root-certificates = {_toml_string(str(self.certs["ca.crt"].resolve()))}'
         (self.home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
                                                f'address = "{link}:{self.port}"\n{tls}\n')
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+        with open(self.log_path, "ab") as log:  # in our process group: Ctrl-C or a kill of the group ends it too
+            self.proc = subprocess.Popen(args, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.options.start_timeout
         while True:
             if self.proc.poll() is not None:
@@ -199,14 +200,15 @@ class Server:
             return "unknown"
 
     def stop(self) -> None:
+        """SIGTERM (the SuperLink stops its own app processes), then SIGKILL if it does not."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
             try:
-                os.killpg(self.proc.pid, sig)
+                self.proc.send_signal(sig)
                 self.proc.wait(timeout=wait)
                 return
-            except (ProcessLookupError, PermissionError):
+            except ProcessLookupError:
                 return
             except subprocess.TimeoutExpired:
                 continue

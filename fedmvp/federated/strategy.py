@@ -133,8 +133,10 @@ class FedMVPStrategy:
         return sorted(rng.sample(range(self.num_clients), count))
 
     def needed_replies(self, round_number: int) -> int:
+        """Usable replies that close a round: ``min_nodes``, by default every client sampled."""
         if self.policy.sampling == "sites":
-            return len(self.selected_clients(round_number))
+            selected = len(self.selected_clients(round_number))
+            return min(self.policy.min_nodes or selected, selected)
         return self.policy.min_nodes or max(1, round(self.fraction * self.num_clients))
 
     # ---- who trains ---------------------------------------------------------------------------------

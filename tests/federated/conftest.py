@@ -55,3 +55,19 @@ def write_preset(folder: Path, world: Path, sigma: float = 1000.0) -> Path:
 @pytest.fixture
 def preset_file(tmp_path, small_world) -> Path:
     return write_preset(tmp_path, small_world)
+
+
+def three_site_preset(folder: Path, world: Path, rounds: int = 2) -> Path:
+    """The same preset cut into three sites (6 base classes, 2 per site, no new classes)."""
+    path = write_preset(folder, world)
+    text = path.read_text().replace("rounds = 3", f"rounds = {rounds}").replace("base_classes = 4", "base_classes = 6")
+    path.write_text(text.replace("new_classes = 2", "new_classes = 0"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def world6(tmp_path_factory) -> Path:
+    from fedmvp.synthetic.writer import write_world
+
+    return write_world(tmp_path_factory.mktemp("world6") / "world", counts={"train": 2, "test": 2},
+                       domains=["photo", "painting"])

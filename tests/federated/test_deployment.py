@@ -219,3 +219,23 @@ def test_clients_get_a_shipped_preset_by_name_and_any_other_by_path(preset_file)
 
     assert client_preset(str(preset_path("demo").resolve())) == "demo"
     assert client_preset(str(preset_file)) == str(preset_file)
+
+
+def test_server_settings_reach_the_round_policy(preset_file, tmp_path):
+    """A preset's [server] table is recorded with the run and shapes the rounds; `fedmvp serve` flags
+    (run-config keys) override it at run time."""
+    from fedmvp.federated.server_app import ServerSettings
+    from fedmvp.federated.strategy import RoundPolicy
+
+    text = preset_file.read_text() + ("\n[server]\nmin_nodes = 2\nround_timeout = 45.0\nnode_wait = 5.0\n"
+                                      "max_update_norm = 3.5\nupdate_norm_action = \"clip\"\n")
+    preset_file.write_text(text)
+    deployment_settings({"run-dir": str(tmp_path / "r"), "preset": str(preset_file)})
+    record = RunDir(tmp_path / "r").read_config()["server"]
+    policy = RoundPolicy.from_record(record, "nodes", 1.0)
+    assert (policy.min_nodes, policy.round_timeout, policy.node_wait, policy.max_update_norm,
+            policy.norm_action) == (2, 45.0, 5.0, 3.5, "clip")
+    settings = ServerSettings.from_run_config({"run-dir": "r", "min-nodes": 1, "round-timeout": 9.0, "fraction": 0})
+    assert settings.overrides == {"min_nodes": 1, "round_timeout": 9.0} and settings.evaluation == "federated"
+    merged = RoundPolicy.from_record({**record, **settings.overrides}, "nodes", 1.0)
+    assert (merged.min_nodes, merged.round_timeout, merged.max_update_norm) == (1, 9.0, 3.5)

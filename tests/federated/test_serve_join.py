@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,27 +17,8 @@ from cryptography import x509
 from safetensors.torch import load_file
 
 from fedmvp.deploy.supernode import free_port
-from tests.federated.conftest import write_preset
-
-FEDMVP = [sys.executable, "-m", "fedmvp"]
-ENV = {**os.environ, "FEDMVP_CLIENT_THREADS": "1", "PYTHONUNBUFFERED": "1", "FLWR_TELEMETRY_ENABLED": "0"}
-
-
-def three_site_preset(folder: Path, world: Path) -> Path:
-    """The federated tests' preset cut into three sites (6 base classes, 2 per site), 2 rounds."""
-    path = write_preset(folder, world)
-    text = path.read_text().replace("rounds = 3", "rounds = 2").replace("base_classes = 4", "base_classes = 6")
-    path.write_text(text.replace("new_classes = 2", "new_classes = 0"))
-    return path
-
-
-@pytest.fixture(scope="module")
-def world6(tmp_path_factory):
-    from fedmvp.synthetic.writer import write_world
-
-    return write_world(tmp_path_factory.mktemp("world6") / "world", counts={"train": 2, "test": 2},
-                       domains=["photo", "painting"])
-
+from tests.federated.conftest import three_site_preset
+from tests.federated.processes import ENV, FEDMVP
 
 def test_certs_are_a_ca_a_server_certificate_and_node_keys(tmp_path):
     out = subprocess.run([*FEDMVP, "certs", "--out", str(tmp_path / "c"), "--host", "fl.example.org",

@@ -1,0 +1,65 @@
+"""Faults of a real federation on 127.0.0.1 (TLS on): a site killed mid-round, the server killed.
+
+- A SuperNode killed (SIGKILL) while a round waits for it: the round closes at its timeout with the
+  other sites' replies (min-nodes 2 of 3) and the run goes on; started again, the site joins a
+  later round.
+- `fedmvp serve` killed (SIGKILL, with its SuperLink) and started again with the same command: the
+  run resumes from its last complete round; no round directory is left half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.federated.conftest import three_site_preset
+from tests.federated.processes import ENV, FEDMVP, Processes
+
+ROUNDS = 5
+
+
+def states(run) -> dict[int, dict]:
+    out = {}
+    for path in sorted(run.glob("round-*/state.json")):
+        out[int(path.parent.name.split("-")[1])] = json.loads(path.read_text())
+    return out
+
+
+@pytest.mark.timeout(420)
+def test_a_site_and_the_server_killed_mid_run(tmp_path, world6):
+    from fedmvp.deploy.supernode import free_port
+
+    preset = three_site_preset(tmp_path, world6, rounds=ROUNDS)
+    certs = tmp_path / "certs"
+    subprocess.run([*FEDMVP, "certs", "--out", str(certs)], check=True, capture_output=True, env=ENV)
+    port = free_port()
+    serve = ["serve", "--config", str(preset), "--run-dir", "runs/faults", "--certs", str(certs),
+             "--address", f"127.0.0.1:{port}", "--min-nodes", "2", "--round-timeout", "20", "--json"]
+    join = ["join", "--superlink", f"127.0.0.1:{port}", "--config", str(preset),
+            "--root-certificates", str(certs / "ca.crt"), "--site"]
+    run = tmp_path / "runs" / "faults"
+    procs = Processes(tmp_path)
+    try:
+        procs.start("serve", serve)
+        procs.wait_for("SuperLink", lambda: "SuperLink listening" in procs.log("serve"), 60)
+        for site in range(3):
+            procs.start(f"site-{site}", [*join, str(site)])
+        procs.wait_for("round 1", lambda: 1 in states(run), 120)
+        procs.kill("site-2")  # round 2 is under way: its message to site 2 is never answered
+        procs.wait_for("round 2", lambda: 2 in states(run), 120)
+        assert sorted(states(run)[2]["sites"]) == [0, 1]  # closed at the timeout with the others' replies
+        procs.start("site-2", [*join, "2"])
+        procs.wait_for("site 2 back", lambda: any(sorted(s["sites"]) == [0, 1, 2]
+                                                  for n, s in states(run).items() if n > 2), 120)
+        if len(states(run)) < ROUNDS:
+            procs.kill("serve")  # the server machine dies: serve, its SuperLink and the ServerApp
+            procs.start("serve", serve)
+        assert procs.procs["serve"].wait(timeout=240) == 0, procs.log("serve")[-3000:]
+    finally:
+        procs.stop()
+    result = json.loads(procs.log("serve")[procs.log("serve").rindex("{\n"):])
+    assert result["status"] == "finished:completed" and result["rounds"] == list(range(1, ROUNDS + 1))
+    assert sorted(p.name for p in run.glob("round-*")) == [f"round-{n:04d}" for n in range(1, ROUNDS + 1)]
+    assert all(s["complete"] for s in states(run).values())
