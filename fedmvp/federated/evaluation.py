@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from fedmvp.federated.metrics import Counts, combine_counts, evaluation_sites
 from fedmvp.federated.task import Samples, TaskContext, task_context
 from fedmvp.model import autocast_for
 from fedmvp.runs import RunDir
 
 COLUMNS = ("local", "base", "new", "hm")
-
-
-def harmonic_mean(values: list[float]) -> float:
-    if any(v <= 0 for v in values):
-        return 0.0
-    return len(values) / sum(1.0 / v for v in values)
-
-
-def _mean(values: list[float]) -> float | None:
-    return float(sum(values) / len(values)) if values else None
 
 
 @torch.no_grad()
@@ -45,22 +36,6 @@ def accuracy(ctx: TaskContext, key: str, samples: Samples, text_features: torch.
     return correct, len(images)
 
 
-Counts = dict[str, tuple[int, int]]  # set name ("local" or an evaluation set's name) -> (correct, total)
-
-
-def evaluation_sites(record: dict) -> dict[str, int]:
-    """Which site evaluates each evaluation set (run record ``federation``): the first site of the same
-    dataset and domain, else of the same dataset, else site 0 (a test-only dataset). Each set is
-    evaluated exactly once, so the federated numbers equal the central ones."""
-    clients = sorted(record["clients"], key=lambda c: c["id"])
-    sites = {}
-    for ev in record["evaluations"]:
-        same = [c["id"] for c in clients if c["dataset"] == ev["dataset"] and c["domain"] == ev["domain"]]
-        dataset = [c["id"] for c in clients if c["dataset"] == ev["dataset"]]
-        sites[ev["name"]] = (same or dataset or [0])[0]
-    return sites
-
-
 def site_counts(ctx: TaskContext, site: int, global_state: dict[str, torch.Tensor] | None,
                 assignment: dict[str, int]) -> Counts:
     """What one site evaluates on its own data: its Local test set and the sets assigned to it.
@@ -79,30 +54,6 @@ def site_counts(ctx: TaskContext, site: int, global_state: dict[str, torch.Tenso
             feats = ctx.text_features(ev.class_names, ev.attributes, ev.style)
             counts[ev.name] = accuracy(ctx, f"eval/{ev.kind}/{ev.dataset}/{ev.domain}", ev.samples, feats, prompted)
     return counts
-
-
-def combine_counts(record: dict, counts_by_site: dict[int, Counts]) -> dict[str, float | None]:
-    """Local (each site on its own classes; mean over a dataset's sites, then over datasets), Base and
-    New (label subsets, mean over datasets and domains), HM of the three, Domain; from the sites'
-    counts, whoever computed them (one process or the nodes of a federation)."""
-    dataset_of = {c["id"]: c["dataset"] for c in record["clients"]}
-    kind_of = {ev["name"]: ev["kind"] for ev in record["evaluations"]}
-    local: dict[str, list[float]] = {}
-    results: dict[str, list[float]] = {"base": [], "new": [], "domain": []}
-    for site in sorted(counts_by_site):
-        for name, (correct, total) in sorted(counts_by_site[site].items()):
-            if not total:
-                continue
-            if name == "local":
-                local.setdefault(dataset_of[site], []).append(correct / total)
-            elif name in kind_of:
-                results[kind_of[name]].append(correct / total)
-    per_dataset = [m for m in (_mean(v) for v in local.values()) if m is not None]
-    metrics = {"local": _mean(per_dataset), "base": _mean(results["base"]), "new": _mean(results["new"]),
-               "domain": _mean(results["domain"])}
-    parts = [metrics[k] for k in ("local", "base", "new") if metrics[k] is not None]
-    metrics["hm"] = harmonic_mean(parts) if parts else None
-    return metrics
 
 
 def evaluate_global(ctx: TaskContext, global_state: dict[str, torch.Tensor] | None) -> dict[str, float | None]:

@@ -15,12 +15,15 @@ FLOWER_QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_U
                     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
 
 
-def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int | None = None) -> RunDir:
-    """Run (or finish) the rounds of ``run`` on Flower's simulation engine."""
+def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int | None = None,
+             client_app=None) -> RunDir:
+    """Run (or finish) the rounds of ``run`` on Flower's simulation engine (``client_app``: another
+    ClientApp than fedmvp's, e.g. one that misbehaves, to see what the server does with it)."""
     os.environ.update(FLOWER_QUIET_ENV)
     from flwr.simulation import run_simulation
 
-    from fedmvp.federated.client_app import app as client_app
+    if client_app is None:
+        from fedmvp.federated.client_app import app as client_app
     from fedmvp.federated.server_app import ServerSettings, server_app_for
 
     config = run.read_config()

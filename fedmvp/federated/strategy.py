@@ -31,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from fedmvp.federated.metrics import combine_counts, evaluation_sites
 from fedmvp.federated.replies import ReplyRules, check_reply
 from fedmvp.federated.wire import array_record, numpy_state
 
@@ -247,8 +248,6 @@ class FedMVPStrategy:
         assigned to its site); the server combines the counts exactly as a central evaluation
         would (docs/method.md §7). ``state`` None: zero-shot CLIP. Replies are checked like train
         replies (site, run, round, counts that make sense); a missing site leaves its sets out."""
-        from fedmvp.federated.evaluation import combine_counts, evaluation_sites
-
         assignment = evaluation_sites(record)
         config = ConfigRecord({"round": round_number, "run-id": self.run_id, "prompted": int(state is not None),
                                "assignment": json.dumps(assignment, sort_keys=True),

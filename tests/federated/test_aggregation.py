@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedmvp.federated.evaluation import harmonic_mean
+from fedmvp.federated.metrics import harmonic_mean
 from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, cosine_lr, weighted_average
 from fedmvp.federated.wire import array_record
 

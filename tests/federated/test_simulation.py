@@ -155,7 +155,8 @@ def test_federated_evaluation_equals_the_central_one(finished_run):
     """Each site's counts on its own data, combined by the server, give the central numbers exactly."""
     import torch
 
-    from fedmvp.federated.evaluation import combine_counts, evaluate_global, evaluation_sites, site_counts
+    from fedmvp.federated.evaluation import evaluate_global, site_counts
+    from fedmvp.federated.metrics import combine_counts, evaluation_sites
     from fedmvp.federated.prepare import run_method
     from fedmvp.federated.task import task_context
     from fedmvp.runs import RunDir
@@ -177,3 +178,50 @@ def test_federated_evaluation_equals_the_central_one(finished_run):
              if k in ("local", "base", "new", "hm", "domain")}
     assert tuned == combine_counts(record, {c["id"]: site_counts(ctx, c["id"], checkpoint.tensors, assignment)
                                             for c in record["clients"]})
+
+
+@pytest.mark.timeout(300)
+def test_a_site_sending_nan_is_left_out_and_the_rest_is_averaged_exactly(world6, tmp_path):
+    """End to end on Flower, three sites: site 1's replies are all NaN (tests/federated/nan_client.py,
+    which also records every reply). The server rejects them and records why; each round's global
+    tensors are the example-weighted mean of the accepted replies (sites 0 and 2)."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from tests.federated.conftest import three_site_preset
+
+    preset = three_site_preset(tmp_path, world6)
+    preset.write_text(preset.read_text() + "\n[server]\nmin_nodes = 2\n")
+    run_dir, replies = tmp_path / "nan", tmp_path / "replies"
+    replies.mkdir()
+    script = ("from fedmvp.federated.prepare import prepare_run\nfrom fedmvp.federated.simulation import simulate\n"
+              "from tests.federated.nan_client import app\n"
+              f"simulate(prepare_run({str(preset)!r}, {str(run_dir)!r}, None, False, 'cpu'), progress=False, "
+              "client_app=app)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=280,
+                          env={**os.environ, "FEDMVP_CLIENT_THREADS": "1", "FEDMVP_TEST_REPLIES": str(replies)})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    previous = None
+    for number in (1, 2):
+        state = json.loads((run_dir / f"round-{number:04d}" / "state.json").read_text())
+        assert state["sites"] == [0, 2]
+        assert [(r["site"], "NaN" in r["reason"]) for r in state["rejected"]] == [(1, True)]
+        checkpoint = run_dir / f"round-{number:04d}" / "global.safetensors"
+        tensors = {k: v.numpy() for k, v in load_file(str(checkpoint)).items()}
+        sums: dict = {}
+        weights: dict = {}
+        for site in (0, 2):
+            with safe_open(str(replies / f"r{number}-s{site}.safetensors"), "np") as f:
+                weight = float(f.metadata()["num_examples"])
+                for key in f.keys():
+                    sums[key] = sums.get(key, 0.0) + f.get_tensor(key).astype(np.float64) * weight
+                    weights[key] = weights.get(key, 0.0) + weight
+        assert sums  # something was averaged
+        for key, value in tensors.items():
+            assert np.isfinite(value).all()
+            if key in sums:
+                assert np.array_equal(value, (sums[key] / weights[key]).astype(np.float32)), key
+            elif previous is not None:  # a tensor nobody sent keeps its global value
+                assert np.array_equal(value, previous[key]), key
+        previous = tensors
