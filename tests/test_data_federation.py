@@ -26,6 +26,19 @@ fraction_fit = {fraction}
 """
 
 
+def assert_plan_matches(fed) -> None:
+    """The server's image-free plan (federation_plan) has the federation's exact shape."""
+    from fedmvp.data.federation_plan import plan_record
+
+    real, plan = fed.record(), plan_record(fed.preset)
+    same = lambda rows, keys: [{k: r[k] for k in keys} for r in rows]  # noqa: E731
+    keys = ("id", "name", "dataset", "domain", "classes")
+    assert same(plan["clients"], keys) == same(real["clients"], keys)
+    keys = ("name", "kind", "dataset", "domain", "classes")
+    assert same(plan["evaluations"], keys) == same(real["evaluations"], keys)
+    assert all(p["train_images"] >= r["train_images"] for p, r in zip(plan["clients"], real["clients"]))
+
+
 def preset(tmp_path: Path, body: str, protocol: str = "base-to-new", shots: int = 2,
            fraction: float = 1.0):
     path = tmp_path / "p.toml"
@@ -47,6 +60,7 @@ attributes = "a.json"
 classes_per_client = 1
 """
     fed = build_federation(preset(tmp_path, body))
+    assert_plan_matches(fed)
     assert [c.name for c in fed.clients] == [f"OxfordFlowers/base-{j}" for j in range(3)]
     assert [c.class_names for c in fed.clients] == [["flower0"], ["flower1"], ["flower2"]]
     for c in fed.clients:
@@ -75,6 +89,7 @@ train_domains = ["art_painting", "photo"]
 test_domains = ["sketch"]
 """
     fed = build_federation(preset(tmp_path, body, protocol="multi-source-single-target", shots=3))
+    assert_plan_matches(fed)
     assert [c.name for c in fed.clients] == ["PACS/art_painting", "PACS/photo"]
     for c in fed.clients:
         assert c.class_names == ["cat", "dog", "elk"] and len(c.train) == 9 and len(c.test) == 3
@@ -112,6 +127,7 @@ class_names_file = "{tmp_path}/classnames.txt"
 attributes = "{tmp_path}/attrs.json"
 """
     fed = build_federation(preset(tmp_path, body, protocol="ssmt", fraction=0.5))
+    assert_plan_matches(fed)
     assert len(fed.clients) == 2 and [len(c.class_names) for c in fed.clients] == [5, 5]
     assert fed.clients[1].class_names[0] == "class n05" and fed.clients_per_round == 1
     base, r = fed.evaluations
@@ -136,6 +152,7 @@ def test_synthetic_clients_per_domain_and_evaluations(tmp_path):
     fake_world(tmp_path / "world", ["s0", "s1", "s2", "s3", "s4"], ["h0", "h1", "h2"],
                ["photo", "sketch", "painting"], {"train": 3, "test": 2})
     fed = build_federation(preset(tmp_path, SYNTH))
+    assert_plan_matches(fed)
     assert [c.name for c in fed.clients] == ["shapes/photo/base-0", "shapes/photo/base-1",
                                              "shapes/sketch/base-0", "shapes/sketch/base-1"]
     assert fed.clients[3].class_names == ["s2", "s3"] and fed.clients[3].style.prefix == "a sketch of a"
@@ -146,6 +163,7 @@ def test_synthetic_clients_per_domain_and_evaluations(tmp_path):
                      ("domain", "painting", ["s0", "s1", "s2", "s3", "h0", "h1"])]
     assert all(f"/{e.domain}/test/" in p for e in fed.evaluations for p, _ in e.samples)
     mixed = build_federation(preset(tmp_path, SYNTH + "mix_domains = true\n"))
+    assert_plan_matches(mixed)
     assert [c.name for c in mixed.clients] == ["shapes/base-0", "shapes/base-1"]
     assert len(mixed.clients[0].train) == 2 * 2 * 2  # shots per class and domain
     assert mixed.clients[0].domain is None and mixed.clients[0].style.prefix == "a photo of a"
@@ -171,6 +189,7 @@ def test_unreadable_training_image_is_reported_once_and_replaced(tmp_path):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fed = build_federation(preset(tmp_path, SYNTH, shots=3))
+        assert_plan_matches(fed)
         build_federation(preset(tmp_path, SYNTH, shots=3))
     reports = [str(w.message) for w in record if w.category is UnreadableImageWarning]
     assert len(reports) == 1 and bad in reports[0]
@@ -187,6 +206,7 @@ def test_shipped_demo_preset_builds_on_a_real_world(tmp_path):
     path = tmp_path / "demo.toml"
     path.write_text(re.sub(r'(?m)^root = ""', f'root = "{root}"', demo.read_text()))
     fed = build_federation(load_preset(path))
+    assert_plan_matches(fed)
     record = fed.record()
     assert len(record["clients"]) == len(fed.clients) >= 4
     assert "shapes/domain/painting" in [e["name"] for e in record["evaluations"]]

@@ -53,11 +53,22 @@ def run_method(run: RunDir, checkpoint: Checkpoint | None = None) -> FedMVPConfi
 
 
 def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resume: bool,
-                device: str = "auto") -> RunDir:
-    """Validate the preset, create or reopen the run directory, write config.json."""
-    from fedmvp.data.federation import load_federation
+                device: str = "auto", with_data: bool = True) -> RunDir:
+    """Validate the preset, create or reopen the run directory, write config.json.
 
-    preset, federation = load_federation(preset_path)
+    ``with_data=False`` (the server of a federation across machines): the federation's shape comes
+    from class lists alone (``plan_record``), so this machine needs none of the sites' images."""
+    if with_data:
+        from fedmvp.data.federation import load_federation
+
+        preset, federation = load_federation(preset_path)
+        record = federation.record()
+    else:
+        from fedmvp.data.federation_plan import plan_record
+        from fedmvp.presets.schema import load_preset
+
+        preset = load_preset(preset_path, check_roots=False)
+        record = plan_record(preset)
     path = Path(run_dir) if run_dir else None
     if resume:
         if path is None:
@@ -85,13 +96,13 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
         "record_version": RECORD_VERSION, "run_id": uuid.uuid4().hex,
         "preset": preset.name, "preset_path": str(source.resolve()) if source.is_file() else preset_path,
         "protocol": preset.protocol, "seed": preset.seed, "rounds": int(rounds or train.rounds),
-        "lr": train.lr, "num_clients": len(federation.clients),
-        "fraction": float(federation.fraction_per_round),
+        "lr": train.lr, "num_clients": len(record["clients"]),
+        "fraction": float(train.fraction_fit),
         "model": {"clip": preset.model.clip, "pretrained": preset.model.pretrained},
         "method": method_config(train).to_dict(),
         "train": dict(vars(train)),
         "server": dict(vars(preset.server)),
-        "federation": federation.record(),
+        "federation": record,
         "client_device": dev, "server_device": dev,
     })
     return run

@@ -22,7 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedmvp.federated.evaluation import evaluate_global
 from fedmvp.federated.prepare import prepare_run, run_method
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
-from fedmvp.federated.task import LocalSettings, task_context
+from fedmvp.federated.task import LocalSettings, build_model, task_context
 from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
 from fedmvp.runs import RunDir
 
@@ -73,7 +73,7 @@ def deployment_settings(run_config: dict) -> ServerSettings:
         if not preset:
             raise RuntimeError(f"{run.path}: no config.json yet; set preset in the run config to start a new "
                                f"run (a shipped preset name or a TOML path on the ServerApp's machine: {EXAMPLE})")
-        prepare_run(preset, run_dir, rounds or None, resume=False, device="auto")
+        prepare_run(preset, run_dir, rounds or None, resume=False, device="auto", with_data=False)
     else:
         config = run.read_config()
         if preset and preset != config["preset"] and \
@@ -139,7 +139,14 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
     config = run.read_config()
     preset_path, total = config["preset_path"], int(config["rounds"])
     method = run_method(run)
-    ctx = task_context(preset_path, method, config.get("server_device", "cpu"))
+    device = config.get("server_device", "cpu")
+    if settings.evaluation == "federated":  # the nodes evaluate: this machine needs no site's data
+        from fedmvp.presets.schema import load_preset
+
+        ctx, model = None, build_model(load_preset(preset_path, check_roots=False), method, device)[1]
+    else:
+        ctx = task_context(preset_path, method, device)
+        model = ctx.model
     start = run.last_round() or 0
     if start >= total:
         log.info("run %s already has %s rounds", run.path, total)
@@ -149,7 +156,7 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
         initial, lora_clients = to_numpy_state(checkpoint.tensors), checkpoint.state.get("lora_clients", [])
         run.truncate_metrics_after(start)
     else:
-        initial, lora_clients = to_numpy_state(ctx.model.state("all")), []
+        initial, lora_clients = to_numpy_state(model.state("all")), []
     strategy_ref: list = []
 
     def evaluate(round_number: int, state: dict[str, np.ndarray] | None) -> dict:

@@ -96,17 +96,22 @@ def task_context(preset_path: str, method: FedMVPConfig, device: str = "cpu") ->
     return _task_context(preset_path, json.dumps(method.to_dict(), sort_keys=True), device)
 
 
+def build_model(preset, method: FedMVPConfig, device: str = "cpu") -> tuple[LoadedClip, FedMVP]:
+    """The frozen CLIP and the global model of a preset: needs no data (a server of a federation)."""
+    torch_device = torch.device(device)
+    torch.manual_seed(preset.seed)  # a random-init backbone must be the same in every process
+    clip = load_clip(preset.model.clip, preset.model.pretrained or None, device=torch_device)
+    torch.manual_seed(preset.seed)  # the global model's initial state is a function of the seed alone
+    return clip, FedMVP(clip, method).to(torch_device)
+
+
 @lru_cache(maxsize=2)
 def _task_context(preset_path: str, method_json: str, device: str) -> TaskContext:
     from fedmvp.data.federation import load_federation
 
     preset, federation = load_federation(preset_path)
-    torch_device = torch.device(device)
-    torch.manual_seed(preset.seed)  # a random-init backbone must be the same in every process
-    clip = load_clip(preset.model.clip, preset.model.pretrained or None, device=torch_device)
-    torch.manual_seed(preset.seed)  # the global model's initial state is a function of the seed alone
-    model = FedMVP(clip, FedMVPConfig.from_dict(json.loads(method_json))).to(torch_device)
-    return TaskContext(preset=preset, federation=federation, clip=clip, model=model, device=torch_device)
+    clip, model = build_model(preset, FedMVPConfig.from_dict(json.loads(method_json)), device)
+    return TaskContext(preset=preset, federation=federation, clip=clip, model=model, device=torch.device(device))
 
 
 # ---- local training -------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """`fedmvp certs`, `fedmvp serve` and `fedmvp join` as real processes on 127.0.0.1: TLS on, node
 authentication on, three sites; a node with an unregistered key and a node trusting another CA are
-refused, with the reason in their logs.
+refused, with the reason in their logs. The server holds no image: only the world's class list.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -38,7 +39,13 @@ def test_certs_are_a_ca_a_server_certificate_and_node_keys(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6):
-    preset = three_site_preset(tmp_path, world6)
+    (tmp_path / "site").mkdir()
+    preset = three_site_preset(tmp_path / "site", world6)  # each site: the world's images on its disk
+    server_world = tmp_path / "server-world"  # the server: the class list (world.json), not one image
+    server_world.mkdir()
+    shutil.copyfile(world6 / "world.json", server_world / "world.json")
+    server_preset = tmp_path / "server.toml"
+    server_preset.write_text(preset.read_text().replace(str(world6), str(server_world)))
     certs = tmp_path / "certs"
     subprocess.run([*FEDMVP, "certs", "--out", str(certs), "--nodes", "4"], check=True, capture_output=True, env=ENV)
     admitted = certs / "admitted.txt"  # node-3's key is written but not admitted
@@ -58,7 +65,7 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
 
     join = ["join", "--superlink", f"127.0.0.1:{port}", "--config", str(preset)]
     try:
-        server = start(["serve", "--config", str(preset), "--run-dir", "runs/tls", "--certs", str(certs),
+        server = start(["serve", "--config", str(server_preset), "--run-dir", "runs/tls", "--certs", str(certs),
                         "--node-keys", str(admitted), "--address", f"127.0.0.1:{port}", "--round-timeout", "120",
                         "--json"], "serve.log")
         deadline = time.time() + 60
