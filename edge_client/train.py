@@ -7,10 +7,10 @@ happen before torch loads, and nothing here is imported by the inference path. N
 takes every tensor as an input, the frozen ones from the bundle's ``weights.safetensors``;
 only the LoRA tensors get ``requires_grad``.
 
-Loss (docs/method.md §5): ``CE(logits, y) + alpha * (1 - cos(f_prompted(x), f_CLIP(x')))``,
-x' a per-sample random horizontal flip of x (probability ``method["flip_prob"]``), f_CLIP
-frozen; alpha is the bundle's (``Bundle.method["alpha"]``) unless given. Optimiser
-(docs/method.md §6): SGD with momentum and weight decay by default; ``optimizer="adamw"`` learns where the gradients reaching the
+Loss (docs/method.md §5): ``CE(logits, y) + alpha * (1 - cos(f_prompted(x), f_CLIP(x')))``, x' a
+per-sample random horizontal flip of x (probability ``method["flip_prob"]``), f_CLIP frozen; alpha
+is the bundle's (``Bundle.method["alpha"]``) unless given. Optimiser (docs/method.md §6): SGD with
+momentum and weight decay by default; ``optimizer="adamw"`` learns where the gradients reaching the
 LoRA are tiny (a small CLIP, B near 0). Defaults live in `TrainOptions`.
 
 On CUDA: autocast (bf16 where supported, else fp16 with a gradient scaler; fp32 master

@@ -40,4 +40,5 @@ def certs(out: Path, hosts: tuple[str, ...], nodes: int, force: bool, as_json: b
     click.echo(f"CA:          {files.ca_cert} (key {files.ca_key}: keep it offline)")
     click.echo(f"SuperLink:   {files.server_cert} + {files.server_key}, valid for {', '.join(files.hosts)}")
     if files.node_list:
-        click.echo(f"SuperNodes:  {len(files.node_keys)} key pairs node-N / node-N.pub; admitted keys: {files.node_list}")
+        click.echo(f"SuperNodes:  {len(files.node_keys)} key pairs node-N / node-N.pub; "
+                   f"admitted keys: {files.node_list}")

@@ -146,7 +146,8 @@ class Server:
         if self.options.node_keys:
             args.append("--enable-supernode-auth")
         link = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        tls = 'insecure = true' if self.certs is None else f'root-certificates = {_toml_string(str(self.certs["ca.crt"].resolve()))}'
+        tls = 'insecure = true' if self.certs is None else \
+            f'root-certificates = {_toml_string(str(self.certs["ca.crt"].resolve()))}'
         (self.home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
                                                f'address = "{link}:{self.port}"\n{tls}\n')
         with open(self.log_path, "ab") as log:  # in our process group: Ctrl-C or a kill of the group ends it too

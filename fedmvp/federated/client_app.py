@@ -1,12 +1,11 @@
-"""The FedMVP ClientApp: one round of local training for the client this node serves.
+"""The FedMVP ClientApp: a round of local training, and evaluation on this site's own data.
 
-The client id comes from the node's config (``partition-id``, set by the simulation
-engine or by ``flower-supernode --node-config "partition-id=3"``); the preset (a shipped
-preset's name, else the TOML path on the server's machine), the run's method record (what
-model to build) and the round's settings come in the server's message. A SuperNode whose
-preset file lives elsewhere names it itself: ``--node-config "partition-id=3 preset='/data/site3.toml'"``. A client not selected this
-round answers with zero examples.
-"""
+The client id comes from the node's config (``partition-id``, set by the simulation engine or by
+``flower-supernode --node-config "partition-id=3"``); the preset (a shipped preset's name, else the
+TOML path on the server's machine), the run's method record (what model to build) and the round's
+settings come in the server's message. A SuperNode whose preset file lives elsewhere names it
+itself: ``--node-config "partition-id=3 preset='/data/site3.toml'"``. A client not selected this
+round answers with zero examples."""
 
 from __future__ import annotations
 

@@ -170,7 +170,8 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
                      "local": LocalSettings.from_train(config["train"]).to_json()}
     declared = {c["id"]: int(c["train_images"]) for c in config["federation"]["clients"]}
     server = {**config.get("server", {}), **settings.overrides}
-    policy = RoundPolicy.from_record(server, settings.sampling, float(server.get("fraction", config.get("fraction", 1.0))))
+    fraction = float(server.get("fraction", config.get("fraction", 1.0)))
+    policy = RoundPolicy.from_record(server, settings.sampling, fraction)
     strategy = FedMVPStrategy(
         client_config=client_config, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),

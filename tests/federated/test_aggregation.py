@@ -59,7 +59,8 @@ def test_lora_only_and_full_clients_aggregate_in_the_same_round():
                reply(1, full1, 20, lora=False)]
     arrays, metrics = strategy.aggregate_train(1, replies)
     got = {k: v.numpy() for k, v in arrays.items()}
-    expected_w = (10 * full0["promptformer.w"].astype(np.float64) + 20 * full1["promptformer.w"].astype(np.float64)) / 30
+    w0, w1 = (c["promptformer.w"].astype(np.float64) for c in (full0, full1))
+    expected_w = (10 * w0 + 20 * w1) / 30
     expected_a = lora2["lora.a"]  # only the LoRA client sent it
     assert np.array_equal(got["promptformer.w"], expected_w.astype(np.float32))
     assert np.array_equal(got["lora.a"], expected_a.astype(np.float32))
