@@ -111,6 +111,11 @@ fraction = 0.0
     return app
 
 
+def _output(done: subprocess.CompletedProcess) -> str:
+    """A flwr command's output as one short line."""
+    return " ".join((done.stdout + done.stderr).split())[-300:]
+
+
 def _toml_string(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string
 
@@ -170,16 +175,32 @@ class Server:
                               timeout=timeout, cwd=self.home)
 
     def register_nodes(self, keys: list[str]) -> None:
-        """Admit exactly these SuperNodes (their public keys), one `flwr supernode register` each."""
+        """Admit exactly these SuperNodes (their public keys): register the new ones, unregister those
+        no longer listed. The SuperLink keeps registrations in its database across restarts, so a
+        rotated-out key must be removed, not merely left out; ``registered.json`` maps each key we
+        registered to its node id."""
         folder = self.home / "node-keys"
         folder.mkdir(exist_ok=True)
+        book_path = folder / "registered.json"
+        book: dict[str, int] = json.loads(book_path.read_text()) if book_path.is_file() else {}
+        for key, node_id in sorted(book.items()):
+            if key not in keys:
+                done = self.flwr("supernode", "unregister", str(node_id), CONNECTION, "--format", "json")
+                if done.returncode != 0 and "not found" not in done.stdout.lower():
+                    raise ServeError(f"unregistering a rotated-out SuperNode key failed: {_output(done)}")
+                del book[key]
         for i, key in enumerate(keys):
+            if key in book:
+                continue
             path = folder / f"node-{i}.pub"
             path.write_text(key + "\n")
-            done = self.flwr("supernode", "register", str(path), CONNECTION)
-            if done.returncode != 0 and "already" not in (done.stdout + done.stderr).lower():
-                raise ServeError(f"registering SuperNode key {i + 1} failed: "
-                                 f"{' '.join((done.stdout + done.stderr).split())[-300:]}")
+            done = self.flwr("supernode", "register", str(path), CONNECTION, "--format", "json")
+            try:
+                book[key] = int(json.loads(done.stdout)["node-id"])
+            except (ValueError, KeyError, TypeError):
+                if "already in use" not in _output(done):
+                    raise ServeError(f"registering SuperNode key {i + 1} failed: {_output(done)}") from None
+            book_path.write_text(json.dumps(book, indent=2, sort_keys=True) + "\n")
 
     def submit(self) -> int:
         o = self.options

@@ -115,3 +115,30 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
     assert checkpoint.state["metrics"]["eval_sites"] == 3 and federated["hm"] is not None
     central = evaluate_global(task_context(str(preset), run_method(record, checkpoint)), checkpoint.tensors)
     assert federated == pytest.approx(central, abs=1e-12)
+
+
+@pytest.mark.timeout(180)
+def test_a_restart_with_fewer_node_keys_unregisters_the_rotated_out_ones(tmp_path):
+    """The SuperLink keeps registrations across restarts; `serve` must remove a key dropped from the file."""
+    from fedmvp.deploy.certs import read_node_keys, write_certs
+    from fedmvp.deploy.superlink import CONNECTION, Server, ServeOptions
+    from fedmvp.deploy.supernode import free_port
+
+    files = write_certs(tmp_path / "certs", nodes=3)
+    (tmp_path / "two.txt").write_text("".join(pub.read_text() for _, pub in files.node_keys[:2]))
+    port = free_port()
+
+    def statuses(keys: Path) -> list[str]:
+        server = Server(ServeOptions(preset="demo", run_dir=tmp_path / "runs" / "r", certs=files.out, node_keys=keys,
+                                     address=f"127.0.0.1:{port}"))
+        server.start()
+        try:
+            server.register_nodes(read_node_keys(keys))
+            listed = json.loads(server.flwr("supernode", "list", CONNECTION, "--format", "json").stdout)
+            return sorted(n["status"] for n in listed["nodes"])
+        finally:
+            server.stop()
+
+    assert statuses(files.node_list) == ["registered"] * 3
+    assert statuses(tmp_path / "two.txt") == ["registered", "registered", "unregistered"]
+    assert statuses(tmp_path / "two.txt") == ["registered", "registered", "unregistered"]  # nothing twice
