@@ -77,7 +77,7 @@ class EvalSet:
 
     @property
     def name(self) -> str:
-        return f"{self.dataset}/{self.kind}" + (f"/{self.domain}" if self.domain else "")
+        return eval_set_name(self.dataset, self.kind, self.domain)
 
 
 @dataclass
@@ -104,6 +104,18 @@ class Federation:
             "evaluations": [{"name": e.name, "kind": e.kind, "dataset": e.dataset, "domain": e.domain,
                              "classes": list(e.class_names), "images": len(e.samples)} for e in self.evaluations],
         }
+
+
+def eval_set_name(dataset: str, kind: str, domain: str | None) -> str:
+    """The name an evaluation set travels under (run record, assignment to sites)."""
+    return f"{dataset}/{kind}" + (f"/{domain}" if domain else "")
+
+
+def client_name(preset: Preset, spec: DatasetSpec, domain: str | None, groups: int, j: int) -> str:
+    """The name of class group ``j`` of ``groups`` in ``domain`` (None: mixed domains)."""
+    prefix = spec.name + (f"/{domain}" if spec.train_domains and domain else "")
+    kind = "base" if preset.protocol == "base-to-new" else "part"
+    return prefix if preset.protocol == "msst" and groups == 1 else f"{prefix}/{kind}-{j}"
 
 
 def _relabel(samples: list[Sample], labels: list[int]) -> list[Sample]:
@@ -136,7 +148,7 @@ class _Attributes:
         return {c: self.cache[path][c] for c in classes}
 
 
-def _groups(preset: Preset, spec: DatasetSpec, plan: ClassPlan) -> list[list[int]]:
+def class_groups(preset: Preset, spec: DatasetSpec, plan: ClassPlan) -> list[list[int]]:
     if spec.clients is not None:
         groups = groups_from_names(spec.clients, plan.class_names)
         extra = [plan.class_names[y] for g in groups for y in g if y not in set(plan.trained)]
@@ -158,8 +170,7 @@ def _clients(preset: Preset, spec: DatasetSpec, plan: ClassPlan, pools: list[Poo
     """One client set per pool (source domain), or one over all pools with ``mix_domains``."""
     shots = preset.train.shots
     trained = set(plan.trained)
-    groups = None if spec.dirichlet_alpha is not None else _groups(preset, spec, plan)
-    kind = "base" if preset.protocol == "base-to-new" else "part"
+    groups = None if spec.dirichlet_alpha is not None else class_groups(preset, spec, plan)
     pool_sets = [pools] if spec.mix_domains and len(pools) > 1 else [[p] for p in pools]
     clients: list[ClientData] = []
 
@@ -176,25 +187,25 @@ def _clients(preset: Preset, spec: DatasetSpec, plan: ClassPlan, pools: list[Poo
 
     for sources in pool_sets:
         domain = sources[0].domain if len(sources) == 1 else None
-        prefix = spec.name + (f"/{domain}" if spec.train_domains and domain else "")
+        prefix = spec.name + (f"/{domain}" if spec.train_domains and domain else "")  # dirichlet parts
         test = [s for p in sources for s in p.test]
         if groups is None:
             picked = pick(trained, preset.seed + first_id + len(clients), sources)
             shares = dirichlet_label_skew(picked, spec.num_clients, spec.dirichlet_alpha, preset.seed)
-            parts = [(f"dir-{j}", sorted({y for _, y in s}), s) for j, s in enumerate(shares)]
+            parts = [(f"{prefix}/dir-{j}", sorted({y for _, y in s}), s) for j, s in enumerate(shares)]
         else:
             parts = []
             for j, group in enumerate(groups):
                 picked = pick(set(group), preset.seed + first_id + len(clients) + j, sources)
                 have = {y for _, y in picked}
-                tag = "" if (preset.protocol == "msst" and len(groups) == 1) else f"{kind}-{j}"
-                parts.append((tag, [y for y in group if y in have], picked))
-        for tag, own, picked in parts:
+                parts.append((client_name(preset, spec, domain, len(groups), j), [y for y in group if y in have],
+                              picked))
+        for name, own, picked in parts:
             if not own:
                 continue
             names = [plan.class_names[y] for y in own]
             clients.append(ClientData(
-                client_id=first_id + len(clients), name=prefix + (f"/{tag}" if tag else ""),
+                client_id=first_id + len(clients), name=name,
                 dataset=spec.name, domain=domain, class_names=names,
                 train=_relabel(picked, own), test=_relabel(test, own),
                 attributes=attrs.get(domain, names),

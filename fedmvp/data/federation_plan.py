@@ -14,14 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from fedmvp.data.catalog import class_plan, preset_failure
+from fedmvp.data.federation import class_groups, client_name, eval_set_name  # the same cut and names
 from fedmvp.data.layouts import LayoutError
 from fedmvp.presets.schema import DatasetSpec, Preset, PresetError
 
 
 
 def _eval(kind: str, spec: DatasetSpec, names: list[str], domain: str | None) -> dict[str, Any]:
-    name = f"{spec.name}/{kind}" + (f"/{domain}" if domain else "")
-    return {"name": name, "kind": kind, "dataset": spec.name, "domain": domain, "classes": names, "images": None}
+    return {"name": eval_set_name(spec.name, kind, domain), "kind": kind, "dataset": spec.name, "domain": domain,
+            "classes": names, "images": None}
 
 
 def _pool_domains(spec: DatasetSpec) -> list[str | None]:
@@ -32,7 +33,6 @@ def _pool_domains(spec: DatasetSpec) -> list[str | None]:
 
 
 def _dataset(preset: Preset, spec: DatasetSpec, first_id: int) -> tuple[list[dict], list[dict]]:
-    from fedmvp.data.federation import _groups  # the same class cut as build_federation
 
     plan = class_plan(preset, spec)
     clients: list[dict] = []
@@ -45,16 +45,13 @@ def _dataset(preset: Preset, spec: DatasetSpec, first_id: int) -> tuple[list[dic
     if spec.dirichlet_alpha is not None:
         raise ValueError("dirichlet_alpha draws clients from the images themselves: a server without the "
                          "data cannot plan them (cut clients by classes instead)")
-    groups = _groups(preset, spec, plan)
+    groups = class_groups(preset, spec, plan)
     domains = _pool_domains(spec)
-    kind = "base" if preset.protocol == "base-to-new" else "part"
     pool_sets = [domains] if spec.mix_domains and len(domains) > 1 else [[d] for d in domains]
     for sources in pool_sets:
         domain = sources[0] if len(sources) == 1 else None
-        prefix = spec.name + (f"/{domain}" if spec.train_domains and domain else "")
         for j, group in enumerate(groups):
-            tag = "" if (preset.protocol == "msst" and len(groups) == 1) else f"{kind}-{j}"
-            clients.append({"id": first_id + len(clients), "name": prefix + (f"/{tag}" if tag else ""),
+            clients.append({"id": first_id + len(clients), "name": client_name(preset, spec, domain, len(groups), j),
                             "dataset": spec.name, "domain": domain, "classes": [plan.class_names[y] for y in group],
                             "train_images": preset.train.shots * len(group) * len(sources), "test_images": None})
     for domain in domains:
