@@ -27,7 +27,7 @@ def join(superlink: str, config: str, site: int, root_certificates: Path | None,
 
     Runs until stopped (Ctrl-C). Images stay on this machine: only trained tensors and
     evaluation counts are sent. Exit codes: Flower's; 2 for bad arguments."""
-    from fedmvp.deploy.superlink import ServeError
+    from fedmvp.deploy.superlink import ServeError  # ServeInputError and a missing flower-supernode
     from fedmvp.deploy.supernode import join as become_supernode, supernode_command
     from fedmvp.presets.schema import PresetError, load_preset
 

@@ -41,7 +41,8 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     Offline: no runtime dependency installation, no telemetry. Exit codes: 0 the run completed,
     1 it failed or stopped (start the same command again to resume), 2 bad arguments."""
     quiet_open_clip_logging()
-    from fedmvp.deploy.superlink import ServeError, ServeOptions, serve as run_serve
+    from fedmvp.deploy.certs import CertsError
+    from fedmvp.deploy.superlink import ServeError, ServeInputError, ServeOptions, serve as run_serve
     from fedmvp.presets.schema import PresetError, load_preset
 
     try:
@@ -68,9 +69,9 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
 
     try:
         status = run_serve(options, progress, on_event=lambda line: click.echo(f"serve: {line}", err=True))
+    except (ServeInputError, CertsError) as err:
+        raise BadInput(str(err)) from None
     except ServeError as err:
-        if "needs TLS" in str(err) or "missing" in str(err) or "--address" in str(err):
-            raise BadInput(str(err)) from None
         raise click.ClickException(str(err)) from None
     finally:
         if bar is not None:

@@ -33,6 +33,10 @@ class ServeError(RuntimeError):
     """The federation could not be served; one line (the SuperLink's log is named where it helps)."""
 
 
+class ServeInputError(ServeError):
+    """Bad arguments (address, certificate folder, flags that exclude each other): nothing was started."""
+
+
 @dataclass
 class ServeOptions:
     """What `fedmvp serve` was asked for."""
@@ -63,7 +67,7 @@ def executable(name: str) -> str:
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ServeError(f"--address {address!r}: expected HOST:PORT, e.g. 0.0.0.0:9092")
+        raise ServeInputError(f"--address {address!r}: expected HOST:PORT, e.g. 0.0.0.0:9092")
     return host.strip("[]"), int(port)
 
 
@@ -71,7 +75,7 @@ def check_certs(certs: Path) -> dict[str, Path]:
     files = {name: certs / name for name in CERT_FILES}
     missing = [name for name, path in files.items() if not path.is_file()]
     if missing:
-        raise ServeError(f"{certs}: missing {', '.join(missing)} (write them with `fedmvp certs --out {certs}` "
+        raise ServeInputError(f"{certs}: missing {', '.join(missing)} (write them with `fedmvp certs --out {certs}` "
                          f"or bring your own; --insecure for a trial without TLS)")
     return files
 
@@ -132,7 +136,7 @@ class Server:
         self.host, self.port = split_address(options.address)
         self.certs = None if options.insecure else check_certs((options.certs or Path("certs")).resolve())
         if options.node_keys and options.insecure:
-            raise ServeError("--node-keys needs TLS: SuperNode authentication runs over TLS only (drop --insecure)")
+            raise ServeInputError("--node-keys needs TLS: SuperNode authentication runs over TLS only (drop --insecure)")
 
     def env(self) -> dict[str, str]:
         return {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home)}

@@ -12,7 +12,7 @@ import os
 import socket
 from pathlib import Path
 
-from fedmvp.deploy.superlink import QUIET_ENV, ServeError, executable, split_address
+from fedmvp.deploy.superlink import QUIET_ENV, ServeInputError, executable, split_address
 
 
 def free_port() -> int:
@@ -26,14 +26,14 @@ def supernode_command(superlink: str, preset: str, site: int, root_certificates:
     """The ``flower-supernode`` command line for site ``site`` (checked before anything starts)."""
     split_address(superlink)
     if site < 0:
-        raise ServeError(f"--site must be >= 0, got {site}")
+        raise ServeInputError(f"--site must be >= 0, got {site}")
     if insecure == (root_certificates is not None):
-        raise ServeError("give --root-certificates CA.crt (the federation's CA) or, for a trial, --insecure")
+        raise ServeInputError("give --root-certificates CA.crt (the federation's CA) or, for a trial, --insecure")
     for label, path in (("--root-certificates", root_certificates), ("--auth-key", auth_key)):
         if path is not None and not Path(path).is_file():
-            raise ServeError(f"{label} {path}: no such file")
+            raise ServeInputError(f"{label} {path}: no such file")
     if auth_key is not None and insecure:
-        raise ServeError("--auth-key needs TLS: drop --insecure and give --root-certificates")
+        raise ServeInputError("--auth-key needs TLS: drop --insecure and give --root-certificates")
     preset_value = str(Path(preset).resolve()) if Path(preset).suffix == ".toml" else preset
     args = [executable("flower-supernode"), "--superlink", superlink,
             "--node-config", f"partition-id={site} preset={preset_value!r}",

@@ -142,3 +142,28 @@ def test_a_restart_with_fewer_node_keys_unregisters_the_rotated_out_ones(tmp_pat
     assert statuses(files.node_list) == ["registered"] * 3
     assert statuses(tmp_path / "two.txt") == ["registered", "registered", "unregistered"]
     assert statuses(tmp_path / "two.txt") == ["registered", "registered", "unregistered"]  # nothing twice
+
+
+@pytest.mark.parametrize("args,message", [
+    (["serve", "--config", "demo", "--run-dir", "r", "--certs", "nowhere"], "nowhere: missing ca.crt"),
+    (["serve", "--config", "demo", "--run-dir", "r", "--insecure", "--node-keys", "k.txt"], "k.txt: key 1 is not"),
+    (["serve", "--config", "demo", "--run-dir", "r", "--insecure", "--node-keys", "missing.txt"], "cannot read"),
+    (["serve", "--config", "demo", "--run-dir", "r", "--insecure", "--node-keys", "good.txt"], "needs TLS"),
+    (["serve", "--config", "demo", "--run-dir", "r", "--insecure", "--address", "9092"], "expected HOST:PORT"),
+    (["serve", "--config", "nope", "--run-dir", "r", "--insecure"], "nope: no such preset"),
+    (["join", "--superlink", "h:1", "--config", "demo", "--site", "0"], "give --root-certificates"),
+    (["join", "--superlink", "h:1", "--config", "demo", "--site", "0", "--root-certificates", "no.crt"],
+     "no.crt: no such file"),
+])
+def test_bad_serve_and_join_arguments_are_one_line_and_start_nothing(tmp_path, args, message):
+    from click.testing import CliRunner
+
+    from fedmvp.cli import main
+    from fedmvp.deploy.certs import write_certs
+
+    with CliRunner().isolated_filesystem(temp_dir=tmp_path):
+        Path("k.txt").write_text("ecdsa-sha2-nistp384 AAAA\n")  # not a key
+        Path("good.txt").write_text(write_certs("c", nodes=1).node_list.read_text())
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert not Path("r").exists() and not list(Path(".").glob(".r.flwr"))
