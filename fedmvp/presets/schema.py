@@ -84,6 +84,10 @@ class ServerSpec:
                                           "global tensors (none: no bound)", None)
     update_norm_action: str = _help("beyond max_update_norm: 'reject' the reply or 'clip' it onto "
                                     "the bound", "reject")
+    edge_max_examples: int = _help("most images an edge device's reply or update file may count (its "
+                                   "FedAvg weight); a site's bound is its own training set", 10000)
+    max_staleness: int = _help("`fedmvp ingest`: rounds an update's bundle may be behind the run's "
+                               "last round (0: only updates of bundles exported from that round)", 5)
 
 
 @dataclass
@@ -248,6 +252,10 @@ def _check_values(preset: Preset, err: Any) -> None:
         raise err(f"[server]: round_retries must be at least 1, got {srv.round_retries}")
     if srv.max_update_norm is not None and not (math.isfinite(srv.max_update_norm) and srv.max_update_norm > 0):
         raise err(f"[server]: max_update_norm must be a finite number > 0, got {srv.max_update_norm}")
+    if srv.edge_max_examples < 1:
+        raise err(f"[server]: edge_max_examples must be at least 1, got {srv.edge_max_examples}")
+    if srv.max_staleness < 0:
+        raise err(f"[server]: max_staleness must be 0 or more, got {srv.max_staleness}")
     if srv.update_norm_action not in ("reject", "clip"):
         raise err(f"[server]: update_norm_action must be 'reject' or 'clip', got {srv.update_norm_action!r}")
     if not 0 < t.fraction_fit <= 1:
