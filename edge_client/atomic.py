@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -35,6 +35,36 @@ def copy_file(source: str | os.PathLike, path: str | os.PathLike) -> Path:
     with _replacing(path) as handle, open(source, "rb") as src:
         shutil.copyfileobj(src, handle)
     return path
+
+
+def copy_patched(source: str | os.PathLike, path: str | os.PathLike, patches: Mapping[int, bytes]) -> Path:
+    """Replace ``path`` with a copy of ``source`` whose bytes at each offset are overwritten.
+
+    Why: a tensor rewritten where it lies keeps every other byte (a file header, offsets another
+    file points at) exactly as it was. A patch must lie inside the file: nothing moves or grows."""
+    path = Path(path)
+    size = Path(source).stat().st_size
+    for offset, data in patches.items():
+        if offset < 0 or offset + len(data) > size:
+            raise ValueError(f"{source}: a patch of {len(data)} bytes at {offset} leaves the file ({size} bytes)")
+    with _replacing(path) as handle, open(source, "rb") as src:
+        shutil.copyfileobj(src, handle)
+        for offset, data in sorted(patches.items()):
+            handle.seek(offset)
+            handle.write(data)
+    return path
+
+
+def move(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Rename ``source`` (a file or a directory) to ``target`` on the same file system, durably.
+
+    One rename is the only change a crash cannot leave half done; the bundle refresh is built of them."""
+    source, target = Path(source), Path(target)
+    os.replace(source, target)
+    fsync_dir(target.parent)
+    if source.parent != target.parent:
+        fsync_dir(source.parent)
+    return target
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:

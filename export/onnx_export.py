@@ -19,8 +19,6 @@ the rank-r LoRA delta of the attribute keys/values (C*K x width x r) is computed
 from __future__ import annotations
 
 import contextlib
-import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +29,7 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, numpy_helper
 
+from edge_client.tensor_layout import safetensors_layout
 from export.edge_module import EdgeClassifier
 
 if TYPE_CHECKING:
@@ -125,29 +124,18 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
     return proto
 
 
-def safetensors_offsets(path: Path) -> dict[str, tuple[str, list[int], int, int]]:
-    """name -> (dtype, shape, absolute byte offset, length) of every tensor in a safetensors file."""
-    with open(path, "rb") as handle:
-        (size,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(size))
-    start = 8 + size
-    return {name: (meta["dtype"], meta["shape"], start + meta["data_offsets"][0],
-                   meta["data_offsets"][1] - meta["data_offsets"][0])
-            for name, meta in header.items() if name != "__metadata__"}
-
-
 def link_external(proto: onnx.ModelProto, weights: Path) -> int:
     """Point fp32 initializers whose bytes are in ``weights`` there instead of embedding them.
 
     Only tensors whose name, dtype, shape and bytes match are linked; returns bytes linked."""
-    table = safetensors_offsets(weights)
+    table = safetensors_layout(weights)
     linked = 0
     with open(weights, "rb") as handle:
         for init in proto.graph.initializer:
-            entry = table.get(init.name)
-            if entry is None or init.data_type != TensorProto.FLOAT or entry[0] != "F32":
+            span = table.get(init.name)
+            if span is None or init.data_type != TensorProto.FLOAT or span.dtype != "F32":
                 continue
-            dtype, shape, offset, length = entry
+            shape, offset, length = list(span.shape), span.offset, span.length
             data = numpy_helper.to_array(init).astype("<f4", copy=False).tobytes()
             handle.seek(offset)
             if list(init.dims) != list(shape) or len(data) != length or handle.read(length) != data:
@@ -160,6 +148,11 @@ def link_external(proto: onnx.ModelProto, weights: Path) -> int:
                 init.external_data.add(key=key, value=value)
             linked += length
     return linked
+
+
+def external_names(proto: onnx.ModelProto) -> set[str]:
+    """Initializers read from external data (what rewriting the weights file in place updates)."""
+    return {init.name for init in proto.graph.initializer if init.data_location == TensorProto.EXTERNAL}
 
 
 def save(proto: onnx.ModelProto, path: Path) -> None:
