@@ -3,20 +3,37 @@
 ```
 bundle/
   manifest.json        format + version, source run and round, model, classes, preprocessing,
-                       precision, method config, files (sha256 + bytes), LoRA names and shapes, parity
+                       precision, method config, files (sha256 + bytes), LoRA names and shapes, parity,
+                       promptformer (digest, copy map, derivation: what a refresh needs)
   model.onnx           pixel_values -> logits, probs, image_embeds (fp32: weights external,
                        in weights.safetensors)
   weights.safetensors  every frozen tensor by name (the ONNX model's and the training program's)
   lora.safetensors     the LoRA tensors (lora.block.attn.to_{q,k,v}.lora_{A,B}.weight)
   train.pt2            torch.export training program (no tensors of its own)
+  text_features.safetensors  text.attribute_features [C*K, E]: what the PromptFormer's text_proj
+                       receives, so a refresh can recompute the baked text side (trainable bundles)
+  previous/            after a refresh: the files it replaced (and the old personalised/), for rollback
 ```
 The manifest's ``method`` is the model's method configuration (num_prompts, heads, ff_mult,
 alpha, flip_prob, lora_rank, lora_targets, use_lora; docs/method.md §3-§5): local training
 takes its loss weight alpha from there. A bundle's identity (`Bundle.id`, what update files
 and the personalisation state are tied to) is the sha256 of its manifest.json, which lists
 every file's sha256.
-An inference-only bundle (``fedmvp-export --inference-only``) has no train.pt2, and no
-weights.safetensors either when its ONNX model embeds its weights (fp16, int8).
+The manifest's ``promptformer`` section (docs/method.md §10) says which global PromptFormer the
+bundle holds and how to move it to another one in place (``edge_client.refresh``)::
+
+    "promptformer": {"digest": "<promptformer_digest of the round's promptformer.* tensors>",
+                     "copy": {"promptformer.block.attn.to_q.weight": "prompt.to_q.weight", ...},
+                     "derive": "fedmvp-context-v1", "norm_context_eps": 1e-05}
+
+``copy`` maps every query-side run tensor to the weights tensor it is stored as; ``derive``
+names how the text constants (``text.key_context``, ``text.value_context``, ``text.key_base``,
+``text.value_base``) follow from the rest and ``text.attribute_features``. ``source`` records
+``run_id`` (None for runs that had none) and, after a refresh, ``refreshed_from`` (the bundle id
+before it). Both are optional within format 2: a bundle without them cannot be refreshed.
+An inference-only bundle (``fedmvp-export --inference-only``) has no train.pt2 and no
+text_features.safetensors, and no weights.safetensors either when its ONNX model embeds its
+weights (fp16, int8).
 Only numpy, safetensors and the standard library are used here: the smallest install can
 read and verify a bundle. ``read_bundle`` verifies every hash before anything is loaded, so
 a tampered training program (``torch.export.load`` may unpickle) is refused first.
@@ -42,7 +59,10 @@ METHOD_KEYS = ("num_prompts", "heads", "ff_mult", "alpha", "flip_prob", "lora_ra
 BUNDLE_ENV = "FEDMVP_BUNDLE"  # where `--bundle` is not given
 DEFAULT_BUNDLE = "bundle"  # where neither --bundle nor $FEDMVP_BUNDLE is given
 ROLES = {"onnx": "model.onnx", "weights": "weights.safetensors", "lora": "lora.safetensors",
-         "training": "train.pt2"}
+         "training": "train.pt2", "text": "text_features.safetensors"}
+REFRESH_DERIVE = "fedmvp-context-v1"  # how a refresh derives the text constants (docs/method.md §10)
+REFRESH_JOURNAL = "refresh.json"  # present only while a refresh or its rollback is under way
+PREVIOUS = "previous"  # what the last refresh replaced, for `edge-client rollback --refresh`
 
 
 class BundleError(ValueError):
@@ -113,7 +133,7 @@ class Bundle:
         return dict(self.manifest["method"])
 
     def file(self, role: str) -> Path:
-        """Path of the file with ``role`` (onnx, weights, lora, training)."""
+        """Path of the file with ``role`` (onnx, weights, lora, training, text)."""
         name = self.manifest.get("files_by_role", {}).get(role)
         if name is None:
             raise BundleError(f"{self.path}: the manifest names no {role} file")
@@ -124,6 +144,39 @@ class Bundle:
         """Whether the bundle carries what `edge-client train` needs (not exported --inference-only)."""
         roles = self.manifest.get("files_by_role", {})
         return "training" in roles and "weights" in roles
+
+    @property
+    def promptformer_digest(self) -> str | None:
+        """Digest of the global PromptFormer the bundle holds (``promptformer.digest``), if recorded."""
+        section = self.manifest.get("promptformer")
+        value = section.get("digest") if isinstance(section, dict) else None
+        return value if isinstance(value, str) else None
+
+    def refresh_blocker(self) -> str | None:
+        """Why the bundle cannot be refreshed in place (docs/method.md §10); None when it can."""
+        section = self.manifest.get("promptformer")
+        if not self.trainable:
+            return "exported for inference only: no attribute features to recompute from; re-export the round"
+        if self.manifest.get("precision") != "fp32":
+            return (f"a {self.manifest.get('precision')} bundle embeds its weights in the ONNX model, only fp32 bundles can be "
+                    f"refreshed in place; re-export the round")
+        if "text" not in self.manifest.get("files_by_role", {}) or not isinstance(section, dict) \
+                or "copy" not in section:
+            return "exported before refresh support; re-export the round"
+        if section.get("derive") != REFRESH_DERIVE:
+            return f"its text side derives as {section.get('derive')!r}, unknown to this edge-client; update it"
+        return None
+
+    @property
+    def refreshable(self) -> bool:
+        """Whether `edge_client.refresh.refresh_bundle` can move this bundle to another PromptFormer."""
+        return self.refresh_blocker() is None
+
+    def require_refreshable(self) -> None:
+        """Refuse (one line, what to do) a bundle that cannot be refreshed in place."""
+        reason = self.refresh_blocker()
+        if reason is not None:
+            raise BundleError(f"{self.path}: {reason}")
 
     def require_trainable(self) -> None:
         """Refuse (one line, what to do) a bundle exported for inference only."""
@@ -166,6 +219,17 @@ def _fail(path: Path, reason: str) -> BundleError:
 def read_bundle(directory: str | os.PathLike, verify: bool = True) -> Bundle:
     """Read manifest.json and (by default) verify every listed file's size and sha256."""
     root = Path(directory)
+    try:
+        return _read(root, verify)
+    except BundleError as err:
+        if (root / REFRESH_JOURNAL).exists():  # say why, and what finishes it
+            raise BundleError(f"{err} (a bundle refresh was interrupted: edge_client.refresh.recover_refresh "
+                              f"completes it)") from None
+        raise
+
+
+def _read(root: Path, verify: bool) -> Bundle:
+    """`read_bundle` without the hint about an interrupted refresh."""
     manifest_path = root / MANIFEST
     if not root.is_dir():
         raise _fail(root, "not a bundle directory")
@@ -190,6 +254,12 @@ def read_bundle(directory: str | os.PathLike, verify: bool = True) -> Bundle:
         where = "method" if isinstance(method, dict) else "manifest"
         raise _fail(manifest_path, f"the {where} lacks {', '.join(missing)} (the model's method config); "
                                    f"re-export the bundle with this version of fedmvp-export")
+    _check_files(root, manifest_path, files, verify)
+    return Bundle(path=root, manifest=manifest)
+
+
+def _check_files(root: Path, manifest_path: Path, files: dict[str, Any], verify: bool) -> None:
+    """Every listed file is there, inside the bundle and (with ``verify``) of its size and sha256."""
     for name, entry in sorted(files.items()):
         path = root / name
         if Path(name).name != name:
@@ -203,7 +273,6 @@ def read_bundle(directory: str | os.PathLike, verify: bool = True) -> Bundle:
             raise _fail(path, f"size {size} != {entry.get('bytes')} in the manifest (file changed or truncated)")
         if sha256_file(path) != entry.get("sha256"):
             raise _fail(path, "sha256 does not match the manifest (file changed)")
-    return Bundle(path=root, manifest=manifest)
 
 
 # Entries a training program written by fedmvp-export may hold. Anything else (pickled

@@ -46,7 +46,8 @@ def main() -> None:
 
     `infer` classifies images with ONNX Runtime (no torch needed); `train` updates
     only the LoRA tensors on local labelled images and writes an update file that
-    the federation's server can aggregate; `rollback` undoes the last personalisation;
+    the federation's server can aggregate; `rollback` undoes the last personalisation
+    (`--refresh`: the last bundle refresh);
     `info` describes the bundle and this device.
     """
 
@@ -222,13 +223,21 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
 @_bundle_option
 @click.option("--all", "to_bundle", is_flag=True,
               help="Discard every personalisation and return to the bundle's exported LoRA.")
+@click.option("--refresh", "refresh", is_flag=True,
+              help="Undo the last bundle refresh: the previous round's files and the personalisation trained "
+                   "on them come back (kept in BUNDLE/previous/).")
 @_json_option
-def rollback(bundle: Path | None, to_bundle: bool, as_json: bool) -> None:
+def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, as_json: bool) -> None:
     """Undo the last `edge-client train` personalisation: infer runs the previous LoRA again."""
     from edge_client.bundle import Bundle, BundleError
     from edge_client.lora_store import NothingToRollBack
     from edge_client.lora_store import rollback as do_rollback
 
+    if refresh:
+        if to_bundle:
+            _fail(as_json, EXIT_INPUT, "--refresh and --all cannot be combined")
+        _rollback_refresh(Bundle.resolve_dir(bundle), as_json)
+        return
     try:
         verified = Bundle.open(bundle, verify=True)
         active = do_rollback(verified, to_bundle=to_bundle)
@@ -240,6 +249,26 @@ def rollback(bundle: Path | None, to_bundle: bool, as_json: bool) -> None:
         click.echo(json.dumps({"ok": True, "active": active.to_json()}, sort_keys=True))
     else:
         click.echo(f"rolled back: {verified.path} now runs the {active.describe()}")
+
+
+def _rollback_refresh(path: Path, as_json: bool) -> None:
+    """`rollback --refresh`: the bundle as it was before its last refresh."""
+    from edge_client.bundle import BundleError
+    from edge_client.refresh import NoPreviousBundle, restore_previous
+
+    try:
+        restored = restore_previous(path)
+    except NoPreviousBundle as err:
+        _fail(as_json, EXIT_FAILED, str(err))
+    except BundleError as err:
+        _fail(as_json, EXIT_INPUT, str(err))
+    if as_json:
+        click.echo(json.dumps({"ok": True, "bundle": str(restored.path), "bundle_id": restored.id,
+                               "round": restored.round, "promptformer_digest": restored.promptformer_digest},
+                              sort_keys=True))
+    else:
+        click.echo(f"rolled back the refresh: {restored.path} is round {restored.round} again "
+                   f"(bundle {restored.id[:12]})")
 
 
 # ---- info ---------------------------------------------------------------------------------------------

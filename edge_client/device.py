@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edge_client.bundle import Bundle, BundleError, read_bundle
+from edge_client.bundle import PREVIOUS, Bundle, BundleError, read_bundle
 
 
 def memory_available_bytes() -> int | None:
@@ -70,7 +70,8 @@ def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
     out.update({"manifest": True, "bundle_id": verified.id, "round": verified.round,
                 "run": source.get("run"), "precision": m.get("precision"),
                 "model": (m.get("model") or {}).get("clip"), "classes": verified.class_names,
-                "trainable": verified.trainable,
+                "trainable": verified.trainable, "promptformer_digest": verified.promptformer_digest,
+                "refreshable": verified.refreshable, "previous": (verified.path / PREVIOUS).is_dir(),
                 "files": {name: entry.get("sha256") for name, entry in sorted(m.get("files", {}).items())},
                 "bytes": sum(int(e.get("bytes", 0)) for e in m.get("files", {}).values())})
     if out["hashes_ok"]:
