@@ -22,11 +22,12 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from edge_client.bundle import (FORMAT, FORMAT_VERSION, MANIFEST, ROLES, file_entries, read_bundle,
+from edge_client.bundle import (FORMAT, FORMAT_VERSION, MANIFEST, REFRESH_DERIVE, ROLES, file_entries, read_bundle,
                                  verify_program_archive, write_manifest)
+from edge_client.refresh import CONTEXT_SOURCES, TEXT_CONSTANTS, TEXT_FEATURES, promptformer_digest
 from export import onnx_export, parity, training_artifact
 from export.class_set import ClassSet, file_class_set, run_class_set, text_features
-from export.edge_module import build_edge_classifier, lora_scaling
+from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
 from export.errors import ExportError
 from export.int8 import Int8Plan
 from export.run_inputs import (find_run, load_checkpoint, method_config, preprocess_spec, read_config,
@@ -145,12 +146,15 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         weights_file = tmp / ROLES["weights"]  # the fp32 ONNX model's external data, at least for parity
         _save_safetensors(edge.frozen_tensors(), weights_file)
         _save_safetensors(edge.lora_tensors(), tmp / names["lora"])
+        if "text" in names:  # what a refresh recomputes the baked text side from (docs/method.md §10)
+            _save_safetensors({TEXT_FEATURES: features.reshape(-1, features.shape[-1])}, tmp / names["text"])
         bar.update()
 
         step("onnx export")
         graph = onnx_export.export_ir(edge, clip.image_size)
         proto = onnx_export.to_proto(graph)
         linked = onnx_export.link_external(proto, weights_file)
+        external = onnx_export.external_names(proto)
         onnx_export.save(proto, tmp / names["onnx"])
         onnx_export.check(tmp / names["onnx"])
         bar.update()
@@ -177,7 +181,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             onnx_export.save(variant, tmp / names["onnx"])
             onnx_export.check(tmp / names["onnx"])
             results[precision] = parity.check(tmp / names["onnx"], reference, images, precision)
-            linked = 0
+            linked, external = 0, None
             bar.update()
 
         if training:
@@ -192,6 +196,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         step("manifest")
         manifest = _manifest(model, clip, classes, edge, precision, results, source or {},
                              image_note or {"given": len(images)}, linked, names, int8_plan)
+        manifest["promptformer"] = promptformer_section(model, edge, external)
         manifest["files"] = file_entries(tmp, list(names.values()))
         write_manifest(tmp, manifest)
         read_bundle(tmp)
@@ -208,13 +213,33 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
 
 def bundle_roles(precision: str, training: bool) -> dict[str, str]:
     """The files a bundle holds: an inference-only one drops the training program, and the frozen
-    fp32 weights too unless the ONNX model reads them (fp32 stores its weights there)."""
+    fp32 weights too unless the ONNX model reads them (fp32 stores its weights there). The attribute
+    features are for a refresh, which needs the training program's parity check: trainable bundles only."""
     roles = dict(ROLES)
     if not training:
-        del roles["training"]
+        del roles["training"], roles["text"]
         if precision != "fp32":
             del roles["weights"]
     return roles
+
+
+def promptformer_section(model: FedMVP, edge: EdgeClassifier, external: set[str] | None) -> dict[str, Any]:
+    """The manifest's ``promptformer``: the round's digest and how a refresh maps run tensors onto
+    the bundle (docs/method.md §10). ``external``: the fp32 ONNX model's external initializers, which
+    must include every tensor a refresh rewrites (None: the ONNX model embeds its weights)."""
+    state = {k: v.detach().cpu().float().numpy() for k, v in model.state("promptformer").items()}
+    copy = query_copy_map(model, edge)
+    uncovered = sorted(set(state) - set(copy) - set(CONTEXT_SOURCES))
+    absent = sorted(set(CONTEXT_SOURCES) - set(state))
+    if uncovered or absent:
+        raise ExportError(f"the PromptFormer does not fit {REFRESH_DERIVE} (neither copied nor derived: "
+                          f"{', '.join(uncovered) or '-'}; missing: {', '.join(absent) or '-'})")
+    embedded = sorted({*copy.values(), *TEXT_CONSTANTS} - external) if external is not None else []
+    if embedded:
+        raise ExportError(f"the fp32 ONNX model embeds {', '.join(embedded[:3])} instead of reading it from "
+                          f"weights.safetensors: a refresh could not update it")
+    return {"digest": promptformer_digest(state), "copy": dict(sorted(copy.items())), "derive": REFRESH_DERIVE,
+            "norm_context_eps": float(model.promptformer.block.norm_context.eps)}
 
 
 def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precision: str,
@@ -304,7 +329,8 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
         calibration = run_training_images(federation, clip.preprocess, parity_images) if federation \
             else torch.zeros(0)
         calibration = _topped_up(calibration, clip.image_size, seed=1)
-    source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "round": checkpoint.round,
+    source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "run_id": config.get("run_id"),
+              "round": checkpoint.round,
               "checkpoint_sha256": file_sha256(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
     return write_bundle(model, clip, classes, target, images=images, precision=precision, force=force,
                         source=source, image_note=note, calibration=calibration, training=training,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedmvp.model import LORA_PREFIX, FedMVP
+from fedmvp.model import LORA_PREFIX, PROMPTFORMER_PREFIX, FedMVP
 from fedmvp.prompted_vit import encode_tokens, patch_embeds
 
 TARGETS = ("to_q", "to_k", "to_v")
@@ -140,6 +140,16 @@ class EdgeClassifier(nn.Module):
         embeds = self.encode(pixel_values)
         logits = self.logits(embeds)
         return logits, torch.softmax(logits, dim=-1), embeds
+
+
+def query_copy_map(model: FedMVP, edge: EdgeClassifier) -> dict[str, str]:
+    """Run name -> bundle weights name of each PromptFormer tensor the edge module holds as it is.
+
+    These are the query side (``prompt.*``); a bundle refresh copies them (docs/method.md §10).
+    Matched by identity, since `PromptHead` holds the model's own modules: nothing is guessed from names."""
+    held = {id(param): name for name, param in edge.named_parameters()}
+    return {stable: held[id(param)] for stable, param in model.named_tensors().items()
+            if stable.startswith(PROMPTFORMER_PREFIX) and id(param) in held}
 
 
 def lora_scaling(model: FedMVP) -> float:

@@ -108,6 +108,11 @@ class FedMVP(nn.Module):
             out[key] = param
         return out
 
+    def named_tensors(self) -> dict[str, nn.Parameter]:
+        """The live PromptFormer and LoRA parameters by stable name (not copies: the exporter finds
+        which of them its edge module holds by identity)."""
+        return self._named_promptformer_tensors()
+
     def _set_trainable(self, promptformer: bool, lora: bool) -> None:
         for key, param in self._named_promptformer_tensors().items():
             param.requires_grad_(lora if key.startswith(LORA_PREFIX) else promptformer)

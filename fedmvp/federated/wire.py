@@ -7,6 +7,10 @@ depend on dictionary order.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
@@ -36,3 +40,16 @@ def torch_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
 def record_to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """A message's ArrayRecord as a model state."""
     return to_torch_state(numpy_state(record))
+
+
+def promptformer_digest(tensors: Mapping[str, np.ndarray]) -> str:
+    """What a round message says the global PromptFormer is: devices whose bundle holds another refresh.
+
+    sha256 over the ``promptformer.*`` tensors in sorted name order, each as name, NUL, JSON shape,
+    NUL, float32 little-endian bytes. edge_client.refresh.promptformer_digest is the device's copy
+    of this definition (fedmvp imports no edge_client); a test checks that they agree."""
+    digest = hashlib.sha256()
+    for name in sorted(n for n in tensors if n.startswith("promptformer.")):
+        value = np.ascontiguousarray(tensors[name], dtype="<f4")
+        digest.update(name.encode() + b"\0" + json.dumps(list(value.shape)).encode() + b"\0" + value.tobytes())
+    return digest.hexdigest()

@@ -30,6 +30,7 @@ def test_inference_only_bundle_infers_and_refuses_training(precision, tiny_run, 
     assert sorted(report["sizes"]) == EXPECTED_FILES[precision]
     bundle = read_bundle(out)  # every listed file verified
     assert not bundle.trainable and bundle.manifest["training"] is None
+    assert not bundle.refreshable and "inference only" in bundle.refresh_blocker()
     assert report["total_bytes"] < tiny_bundle.total_bytes
 
     reference = Predictor(read_bundle(tiny_bundle.path), provider="cpu")
