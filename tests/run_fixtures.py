@@ -7,10 +7,12 @@ from pathlib import Path
 import torch
 
 def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: int = 0,
-              lora_rank: int = 4) -> None:
+              lora_rank: int = 4, moved: bool = False) -> None:
     """config.json + rounds 1 and 2; LoRA B perturbed so LoRA changes the outputs.
 
-    Rank 4, not the default 8: every export and edge test then shows the recorded rank travels."""
+    Rank 4, not the default 8: every export and edge test then shows the recorded rank travels.
+    ``moved``: round 2's PromptFormer and LoRA differ from round 1's, as after a round of training
+    (what a bundle refresh moves a device across); config.json then records a ``run_id``."""
     from fedmvp.clip import load_clip
     from fedmvp.model import FedMVP, FedMVPConfig
     from fedmvp.runs import RunDir
@@ -27,8 +29,11 @@ def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: in
     run = RunDir(run_path)
     run.write_config({"preset": name, "preset_path": str(preset), "seed": seed, "rounds": 2,
                       "model": {"clip": "fedmvp-tiny", "pretrained": pretrained},
-                      "method": method.to_dict()})
+                      "method": method.to_dict(), **({"run_id": f"moved-run-{seed}"} if moved else {})})
     for round_number in (1, 2):
+        if moved and round_number == 2:
+            state = {k: v + 0.05 * v.std().clamp(min=0.1) * torch.randn(v.shape, generator=generator)
+                     for k, v in state.items()}
         run.save_checkpoint(round_number, state, {"lora_clients": [0] if round_number == 2 else [],
                                                   "method": method.to_dict()})
 

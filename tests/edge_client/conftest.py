@@ -28,6 +28,24 @@ def edge_bundle(edge_run, tmp_path_factory) -> Path:
     return export_bundle(edge_run, 2, out, parity_images=32).path
 
 
+@pytest.fixture(scope="session")
+def moved_run(edge_run) -> Path:
+    """A run beside ``edge_run`` (same data) whose round 2 PromptFormer and LoRA differ from round 1's."""
+    root = edge_run.parents[1]
+    run = root / "runs" / "edgetest-moved"
+    write_run(run, root / "preset.toml", moved=True)
+    return run
+
+
+@pytest.fixture(scope="session")
+def moved_bundles(moved_run, tmp_path_factory) -> dict[int, Path]:
+    """fp32 bundles of rounds 1 and 2 of ``moved_run`` (what a refresh moves between). Read-only."""
+    from export.bundle_writer import export_bundle
+
+    out = tmp_path_factory.mktemp("moved-bundles")
+    return {r: export_bundle(moved_run, r, out / f"round-{r}", parity_images=32).path for r in (1, 2)}
+
+
 @pytest.fixture
 def bundle_dir(edge_bundle, tmp_path) -> Path:
     """A private copy of the bundle that a test may personalise or damage."""

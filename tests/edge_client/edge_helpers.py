@@ -69,11 +69,12 @@ classes_per_client = 3
 """)
 
 
-def write_run(run_path: Path, preset: Path, seed: int = 0) -> None:
-    """A run with rounds 1 and 2 whose LoRA B is non-zero (so LoRA changes the outputs)."""
+def write_run(run_path: Path, preset: Path, seed: int = 0, moved: bool = False) -> None:
+    """A run with rounds 1 and 2 whose LoRA B is non-zero (so LoRA changes the outputs);
+    ``moved``: round 2's PromptFormer and LoRA differ from round 1's."""
     from tests.run_fixtures import write_run as shared
 
-    shared(run_path, preset, pretrained_tag(), "edgetest", seed)
+    shared(run_path, preset, pretrained_tag(), "edgetest", seed, moved=moved)
 
 
 def rebuilt_model(run_path: Path, round_number: int = 2):

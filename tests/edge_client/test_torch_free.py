@@ -60,6 +60,7 @@ def test_infer_runs_where_torch_cannot_be_imported(edge_bundle, data_root, tmp_p
         "info": ["info", "--bundle", str(bundle_path), "--json"],
         "train": ["train", "--data", str(local), "--bundle", str(bundle_path), "--out", str(tmp_path / "upd")],
         "rollback": ["rollback", "--bundle", str(bundle_path)],
+        "rollback-refresh": ["rollback", "--refresh", "--bundle", str(bundle_path)],  # nothing to roll back
     }
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(commands)], capture_output=True, text=True,
@@ -67,7 +68,7 @@ def test_infer_runs_where_torch_cannot_be_imported(edge_bundle, data_root, tmp_p
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
     assert result["leaked"] == []
-    assert result["codes"] == {"infer": 0, "info": 0, "train": 1, "rollback": 0}, proc.stderr
+    assert result["codes"] == {"infer": 0, "info": 0, "train": 1, "rollback": 0, "rollback-refresh": 1}, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"path"')]
     assert len(lines) == 8 and all(len(line["top_k"]) == 5 for line in lines)
     info = next(json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bundle"'))
