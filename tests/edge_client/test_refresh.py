@@ -186,6 +186,11 @@ def test_a_crash_at_any_rename_recovers_to_the_old_or_the_new_bundle(stale, roun
         else:
             monkeypatch.setattr(os, "replace", real_replace)
             break
+        if (stale / "refresh.json").exists():
+            try:
+                read_bundle(stale)
+            except BundleError as err:  # a reader is told what finishes it
+                assert "recover_refresh" in str(err)
         recover_refresh(stale)
         bundle = read_bundle(stale)  # verifies: the old bundle or the new one, nothing in between
         assert not any((stale / name).exists() for name in (*journal.SCRATCH, "refresh.json"))
@@ -237,3 +242,12 @@ def test_a_tampered_previous_bundle_is_not_restored(stale, round2):
     with pytest.raises(BundleError, match="previous/weights.safetensors: does not match"):
         restore_previous(stale)
     assert read_bundle(stale).round == 2 and tree_bytes(stale).keys() == before.keys()
+
+
+def test_a_second_refresh_keeps_one_previous_generation(stale, round2):
+    first = refresh_bundle(read_bundle(stale), _promptformer(round2), digest=promptformer_digest(round2),
+                           round_number=2)
+    second = refresh_bundle(read_bundle(stale), round2, digest=promptformer_digest(round2), round_number=3)
+    assert read_bundle(stale).manifest["source"]["refreshed_from"] == first.new_id == second.old_id
+    assert json.loads((stale / "previous" / "manifest.json").read_text())["source"]["refreshed_from"] == first.old_id
+    assert restore_previous(stale).id == first.new_id and not (stale / "previous").exists()
