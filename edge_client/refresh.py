@@ -147,13 +147,17 @@ def refresh_bundle(bundle: Bundle, tensors: Mapping[str, np.ndarray], *, digest:
         manifest = _refreshed_manifest(bundle, staged, changed, digest, round_number, old_id)
         write_manifest(staged, manifest)
         new_id = hashlib.sha256((staged / MANIFEST).read_bytes()).hexdigest()
+    except OSError as err:  # a full disk, say: nothing the bundle lists has changed
+        journal.clean_scratch(root)
+        raise BundleError(f"{root}: cannot stage the refresh ({_one_line(err)}); the bundle is "
+                          f"unchanged") from None
     except BaseException:
         journal.clean_scratch(root)
         raise
     moves = [step for name in changed for step in _replace(name)] + [
         (PERSONALISED, f"{journal.PREVIOUS_NEW}/{PERSONALISED}"), *_replace(MANIFEST),
         (PREVIOUS, f"{journal.DISCARD}/{PREVIOUS}"), (journal.PREVIOUS_NEW, PREVIOUS)]
-    journal.commit(root, "refresh", moves, {"bundle_before": old_id, "bundle_after": new_id})
+    _commit(root, "refresh", moves, {"bundle_before": old_id, "bundle_after": new_id})
     return RefreshResult(old_id=old_id, new_id=new_id, round=round_number,
                          bytes_received=sum(int(a.nbytes) for a in arrays.values()),
                          seconds=time.perf_counter() - began, parity_max_abs_diff=diff, images_checked=checked)
@@ -175,7 +179,7 @@ def restore_previous(bundle_dir: str | Path) -> Bundle:
     except FileNotFoundError:
         raise NoPreviousBundle(f"{root}: nothing to roll back (no refresh kept a previous bundle)") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise BundleError(f"{previous / MANIFEST}: unreadable ({' '.join(str(err).split())[:200]})") from None
+        raise BundleError(f"{previous / MANIFEST}: unreadable ({_one_line(err)})") from None
     kept = sorted(name for name in files if Path(name).name == name and (previous / name).is_file())
     for name, entry in sorted(files.items()):  # the bundle it restores must verify, before anything moves
         path = previous / name if name in kept else root / name
@@ -184,8 +188,21 @@ def restore_previous(bundle_dir: str | Path) -> Bundle:
     journal.start_scratch(root)
     moves = [step for name in [*kept, PERSONALISED, MANIFEST] for step in
              ((name, f"{journal.DISCARD}/{name}"), (f"{PREVIOUS}/{name}", name))]
-    journal.commit(root, "restore", moves + [(PREVIOUS, f"{journal.DISCARD}/{PREVIOUS}")], {})
+    _commit(root, "restore", moves + [(PREVIOUS, f"{journal.DISCARD}/{PREVIOUS}")], {})
     return read_bundle(root)
+
+
+def _commit(root: Path, kind: str, moves: list[tuple[str, str]], record: dict[str, Any]) -> None:
+    """`journal.commit`, with a failed rename reported as one line saying what completes the change."""
+    try:
+        journal.commit(root, kind, moves, record)
+    except OSError as err:
+        raise BundleError(f"{root}: the {kind} stopped part-way ({_one_line(err)}); "
+                          f"edge_client.refresh.recover_refresh completes it") from None
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:300]
 
 
 def _matches(path: Path, entry: Any) -> bool:

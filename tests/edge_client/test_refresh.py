@@ -203,6 +203,27 @@ def test_a_crash_at_any_rename_recovers_to_the_old_or_the_new_bundle(stale, roun
     assert read_bundle(stale).id == result.new_id and (stale / "previous" / "lora.safetensors").is_file()
 
 
+@pytest.mark.parametrize("fail_at,says", [(1, "cannot stage the refresh"), (8, "recover_refresh completes it")])
+def test_a_disk_error_is_one_line_and_recoverable(fail_at, says, stale, round2, monkeypatch):
+    """An OSError while staging leaves the bundle as it was; one while renaming says what completes it."""
+    real_replace, calls = os.replace, {"n": 0}
+
+    def replace(src, dst):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    old_id = read_bundle(stale).id
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(BundleError, match=says) as info:
+        refresh_bundle(read_bundle(stale), round2, digest=promptformer_digest(round2), round_number=2)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert "No space left" in str(info.value) and "\n" not in str(info.value)
+    assert recover_refresh(stale) == (None if fail_at == 1 else "refresh")
+    assert (read_bundle(stale).id == old_id) == (fail_at == 1)
+
+
 def test_staged_leftovers_without_a_journal_are_dropped(stale):
     before = tree_bytes(stale)
     journal.start_scratch(stale)
