@@ -157,8 +157,9 @@ class Bundle:
         section = self.manifest.get("promptformer")
         if not self.trainable:
             return "exported for inference only: no attribute features to recompute from; re-export the round"
-        if self.manifest.get("precision") != "fp32":
-            return (f"a {self.manifest.get('precision')} bundle embeds its weights in the ONNX model, only fp32 bundles can be "
+        precision = self.manifest.get("precision")
+        if precision != "fp32":
+            return (f"a {precision} bundle embeds its weights in the ONNX model, only fp32 bundles can be "
                     f"refreshed in place; re-export the round")
         if "text" not in self.manifest.get("files_by_role", {}) or not isinstance(section, dict) \
                 or "copy" not in section:
