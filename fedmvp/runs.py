@@ -29,7 +29,7 @@ from fedmvp import atomic
 
 ROUND_PREFIX = "round-"
 METRIC_COLUMNS = ["round", "train_loss", "train_ce", "train_consistency", "lora_clients", "clients",
-                  "local", "base", "new", "hm", "domain"]
+                  "local", "base", "new", "hm", "domain", "edges", "edge_acc"]
 
 
 class RunError(RuntimeError):
