@@ -322,6 +322,11 @@ def test_cli_exit_codes_table_and_json(run, tmp_path):
     result = invoke("--run", str(run), str(good))  # the table; already accepted: a duplicate, exit 1
     assert result.exit_code == 1 and "duplicate" in result.output
 
+    old = good_update(tmp_path / "old.st", lora, 0.02, 10, 1.0, round_number=2)  # round 3 now; max_staleness 0
+    assert invoke("--run", str(run), str(old)).exit_code == 1
+    result = invoke("--run", str(run), "--max-staleness", "1", str(old))
+    assert result.exit_code == 0 and "round 4 written" in result.output, result.output
+
 
 @pytest.mark.parametrize("args, message", [
     (["--run", "{tmp}/nowhere", "{tmp}/u.st"], "{tmp}/nowhere: not a fedmvp run (no config.json)"),
