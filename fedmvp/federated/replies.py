@@ -5,7 +5,8 @@ a stale reply of an earlier round, a NaN, a wrong shape or an oversized update m
 the global model. ``check_reply`` applies the rules in order and either returns the tensors to
 average (possibly clipped) or the reason the reply was left out. The server logs every
 rejection (node, site, reason) and records it in the round's state.json; the round goes on
-with the other replies.
+with the other replies. Its tensor checks (``tensor_problem``) and the update-norm bound
+(``bound_update``) also judge the update files of `fedmvp ingest` (``ingest.py``).
 
 Two kinds of sender: a **site** (identified by the ``partition-id`` it serves; it sends the
 tensors of its mode, at most its training set's images) and an **edge** device (``role``
@@ -89,39 +90,49 @@ def check_reply(arrays: dict[str, np.ndarray], metrics: Any, *, rules: ReplyRule
             else f"the site's {bound} training images"
         return Verdict(site, role=role, reason=f"num-examples {examples} exceeds {whose}")
     wanted = {k for k in global_state if k.startswith("lora.")} if edge else expected_names[site]
-    verdict = check_tensors(arrays, wanted, global_state, rules)
-    verdict.site, verdict.role = site, role
-    return verdict
+    problem = tensor_problem(arrays, global_state, wanted)
+    if problem is not None:
+        return Verdict(site, role=role, reason=problem)
+    as_float32 = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(arrays)}
+    kept, reason, clipped_from = bound_update(as_float32, global_state, rules.max_update_norm, rules.norm_action)
+    return Verdict(site, arrays=kept, reason=reason, clipped_from=clipped_from, role=role)
 
 
-def check_tensors(arrays: dict[str, np.ndarray], wanted: set[str], global_state: dict[str, np.ndarray],
-                  rules: ReplyRules) -> Verdict:
-    """The tensor rules alone: exactly ``wanted`` names, the round's shapes, floating point, finite,
-    and within ``max_update_norm`` of the global tensors (rejected or clipped)."""
+def tensor_problem(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], wanted: set[str],
+                   dtype: np.dtype | None = None) -> str | None:
+    """Why ``arrays`` cannot be averaged into ``reference``, or None: names exactly ``wanted``, the
+    reference's shapes, floating point (exactly ``dtype`` when given), all finite. Shared by the
+    server's replies and `fedmvp ingest`'s update files."""
     names = set(arrays)
     if names != wanted:
         missing, extra = sorted(wanted - names), sorted(names - wanted)
         parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
                 ([f"unexpected {', '.join(extra[:3])}"] if extra else [])
-        return Verdict(None, reason=f"tensor names do not match the round ({'; '.join(parts)})")
+        return f"tensor names do not match the round ({'; '.join(parts)})"
     for name in sorted(names):
-        value, reference = arrays[name], global_state.get(name)
-        if reference is None or tuple(value.shape) != tuple(reference.shape):
-            want = None if reference is None else list(reference.shape)
-            return Verdict(None, reason=f"{name}: shape {list(value.shape)}, the round's is {want}")
-        if not np.issubdtype(value.dtype, np.floating):
-            return Verdict(None, reason=f"{name}: dtype {value.dtype} is not floating point")
+        value, ref = arrays[name], reference.get(name)
+        if ref is None or tuple(value.shape) != tuple(ref.shape):
+            want = None if ref is None else list(ref.shape)
+            return f"{name}: shape {list(value.shape)}, the round's is {want}"
+        if not np.issubdtype(value.dtype, np.floating) or (dtype is not None and value.dtype != dtype):
+            return f"{name}: dtype {value.dtype} is not {'floating point' if dtype is None else np.dtype(dtype)}"
         if not np.all(np.isfinite(value)):
-            return Verdict(None, reason=f"{name}: holds NaN or infinite values")
-    out = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(names)}
-    if rules.max_update_norm is None:
-        return Verdict(None, arrays=out)
-    deltas = {k: out[k].astype(np.float64) - global_state[k].astype(np.float64) for k in out}
+            return f"{name}: holds NaN or infinite values"
+    return None
+
+
+def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], max_norm: float | None,
+                 action: str) -> tuple[dict[str, np.ndarray] | None, str | None, float | None]:
+    """The L2 bound on an update's distance to ``reference``: ``(arrays, None, None)`` within it,
+    ``(clipped, None, norm)`` clipped onto it, ``(None, reason, None)`` rejected (``action``)."""
+    if max_norm is None:
+        return arrays, None, None
+    deltas = {k: arrays[k].astype(np.float64) - reference[k].astype(np.float64) for k in arrays}
     norm = math.sqrt(sum(float(np.sum(d * d)) for d in deltas.values()))
-    if norm <= rules.max_update_norm:
-        return Verdict(None, arrays=out)
-    if rules.norm_action == "reject":
-        return Verdict(None, reason=f"update norm {norm:.4g} exceeds the bound {rules.max_update_norm:g}")
-    scale = rules.max_update_norm / norm
-    clipped = {k: (global_state[k].astype(np.float64) + deltas[k] * scale).astype(np.float32) for k in out}
-    return Verdict(None, arrays=clipped, clipped_from=norm)
+    if norm <= max_norm:
+        return arrays, None, None
+    if action == "reject":
+        return None, f"update norm {norm:.4g} exceeds the bound {max_norm:g}", None
+    scale = max_norm / norm
+    clipped = {k: (reference[k].astype(np.float64) + deltas[k] * scale).astype(np.float32) for k in arrays}
+    return clipped, None, norm
