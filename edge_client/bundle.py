@@ -128,6 +128,12 @@ class Bundle:
         return value if isinstance(value, int) else None
 
     @property
+    def run_id(self) -> str | None:
+        """The run the bundle was exported from (``source.run_id``), if the exporter recorded it."""
+        value = (self.manifest.get("source") or {}).get("run_id")
+        return value if isinstance(value, str) and value else None
+
+    @property
     def method(self) -> dict[str, Any]:
         """The model's method config (docs/method.md §3-§5); ``read_bundle`` checked its keys."""
         return dict(self.manifest["method"])

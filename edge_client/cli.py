@@ -1,4 +1,4 @@
-"""`edge-client` command line: infer, train, rollback, info.
+"""`edge-client` command line: infer, train, rollback, info, join (edge_client/join.py).
 
 Exit codes: 0 ok; 1 some files failed (infer), training failed, nothing to roll back;
 2 bad input (unreadable or tampered bundle, unknown class, unavailable provider, bad
@@ -47,8 +47,8 @@ def main() -> None:
     `infer` classifies images with ONNX Runtime (no torch needed); `train` updates
     only the LoRA tensors on local labelled images and writes an update file that
     the federation's server can aggregate; `rollback` undoes the last personalisation
-    (`--refresh`: the last bundle refresh);
-    `info` describes the bundle and this device.
+    (`--refresh`: the last bundle refresh); `info` describes the bundle and this device; `join`
+    makes this device a node of the federation, training the global LoRA each round it is asked.
     """
 
 
@@ -319,3 +319,13 @@ def _info_lines(report: dict[str, Any]) -> list[str]:
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+def _register_join() -> None:
+    """`edge-client join` lives in its own module (it needs flwr only when it runs)."""
+    from edge_client.join import join
+
+    main.add_command(join)
+
+
+_register_join()

@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.bundle import Bundle
+from edge_client.bundle import Bundle, BundleError
 from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, iter_image_paths, load_image
 from edge_client.lora_store import ActiveLora, active_lora, bundle_lora
 from edge_client.preprocess import preprocess
 from edge_client.runtime import make_session
+from edge_client.update import check_lora
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_TOP_K = 5
@@ -108,10 +109,17 @@ class Predictor:
     """A verified bundle with one ONNX Runtime session (personalised LoRA applied)."""
 
     def __init__(self, bundle: str | os.PathLike | Bundle | None = None, provider: str = "auto",
-                 threads: int | None = None, personalised: bool = True) -> None:
+                 threads: int | None = None, personalised: bool = True,
+                 lora: ActiveLora | None = None) -> None:
+        """``lora``: run these LoRA tensors (e.g. a federation round's global LoRA) instead of the
+        device's own; their names and shapes must be the bundle's."""
         self.bundle = Bundle.open(bundle, verify=True)
-        self.lora: ActiveLora = active_lora(self.bundle) if personalised else bundle_lora(self.bundle)
-        overrides = self.lora.tensors if self.lora.personalised else None
+        if lora is None:
+            lora = active_lora(self.bundle) if personalised else bundle_lora(self.bundle)
+        else:
+            check_lora(lora.tensors, self.bundle.lora_shapes, self.bundle.path, BundleError)
+        self.lora: ActiveLora = lora
+        overrides = self.lora.tensors if self.lora.source != "bundle" else None  # the stored ones otherwise
         self.session, self.provider = make_session(self.bundle.file("onnx"), provider, threads,
                                                    initializers=overrides)
         self.spec = self.bundle.preprocess

@@ -94,3 +94,27 @@ def _progress(items: list, progress: bool, desc: str) -> Any:
     from tqdm import tqdm
 
     return tqdm(items, desc=desc, unit="img", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def held_out_split(dataset: LocalDataset, fraction: float) -> tuple[LocalDataset, LocalDataset]:
+    """(train, evaluation) shares of ``dataset``: per class, the first ``ceil(fraction * n)`` files
+    in the order of their path's sha256 are held out (a class with one image keeps it for
+    training). Stable: the same folder gives the same split every round and on every restart."""
+    import hashlib
+    import math
+
+    if not 0.0 < fraction < 1.0:
+        raise TrainInputError(f"the held-out fraction must be in (0, 1), got {fraction}")
+    by_class: dict[int, list[Path]] = {}
+    for path, label in zip(dataset.files, dataset.labels):
+        by_class.setdefault(label, []).append(path)
+    train, held = LocalDataset(dataset.root, [], [], [], list(dataset.skipped)), LocalDataset(dataset.root, [], [], [])
+    for label, paths in sorted(by_class.items()):
+        ordered = sorted(paths, key=lambda p: hashlib.sha256(str(p.relative_to(dataset.root)).encode()).hexdigest())
+        cut = math.ceil(fraction * len(ordered)) if len(ordered) > 1 else 0
+        for part, chosen in ((held, ordered[:cut]), (train, ordered[cut:])):
+            part.files.extend(chosen)
+            part.labels.extend([label] * len(chosen))
+    for part in (train, held):
+        part.classes = sorted({p.relative_to(dataset.root).parts[0] for p in part.files})
+    return train, held

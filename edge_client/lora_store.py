@@ -68,7 +68,7 @@ class ActiveLora:
     """The LoRA the device runs: the bundle's own, or a personalised one."""
 
     tensors: dict[str, np.ndarray]
-    source: str  # "bundle" or "personalised"
+    source: str  # "bundle", "personalised" or "global" (a federation round's, given by the server)
     file: Path
     entry: dict[str, Any] = field(default_factory=dict)
     history: int = 0  # older personalised LoRAs kept for rollback

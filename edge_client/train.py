@@ -31,7 +31,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,7 +45,7 @@ from edge_client.local_data import LocalDataset, decode_dataset, scan_folder
 from edge_client.lora_store import ActiveLora, active_lora, apply_update, bundle_lora
 from edge_client.program import GraphRunner, load_program
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
-from edge_client.update import write_update
+from edge_client.update import check_lora, write_update
 
 
 # ---- training ------------------------------------------------------------------------------------------
@@ -107,22 +107,30 @@ def default_out_path(out: str | os.PathLike, bundle: Bundle) -> Path:
     return out / f"update-{tag}-{stamp}.safetensors"
 
 
-def train_local(data: str | os.PathLike, bundle: str | os.PathLike | Bundle | None = None,
+def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLike | Bundle | None = None,
                 options: TrainOptions | None = None, *, progress: bool = False,
-                on_step: Callable[[int, float], None] | None = None, **overrides: Any) -> TrainResult:
+                on_step: Callable[[int, float], None] | None = None,
+                start_lora: Mapping[str, np.ndarray] | None = None, **overrides: Any) -> TrainResult:
     """Train the bundle's LoRA on ``data`` (ImageFolder of bundle classes); write an update file.
 
+    ``data``: the folder, or an already scanned `LocalDataset` (e.g. a node's training share).
     ``bundle``: a `Bundle`, or a directory resolved by `Bundle.resolve_dir`. ``options``
     (default `TrainOptions()`) with any field overridden by keyword, e.g. ``epochs=20,
     optimizer="adamw"``; see `TrainOptions` for each. ``progress`` shows tqdm bars on stderr;
-    ``on_step(step, loss)`` is called after every step.
+    ``on_step(step, loss)`` is called after every step. ``start_lora``: start from these LoRA
+    tensors (a federation round's global LoRA) instead of ``options.start``'s.
     Raises `TrainInputError` (bad data/options), `BundleError` (bad bundle) or `TrainingError`.
     """
     began = time.perf_counter()
     options = dataclasses.replace(options or TrainOptions(), **overrides)  # checks them (TrainInputError)
     bundle = Bundle.open(bundle, verify=True)
     bundle.require_trainable()
-    dataset = scan_folder(data, bundle.class_names)
+    dataset = data if isinstance(data, LocalDataset) else scan_folder(data, bundle.class_names)
+    initial = None
+    if start_lora is not None:
+        tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in start_lora.items()}
+        check_lora(tensors, bundle.lora_shapes, bundle.path, TrainInputError)
+        initial = ActiveLora(tensors=tensors, source="global", file=bundle.path)
     alpha = float(bundle.method["alpha"]) if options.alpha is None else float(options.alpha)
 
     torch = _torch()
@@ -130,13 +138,14 @@ def train_local(data: str | os.PathLike, bundle: str | os.PathLike | Bundle | No
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     try:
-        return _train(torch, bundle, dataset, began, options, alpha, progress, on_step)
+        return _train(torch, bundle, dataset, began, options, alpha, progress, on_step, initial)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: TrainOptions, alpha: float,
-           progress: bool, on_step: Callable[[int, float], None] | None) -> TrainResult:
+           progress: bool, on_step: Callable[[int, float], None] | None,
+           initial: ActiveLora | None = None) -> TrainResult:
     """The training loop proper (torch loaded, options ``o`` checked); writes only after the last step."""
     dev = _device(torch, o.device)
     on_cuda = dev.type == "cuda"
@@ -152,7 +161,8 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
     from safetensors.torch import load_file
 
     weights = {k: v.to(dev) for k, v in sorted(load_file(str(bundle.file("weights"))).items())}
-    initial: ActiveLora = active_lora(bundle) if o.start == "active" else bundle_lora(bundle)
+    if initial is None:
+        initial = active_lora(bundle) if o.start == "active" else bundle_lora(bundle)
     lora = {k: torch.tensor(np.asarray(v, np.float32), device=dev).requires_grad_(True)
             for k, v in sorted(initial.tensors.items())}
     spec = bundle.preprocess

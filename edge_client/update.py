@@ -9,6 +9,7 @@ metadata:
 ``format_version`` ``1``
 ``bundle_id``      `Bundle.id`: sha256 of the bundle's ``manifest.json`` (which hashes every file)
 ``bundle_round``   `Bundle.round`: the federated round the bundle was exported from
+``run_id``         `Bundle.run_id`: the run it was exported from (only when the manifest records it)
 ``num_examples``   local images trained on (the FedAvg weight)
 ``mean_loss``      mean training loss over every step (CE + alpha * L_con)
 ``final_loss``     mean loss of the last epoch
@@ -21,6 +22,8 @@ metadata:
 
 Numbers are stored as decimal strings (safetensors metadata is str -> str). Only numpy,
 safetensors and the standard library are used: the server and the smallest install read it.
+`fedmvp ingest` reads the format on its own (fedmvp/federated/ingest.py: ``fedmvp`` does not import
+this package), so a change here is a change there: a new format_version for both.
 Files are written with ``edge_client.atomic`` (temp file, fsync, rename), so a reader never
 sees half a file.
 """
@@ -140,7 +143,8 @@ def write_update(path: str | os.PathLike, tensors: Mapping[str, Any], *, bundle:
     check_lora(arrays, bundle.lora_shapes, path, UpdateError)
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "bundle_id": bundle.id,
                 "bundle_round": bundle.round, "num_examples": int(num_examples),
-                "mean_loss": float(mean_loss), "created": utc_now(), **extra}
+                "mean_loss": float(mean_loss), "created": utc_now(),
+                **({"run_id": bundle.run_id} if bundle.run_id else {}), **extra}
     return write_bytes(path, save(arrays, metadata=_encode(metadata)))
 
 

@@ -2,14 +2,17 @@
 
 A crash, Ctrl-C or full disk never leaves half a file behind: readers see the old file or the
 new one. Used for run directories (config, checkpoints, metrics, plot), attribute files, the
-text-feature cache and the synthetic world's metadata.
+text-feature cache and the synthetic world's metadata. ``atomic_dir`` does the same for a folder
+of files (a checkpoint round: its tensors and its state.json appear together or not at all).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -50,6 +53,32 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield an empty temp folder beside ``path`` to fill; on success it becomes ``path`` in one
+    rename, on error it is removed. An existing ``path`` is moved aside first and then deleted, so a
+    reader sees the old folder, the new one, or (for an instant, when replacing) none: never part of one.
+    Leftovers of a killed process are hidden (``.name.*``) and never match ``path``'s name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any folder
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        old = path.parent / f".{path.name}.{uuid.uuid4().hex}.old"
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:

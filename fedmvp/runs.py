@@ -6,11 +6,13 @@ runs/<name>/
   preset.toml                 the preset file as given (clients read it)
   round-0003/global.safetensors   global trainable tensors (promptformer.*, lora.*)
   round-0003/state.json           round, per-client LoRA flags, schedule, seed, complete: true
-  metrics.jsonl / metrics.csv     one line per evaluated round (losses, Local/Base/New/HM)
+                                  (a `fedmvp ingest` round adds source: ingest and its files' records)
+  metrics.jsonl / metrics.csv     one line per round (losses, Local/Base/New/HM; ingest: updates, examples)
   zero_shot.json                  the frozen CLIP's Local/Base/New/HM on the same data
   accuracy.png                    accuracy per round
 ```
-A round directory counts only once its state.json (written last) says complete.
+A round directory counts only once its state.json says complete, and appears whole: both files
+are written into a hidden temp folder that is then renamed (``atomic.atomic_dir``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from fedmvp import atomic
 
 ROUND_PREFIX = "round-"
 METRIC_COLUMNS = ["round", "train_loss", "train_ce", "train_consistency", "lora_clients", "clients",
-                  "local", "base", "new", "hm", "domain"]
+                  "local", "base", "new", "hm", "domain", "edges", "edge_acc", "source", "updates", "examples"]
 
 
 class RunError(RuntimeError):
@@ -81,10 +83,15 @@ class RunDir:
             raise RunError(f"{self.config_path}: corrupt JSON ({err.msg} at line {err.lineno})") from err
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def save_checkpoint(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
-        folder = self.round_path(round_number)
-        atomic.save_safetensors(tensors, folder / "global.safetensors", {"round": str(round_number)})
-        atomic.write_json(folder / "state.json", {**state, "round": round_number, "complete": True})
+    def save_checkpoint(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict[str, Any],
+                        *, replace: bool = True) -> None:
+        """Publish a round whole (an interrupted save leaves no part of it). ``replace=False``: refuse to
+        overwrite a complete round (`fedmvp ingest` adds rounds, it never rewrites one)."""
+        if not replace and round_number in self.rounds():
+            raise RunError(f"{self.round_path(round_number)}: round {round_number} already exists")
+        with atomic.atomic_dir(self.round_path(round_number)) as folder:
+            atomic.save_safetensors(tensors, folder / "global.safetensors", {"round": str(round_number)})
+            atomic.write_json(folder / "state.json", {**state, "round": round_number, "complete": True})
 
     def rounds(self) -> list[int]:
         """Complete rounds, ascending."""

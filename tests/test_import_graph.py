@@ -5,6 +5,9 @@ functions: a lazy import is still a dependency. Rules:
 - ``edge_client`` imports neither ``fedmvp`` nor ``export`` (the device install has neither);
 - ``fedmvp`` imports neither ``export`` nor ``edge_client``, except ``fedmvp.cli.demo``, the one
   command that drives the whole flow;
+- ``node_app.client_app``, the ClientApp every SuperNode loads, is the one module that reaches both
+  ``fedmvp`` (a site) and ``edge_client`` (an edge device), each lazily, inside its handler; no
+  package imports ``node_app``;
 - no two modules import each other, directly or through others.
 """
 
@@ -16,9 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedmvp", "export", "edge_client")
-ALLOWED_CROSSINGS = {"fedmvp.cli.demo": {"export", "edge_client"}}
-FORBIDDEN = {"edge_client": {"fedmvp", "export"}, "fedmvp": {"export", "edge_client"}, "export": set()}
+PACKAGES = ("fedmvp", "export", "edge_client", "node_app")
+ALLOWED_CROSSINGS = {"fedmvp.cli.demo": {"export", "edge_client"}, "node_app.client_app": {"fedmvp", "edge_client"}}
+FORBIDDEN = {"edge_client": {"fedmvp", "export", "node_app"}, "fedmvp": {"export", "edge_client", "node_app"},
+             "export": {"node_app"}, "node_app": {"fedmvp", "edge_client", "export"}}
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -125,3 +129,12 @@ def test_the_checker_sees_cycles_and_wrong_directions(tmp_path):
     bad = import_graph(tmp_path, PACKAGES)
     assert forbidden_imports(bad) == ["edge_client.c imports fedmvp.a"]
     assert cycles(bad) == [["export.d", "export.e"], ["fedmvp.a", "fedmvp.b"]]
+
+
+def test_the_dispatcher_imports_each_side_only_inside_its_handlers():
+    """An edge node loads node_app.client_app without importing fedmvp (nor a site edge_client)."""
+    tree = ast.parse((ROOT / "node_app" / "client_app.py").read_text(encoding="utf-8"))
+    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [alias.name for n in top_level for alias in n.names] + \
+        [n.module or "" for n in top_level if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n.split(".")[0] in ("fedmvp", "edge_client", "export")]

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "pretrain-tiny": "fedmvp.cli.pretrain_tiny:pretrain_tiny",
     "train": "fedmvp.cli.train:train",
     "evaluate": "fedmvp.cli.evaluate:evaluate",
+    "ingest": "fedmvp.cli.ingest:ingest",
     "attributes": "fedmvp.cli.attributes:attributes",
     "certs": "fedmvp.cli.certs:certs",
     "serve": "fedmvp.cli.serve:serve",

@@ -3,7 +3,9 @@
 Trains the `demo` preset (base classes cut into clients, new classes and one domain held out) on
 Flower's simulation engine, writes ./runs/demo-<time>/ like any run, prints the paper-style
 table (zero-shot vs tuned Local / Base / New / HM), then exports the last round and runs the
-edge client on it. This module is the one place in ``fedmvp`` that drives ``export`` and
+edge client on it, and closes the loop: the device's update file is ingested into the run as its
+next round (``fedmvp ingest``), that round is exported, and the device's accuracy is shown on the
+bundle before and after the round it fed. This module is the one place in ``fedmvp`` that drives ``export`` and
 ``edge_client`` (docs/architecture.md): the training core itself knows nothing of bundles.
 """
 
@@ -37,6 +39,9 @@ class EdgeDemoResult:
     train_examples: int
     train_loss: tuple[float, float]
     recipe: str = ""
+    ingested_round: int | None = None
+    fed_bundle: Path | None = None
+    fed_accuracy: float | None = None
 
 
 def new_class_folders(run: RunDir, shots: int) -> tuple[Path, Path, list[str]]:
@@ -67,10 +72,12 @@ def new_class_folders(run: RunDir, shots: int) -> tuple[Path, Path, list[str]]:
 
 
 def run_edge_demo(run: RunDir, shots: int = 8) -> EdgeDemoResult:
-    """Export the last round, classify held-out new-class images, personalise on them, classify again."""
+    """Export the last round, classify held-out new-class images, personalise on them, classify again;
+    then ingest the update as the run's next round, export it and classify with that bundle."""
     from edge_client.infer import infer_paths
     from edge_client.train import train_local
     from export.bundle_writer import export_bundle
+    from fedmvp.federated.ingest import ingest
 
     bundle = export_bundle(run.path, out=run.path / "bundle", force=True, progress=True)
     local, held_out, classes = new_class_folders(run, shots)
@@ -79,10 +86,17 @@ def run_edge_demo(run: RunDir, shots: int = 8) -> EdgeDemoResult:
                           progress=True, **EDGE_TRAIN)
     after = infer_paths([str(held_out)], bundle.path).accuracy()
     losses = trained.epoch_losses
+    fed = ingest(run, [trained.update_path])  # the loop back: the device's update is the run's next round
+    if fed.round is None:
+        raise RuntimeError(f"fedmvp ingest refused the demo's update: {fed.rejected[0].reason}")
+    fed_bundle = export_bundle(run.path, fed.round, run.path / f"bundle-round-{fed.round:04d}", force=True,
+                               progress=True)
+    fed_accuracy = infer_paths([str(held_out)], fed_bundle.path).accuracy()
     return EdgeDemoResult(bundle=bundle.path, bundle_mb=bundle.total_bytes / 1e6, parity=bundle.lines()[:-1],
                           classes=classes, before=before, after=after, train_examples=trained.num_examples,
                           train_loss=(losses[0], losses[-1]),
-                          recipe="{optimizer} lr {lr:g}, alpha {alpha:g}, {epochs} epochs".format(**EDGE_TRAIN))
+                          recipe="{optimizer} lr {lr:g}, alpha {alpha:g}, {epochs} epochs".format(**EDGE_TRAIN),
+                          ingested_round=fed.round, fed_bundle=fed_bundle.path, fed_accuracy=fed_accuracy)
 
 
 @click.command()
@@ -94,7 +108,8 @@ def run_edge_demo(run: RunDir, shots: int = 8) -> EdgeDemoResult:
               help="Evaluate every N rounds, so accuracy.png shows tuned vs zero-shot over the rounds "
                    "(0: only the last round).")
 @click.option("--edge/--no-edge", default=True, show_default=True,
-              help="Also export the last round and run the edge client (infer, then LoRA training).")
+              help="Also export the last round, run the edge client (infer, then LoRA training) and feed "
+                   "its update back into the run (fedmvp ingest, a new round, exported).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def demo(rounds: int | None, run_dir: str | None, config: str, eval_every: int, edge: bool, as_json: bool) -> None:
     """The whole flow on the embedded world, offline: federated training on Flower, the
@@ -130,3 +145,6 @@ def demo(rounds: int | None, run_dir: str | None, config: str, eval_every: int, 
         click.echo(f"edge-client train on {edge_result.train_examples} local images (LoRA only, "
                    f"{edge_result.recipe}, loss {edge_result.train_loss[0]:.3f} -> {edge_result.train_loss[1]:.3f}): "
                    f"{pct(edge_result.after)} top-1 after")
+        click.echo(f"fedmvp ingest: the device's update is round {edge_result.ingested_round} of the run; "
+                   f"fedmvp-export of that round ({edge_result.fed_bundle}): {pct(edge_result.before)} top-1 on "
+                   f"the round the device started from, {pct(edge_result.fed_accuracy)} on the round it fed")

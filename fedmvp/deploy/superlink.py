@@ -101,7 +101,7 @@ fab-include = ["pyproject.toml"]
 
 [tool.flwr.app.components]
 serverapp = "fedmvp.federated.server_app:app"
-clientapp = "fedmvp.federated.client_app:app"
+clientapp = "node_app.client_app:app"
 
 [tool.flwr.app.config]
 run-dir = ""

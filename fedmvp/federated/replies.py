@@ -5,7 +5,13 @@ a stale reply of an earlier round, a NaN, a wrong shape or an oversized update m
 the global model. ``check_reply`` applies the rules in order and either returns the tensors to
 average (possibly clipped) or the reason the reply was left out. The server logs every
 rejection (node, site, reason) and records it in the round's state.json; the round goes on
-with the other replies.
+with the other replies. Its tensor checks (``tensor_problem``) and the update-norm bound
+(``bound_update``) also judge the update files of `fedmvp ingest` (``ingest.py``).
+
+Two kinds of sender: a **site** (identified by the ``partition-id`` it serves; it sends the
+tensors of its mode, at most its training set's images) and an **edge** device (``role``
+``edge``, ``edge-client join``; LoRA only, as a site in LoRA-only mode, at most
+``[server] edge_max_examples`` images). The same rules hold for both.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class ReplyRules:
     round: int
     max_update_norm: float | None = None
     norm_action: str = "reject"
+    edge_max_examples: int = 10000
 
 
 @dataclass
@@ -37,6 +44,7 @@ class Verdict:
 
     site: int | None
     arrays: dict[str, np.ndarray] | None = None
+    role: str = "site"  # or "edge"
     reason: str | None = None
     clipped_from: float | None = None  # the update norm before clipping, when it was clipped
     notes: list[str] = field(default_factory=list)
@@ -61,44 +69,70 @@ def check_reply(arrays: dict[str, np.ndarray], metrics: Any, *, rules: ReplyRule
                 declared_examples: dict[int, int]) -> Verdict:
     """Check one train reply. ``expected_names[site]``: the tensors that site was asked to send
     (LoRA only after its switch, else the PromptFormer); ``declared_examples[site]``: the most
-    training images that site can hold (from the run record)."""
-    site = _int(metrics, "partition-id")
-    if site is None or site not in expected_names:
+    training images that site can hold (from the run record). An edge device (``role`` ``edge``)
+    must send exactly the round's LoRA tensors and at most ``rules.edge_max_examples`` images."""
+    edge = metrics.get("role") == "edge"
+    site = None if edge else _int(metrics, "partition-id")
+    role = "edge" if edge else "site"
+    if not edge and (site is None or site not in expected_names):
         return Verdict(site, reason=f"unknown site {metrics.get('partition-id')!r}")
     if metrics.get("run-id") != rules.run_id:
-        return Verdict(site, reason=f"reply of another run ({metrics.get('run-id')!r})")
+        return Verdict(site, role=role, reason=f"reply of another run ({metrics.get('run-id')!r})")
     if _int(metrics, "round") != rules.round:
-        return Verdict(site, reason=f"reply of round {metrics.get('round')!r}, not of round {rules.round}")
+        return Verdict(site, role=role, reason=f"reply of round {metrics.get('round')!r}, not of round {rules.round}")
     examples = _int(metrics, "num-examples")
     if examples is None or examples <= 0:
-        return Verdict(site, reason=f"num-examples {metrics.get('num-examples')!r} is not a positive integer")
-    if examples > declared_examples.get(site, 0):
-        return Verdict(site, reason=f"num-examples {examples} exceeds the site's "
-                                    f"{declared_examples.get(site, 0)} training images")
-    names, wanted = set(arrays), expected_names[site]
+        return Verdict(site, role=role,
+                       reason=f"num-examples {metrics.get('num-examples')!r} is not a positive integer")
+    bound = rules.edge_max_examples if edge else declared_examples.get(site, 0)
+    if examples > bound:
+        whose = f"an edge device's bound ([server] edge_max_examples {bound})" if edge \
+            else f"the site's {bound} training images"
+        return Verdict(site, role=role, reason=f"num-examples {examples} exceeds {whose}")
+    wanted = {k for k in global_state if k.startswith("lora.")} if edge else expected_names[site]
+    problem = tensor_problem(arrays, global_state, wanted)
+    if problem is not None:
+        return Verdict(site, role=role, reason=problem)
+    as_float32 = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(arrays)}
+    kept, reason, clipped_from = bound_update(as_float32, global_state, rules.max_update_norm, rules.norm_action)
+    return Verdict(site, arrays=kept, reason=reason, clipped_from=clipped_from, role=role)
+
+
+def tensor_problem(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], wanted: set[str],
+                   dtype: np.dtype | None = None) -> str | None:
+    """Why ``arrays`` cannot be averaged into ``reference``, or None: names exactly ``wanted``, the
+    reference's shapes, floating point (exactly ``dtype`` when given), all finite. Shared by the
+    server's replies and `fedmvp ingest`'s update files."""
+    names = set(arrays)
     if names != wanted:
         missing, extra = sorted(wanted - names), sorted(names - wanted)
         parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
                 ([f"unexpected {', '.join(extra[:3])}"] if extra else [])
-        return Verdict(site, reason=f"tensor names do not match the round ({'; '.join(parts)})")
+        return f"tensor names do not match the round ({'; '.join(parts)})"
     for name in sorted(names):
-        value, reference = arrays[name], global_state.get(name)
-        if reference is None or tuple(value.shape) != tuple(reference.shape):
-            want = None if reference is None else list(reference.shape)
-            return Verdict(site, reason=f"{name}: shape {list(value.shape)}, the round's is {want}")
-        if not np.issubdtype(value.dtype, np.floating):
-            return Verdict(site, reason=f"{name}: dtype {value.dtype} is not floating point")
+        value, ref = arrays[name], reference.get(name)
+        if ref is None or tuple(value.shape) != tuple(ref.shape):
+            want = None if ref is None else list(ref.shape)
+            return f"{name}: shape {list(value.shape)}, the round's is {want}"
+        if not np.issubdtype(value.dtype, np.floating) or (dtype is not None and value.dtype != dtype):
+            return f"{name}: dtype {value.dtype} is not {'floating point' if dtype is None else np.dtype(dtype)}"
         if not np.all(np.isfinite(value)):
-            return Verdict(site, reason=f"{name}: holds NaN or infinite values")
-    out = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(names)}
-    if rules.max_update_norm is None:
-        return Verdict(site, arrays=out)
-    deltas = {k: out[k].astype(np.float64) - global_state[k].astype(np.float64) for k in out}
+            return f"{name}: holds NaN or infinite values"
+    return None
+
+
+def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], max_norm: float | None,
+                 action: str) -> tuple[dict[str, np.ndarray] | None, str | None, float | None]:
+    """The L2 bound on an update's distance to ``reference``: ``(arrays, None, None)`` within it,
+    ``(clipped, None, norm)`` clipped onto it, ``(None, reason, None)`` rejected (``action``)."""
+    if max_norm is None:
+        return arrays, None, None
+    deltas = {k: arrays[k].astype(np.float64) - reference[k].astype(np.float64) for k in arrays}
     norm = math.sqrt(sum(float(np.sum(d * d)) for d in deltas.values()))
-    if norm <= rules.max_update_norm:
-        return Verdict(site, arrays=out)
-    if rules.norm_action == "reject":
-        return Verdict(site, reason=f"update norm {norm:.4g} exceeds the bound {rules.max_update_norm:g}")
-    scale = rules.max_update_norm / norm
-    clipped = {k: (global_state[k].astype(np.float64) + deltas[k] * scale).astype(np.float32) for k in out}
-    return Verdict(site, arrays=clipped, clipped_from=norm)
+    if norm <= max_norm:
+        return arrays, None, None
+    if action == "reject":
+        return None, f"update norm {norm:.4g} exceeds the bound {max_norm:g}", None
+    scale = max_norm / norm
+    clipped = {k: (reference[k].astype(np.float64) + deltas[k] * scale).astype(np.float32) for k in arrays}
+    return clipped, None, norm

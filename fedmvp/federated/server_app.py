@@ -115,7 +115,7 @@ class RoundRecorder:
         strategy = self.strategy_ref[0]
         row = {"round": round_number, "train_loss": summary["train-loss"], "train_ce": summary["train-ce"],
                "train_consistency": summary["train-consistency"], "clients": summary["clients"],
-               "lora_clients": summary["lora-clients"]}
+               "lora_clients": summary["lora-clients"], "edges": summary.get("edges", 0)}
         due = round_number == self.total or (self.settings.eval_every and round_number % self.settings.eval_every == 0)
         if due:
             row |= self.evaluate(round_number, state)
@@ -123,7 +123,8 @@ class RoundRecorder:
                                  {"lora_clients": sorted(strategy.lora_clients), "seed": strategy.seed,
                                   "lr": strategy.base_lr, "total_rounds": self.total,
                                   "method": self.method, "sites": summary["sites"],
-                                  "rejected": summary["rejected"], "metrics": row})
+                                  "replies": summary.get("replies", []), "rejected": summary["rejected"],
+                                  "metrics": row})
         self.run.append_metrics(row)
         if "hm" in row:
             self.run.plot()

@@ -13,6 +13,13 @@ Who trains:
   it waits up to ``node_wait`` for them); work goes to those nodes only.
 The server owns the per-site LoRA flags (keyed by the site id each node reports, sent down each
 round, persisted in checkpoints) and the cosine schedule.
+
+Edge devices (``edge-client join``) are nodes too: they train only the LoRA, reply like a site in
+LoRA-only mode (checked by the same rules, weighted by examples) and are recorded per node
+(role, bundle id, examples, loss) in the round's state.json. Every round message carries the
+digest of the global PromptFormer; a device that last reported holding exactly that PromptFormer
+gets the LoRA tensors only, any other node the whole global state (a stale device refreshes
+its bundle from it; ``edge_client.node``).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from flwr.supercore import log
 
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
 from fedmvp.federated.replies import ReplyRules, check_reply
-from fedmvp.federated.wire import array_record, numpy_state
+from fedmvp.federated.wire import array_record, numpy_state, promptformer_digest
 
 
 # ---- server maths ----------------------------------------------------------------------------------
@@ -78,6 +85,7 @@ class RoundPolicy:
     round_retries: int = 3
     max_update_norm: float | None = None
     norm_action: str = "reject"
+    edge_max_examples: int = 10000
 
     @classmethod
     def from_record(cls, server: dict, sampling: str, fraction: float) -> "RoundPolicy":
@@ -86,7 +94,48 @@ class RoundPolicy:
                    node_wait=float(server.get("node_wait", 600.0)),
                    round_retries=int(server.get("round_retries", 3)),
                    max_update_norm=server.get("max_update_norm"),
-                   norm_action=str(server.get("update_norm_action", "reject")))
+                   norm_action=str(server.get("update_norm_action", "reject")),
+                   edge_max_examples=int(server.get("edge_max_examples", 10000)))
+
+
+# What an edge device's reply says about itself (kept per node: which PromptFormer it holds).
+EDGE_IDENTITY = ("bundle-id", "promptformer-digest")
+
+
+def _loss_summary(metrics: list[dict]) -> dict[str, float]:
+    """Example-weighted mean losses; a part (CE, consistency) over the replies that report it (edge
+    devices report only the total)."""
+    out = {}
+    for key in ("train-loss", "train-ce", "train-consistency"):
+        pairs = [(float(m[key]), float(m["num-examples"])) for m in metrics if key in m]
+        total = sum(w for _, w in pairs)
+        out[key] = sum(v * w for v, w in pairs) / total if total else float("nan")
+    return out
+
+
+def _reply_record(node: int, verdict, metrics: dict, identity: dict) -> dict:
+    """One accepted reply as the round's state.json lists it."""
+    record = {"node": node, "role": verdict.role, "examples": int(metrics["num-examples"]),
+              "loss": float(metrics.get("train-loss", float("nan")))}
+    if verdict.role == "edge":
+        record |= {"bundle_id": identity.get("bundle-id"), "refreshed": bool(identity.get("refreshed", 0)),
+                   "refresh_bytes": int(identity.get("refresh-bytes", 0))}
+    else:
+        record["site"] = verdict.site
+    if verdict.clipped_from is not None:
+        record["clipped_from"] = verdict.clipped_from
+    return record
+
+
+def _edge_counts(identity: dict, metrics: dict, run_id: str, round_number: int) -> tuple[int, int] | None:
+    """(correct, total) of an edge device's evaluation reply, None if it is not one of this round's
+    or its counts make no sense."""
+    if identity.get("run-id") != run_id or identity.get("round") != round_number:
+        return None
+    correct, total = metrics.get("edge:correct"), metrics.get("edge:total")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (correct, total)):
+        return None
+    return (correct, total) if 0 <= correct <= total else None
 
 
 class RoundFailed(RuntimeError):
@@ -117,6 +166,7 @@ class FedMVPStrategy:
         self.global_state: dict[str, np.ndarray] = {}
         self.on_aggregated = on_aggregated
         self.rejected: list[dict] = []  # this round's left-out replies (node, site, reason)
+        self.known: dict[int, dict] = {}  # node id -> what its last accepted reply said (role, digest, ...)
 
     @property
     def fraction(self) -> float:
@@ -163,6 +213,8 @@ class FedMVPStrategy:
         for key, value in self.client_config.items():
             config[key] = value
         config["lora-clients"] = json.dumps(sorted(self.lora_clients))
+        digest = promptformer_digest(self.global_state)
+        config["promptformer-digest"] = digest
         if self.policy.sampling == "sites":
             nodes = self._connected(grid, self.num_clients)
             config["selected"] = json.dumps(self.selected_clients(round_number))
@@ -174,7 +226,15 @@ class FedMVPStrategy:
             nodes = sorted(rng.sample(connected, count))
             config["selected"] = json.dumps(None)  # every node asked trains
         record = RecordDict({"arrays": arrays, "config": config})
-        return [Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node) for node in nodes]
+        lora_only = RecordDict({"arrays": array_record({k: v for k, v in self.global_state.items()
+                                                        if k.startswith("lora.")}), "config": config})
+        return [Message(content=lora_only if self.holds(node, digest) else record, message_type=MessageType.TRAIN,
+                        dst_node_id=node) for node in nodes]
+
+    def holds(self, node: int, digest: str) -> bool:
+        """Whether ``node`` is an edge device that last reported holding the PromptFormer ``digest``."""
+        known = self.known.get(node, {})
+        return known.get("role") == "edge" and known.get("promptformer-digest") == digest
 
     # ---- what comes back ------------------------------------------------------------------------------
     def _expected_names(self) -> dict[int, set[str]]:
@@ -187,7 +247,7 @@ class FedMVPStrategy:
         """Check and average one round's replies; (None, None) when fewer than needed were usable."""
         round_number = self.global_round(server_round)
         rules = ReplyRules(run_id=self.run_id, round=round_number, max_update_norm=self.policy.max_update_norm,
-                           norm_action=self.policy.norm_action)
+                           norm_action=self.policy.norm_action, edge_max_examples=self.policy.edge_max_examples)
         expected = self._expected_names()
         contents, self.rejected = [], []
         for msg in replies:
@@ -206,40 +266,48 @@ class FedMVPStrategy:
             verdict = check_reply(arrays, {**metrics, **identity}, rules=rules, global_state=self.global_state,
                                   expected_names=expected, declared_examples=self.declared_examples)
             if not verdict.accepted:
-                self._reject(round_number, node, verdict.site, verdict.reason or "rejected")
+                self.known.pop(node, None)  # next round it gets the whole global state again
+                self._reject(round_number, node, verdict.site, verdict.reason or "rejected", verdict.role)
                 continue
             if verdict.clipped_from is not None:
-                log(WARNING, "round %s: node %s (site %s): update norm %.4g clipped to %g", round_number, node,
-                    verdict.site, verdict.clipped_from, self.policy.max_update_norm)
-            contents.append((verdict.site, verdict.arrays, metrics))
-        sites = [site for site, _, _ in contents]
+                log(WARNING, "round %s: node %s (%s %s): update norm %.4g clipped to %g", round_number, node,
+                    verdict.role, verdict.site, verdict.clipped_from, self.policy.max_update_norm)
+            self.known[node] = {"role": verdict.role, **({k: identity.get(k) for k in EDGE_IDENTITY}
+                                                         if verdict.role == "edge" else {"site": verdict.site})}
+            contents.append((node, verdict, metrics, identity))
+        sites = [v.site for _, v, _, _ in contents if v.role == "site"]
         duplicates = sorted({s for s in sites if sites.count(s) > 1})
         if duplicates:  # two nodes claiming one site: keep neither (their data would count twice)
             for site in duplicates:
                 self._reject(round_number, None, site, "more than one node replied for this site")
-            contents = [c for c in contents if c[0] not in duplicates]
+            contents = [c for c in contents if c[1].role == "edge" or c[1].site not in duplicates]
         if len(contents) < self.needed_replies(round_number) or not contents:
             return None, None
-        contents.sort(key=lambda item: item[0])  # arrival order must not change the float sums
-        averaged = weighted_average([(arrays, float(m["num-examples"])) for _, arrays, m in contents])
+        # Arrival order must not change the float sums: sites by id, then edge devices by bundle and node.
+        contents.sort(key=lambda c: (0, c[1].site, "", 0) if c[1].role == "site"
+                      else (1, 0, str(c[3].get("bundle-id", "")), c[0]))
+        averaged = weighted_average([(v.arrays, float(m["num-examples"])) for _, v, m, _ in contents])
         self.global_state = {**self.global_state, **averaged}
-        for site, _, metrics in contents:
-            if int(metrics["switch-next"]):
-                self.lora_clients.add(site)
-        total = sum(float(m["num-examples"]) for _, _, m in contents)
-        summary = {key: sum(float(m[key]) * float(m["num-examples"]) for _, _, m in contents) / total
-                   for key in ("train-loss", "train-ce", "train-consistency")}
+        for _, verdict, metrics, _ in contents:
+            if verdict.role == "site" and int(metrics.get("switch-next", 0)):
+                self.lora_clients.add(verdict.site)
+        summary = _loss_summary([m for _, _, m, _ in contents])
         summary |= {"clients": len(contents), "lora-clients": len(self.lora_clients),
-                    "lora-uploads": sum(int(m["lora-active"]) for _, _, m in contents),
-                    "sites": [site for site, _, _ in contents], "rejected": list(self.rejected)}
+                    "lora-uploads": sum(int(m.get("lora-active", 1)) for _, _, m, _ in contents),
+                    "edges": sum(v.role == "edge" for _, v, _, _ in contents),
+                    "sites": [v.site for _, v, _, _ in contents if v.role == "site"],
+                    "replies": [_reply_record(node, v, m, i) for node, v, m, i in contents],
+                    "rejected": list(self.rejected)}
         if self.on_aggregated:
             self.on_aggregated(round_number, self.global_state, summary)
         return array_record(self.global_state), MetricRecord({k: v for k, v in summary.items()
                                                               if isinstance(v, (int, float))})
 
-    def _reject(self, round_number: int, node: int | None, site: int | None, reason: str) -> None:
-        log(WARNING, "round %s: reply of node %s (site %s) left out: %s", round_number, node, site, reason)
-        self.rejected.append({"node": node, "site": site, "reason": reason})
+    def _reject(self, round_number: int, node: int | None, site: int | None, reason: str,
+                role: str | None = None) -> None:
+        who = "edge device" if role == "edge" else f"site {site}"
+        log(WARNING, "round %s: reply of node %s (%s) left out: %s", round_number, node, who, reason)
+        self.rejected.append({"node": node, "site": site, "reason": reason, **({"role": role} if role else {})})
 
     # ---- federated evaluation ---------------------------------------------------------------------------
     def federated_evaluate(self, grid: Grid, state: dict[str, np.ndarray] | None, round_number: int,
@@ -247,22 +315,31 @@ class FedMVPStrategy:
         """Every connected node evaluates on its own data (its Local set and the evaluation sets
         assigned to its site); the server combines the counts exactly as a central evaluation
         would (docs/method.md §7). ``state`` None: zero-shot CLIP. Replies are checked like train
-        replies (site, run, round, counts that make sense); a missing site leaves its sets out."""
+        replies (site, run, round, counts that make sense); a missing site leaves its sets out.
+        Edge devices evaluate the global model on their held-out images: ``edge_acc`` pools their
+        counts (``edge_devices`` of them), beside the paper's metrics, never inside them."""
         assignment = evaluation_sites(record)
         config = ConfigRecord({"round": round_number, "run-id": self.run_id, "prompted": int(state is not None),
                                "assignment": json.dumps(assignment, sort_keys=True),
+                               "promptformer-digest": promptformer_digest(state) if state is not None else "",
                                **{k: v for k, v in self.client_config.items() if k in ("preset", "device", "method")}})
         arrays = array_record(state) if state is not None else ArrayRecord()
         nodes = self._connected(grid, 1)
         messages = [Message(content=RecordDict({"arrays": arrays, "config": config}),
                             message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
         counts: dict[int, dict[str, tuple[int, int]]] = {}
+        edge_counts: dict[int, tuple[int, int]] = {}
         for msg in grid.send_and_receive(messages, timeout=self.policy.round_timeout):
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
                 log(WARNING, "evaluation of round %s: node %s failed: %s", round_number, node, msg.error.reason)
                 continue
             identity = dict(msg.content["identity"]) if "identity" in msg.content else {}
+            if identity.get("role") == "edge":
+                pair = _edge_counts(identity, dict(msg.content["metrics"]), self.run_id, round_number)
+                if pair is not None:
+                    edge_counts[node] = pair
+                continue
             site = identity.get("partition-id")
             if identity.get("run-id") != self.run_id or identity.get("round") != round_number or \
                     site not in range(self.num_clients) or site in counts:
@@ -278,7 +355,11 @@ class FedMVPStrategy:
                     if 0 <= correct <= total and (name == "local" or assignment.get(name) == site):
                         site_counts[name] = (correct, total)
             counts[site] = site_counts
-        return {**combine_counts(record, counts), "eval_sites": len(counts)}
+        result = {**combine_counts(record, counts), "eval_sites": len(counts)}
+        if edge_counts:
+            correct, total = (sum(c[i] for c in edge_counts.values()) for i in (0, 1))
+            result |= {"edge_acc": correct / total if total else None, "edge_devices": len(edge_counts)}
+        return result
 
     # ---- the rounds ---------------------------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int) -> ArrayRecord:

@@ -7,10 +7,6 @@ depend on dictionary order.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Mapping
-
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
@@ -42,14 +38,16 @@ def record_to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return to_torch_state(numpy_state(record))
 
 
-def promptformer_digest(tensors: Mapping[str, np.ndarray]) -> str:
-    """What a round message says the global PromptFormer is: devices whose bundle holds another refresh.
+def promptformer_digest(tensors: dict[str, np.ndarray]) -> str:
+    """Identity of a PromptFormer: sha256 over its ``promptformer.*`` tensors in name order, each as
+    name, NUL, JSON shape, NUL, float32 little-endian bytes. Every round message carries the
+    global one; a device whose bundle holds another refreshes it (``edge_client.refresh``
+    computes the same digest: the two packages may not share code, a test keeps them equal)."""
+    import hashlib
+    import json
 
-    sha256 over the ``promptformer.*`` tensors in sorted name order, each as name, NUL, JSON shape,
-    NUL, float32 little-endian bytes. edge_client.refresh.promptformer_digest is the device's copy
-    of this definition (fedmvp imports no edge_client); a test checks that they agree."""
     digest = hashlib.sha256()
-    for name in sorted(n for n in tensors if n.startswith("promptformer.")):
+    for name in sorted(k for k in tensors if k.startswith("promptformer.")):
         value = np.ascontiguousarray(tensors[name], dtype="<f4")
         digest.update(name.encode() + b"\0" + json.dumps(list(value.shape)).encode() + b"\0" + value.tobytes())
     return digest.hexdigest()

@@ -20,9 +20,11 @@ class Processes:
         self.root = root
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def start(self, name: str, args: list[str], command: list[str] | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """``command`` (default ``python -m fedmvp``) with ``args``, logged to NAME.log."""
         with open(self.root / f"{name}.log", "ab") as handle:
-            proc = subprocess.Popen([*FEDMVP, *args], cwd=self.root, env=ENV, stdout=handle,
+            proc = subprocess.Popen([*(command or FEDMVP), *args], cwd=self.root, env=env or ENV, stdout=handle,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc

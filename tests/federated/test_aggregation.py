@@ -150,3 +150,64 @@ def test_cosine_schedule_and_harmonic_mean():
     assert cosine_lr(0.003, 1, 10) == pytest.approx(0.003)
     assert cosine_lr(0.003, 10, 10) < 0.0001
     assert harmonic_mean([0.8, 0.7, 0.6]) == pytest.approx(3 / (1 / 0.8 + 1 / 0.7 + 1 / 0.6))
+
+
+# ---- edge devices ----------------------------------------------------------------------------------
+def edge_reply(node: int, arrays: dict[str, np.ndarray], n: int, digest: str = "d1", round_number: int = 1,
+               bundle: str = "b") -> Message:
+    metrics = MetricRecord({"num-examples": n, "train-loss": 0.5})
+    identity = ConfigRecord({"role": "edge", "round": round_number, "run-id": RUN, "bundle-id": f"{bundle}{node}",
+                             "promptformer-digest": digest, "refreshed": 0, "refresh-bytes": 0})
+    message = Message(content=RecordDict({"arrays": array_record(arrays), "metrics": metrics, "identity": identity}),
+                      dst_node_id=1, message_type="train")
+    message.metadata._src_node_id = node
+    return message
+
+
+def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node():
+    from fedmvp.federated.wire import promptformer_digest
+
+    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=2, run_id=RUN,
+                              declared_examples={0: 50, 1: 50}, lora_clients=[1],
+                              policy=RoundPolicy.from_record({"min_nodes": 1, "edge_max_examples": 40}, "nodes", 1.0))
+    strategy.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(3, np.float32)}
+    rng = np.random.default_rng(3)
+    site0 = {"promptformer.w": rng.normal(size=2).astype(np.float32)}  # the PromptFormer: no LoRA
+    site1 = {"lora.a": rng.normal(size=3).astype(np.float32)}  # a site after its switch
+    edge7, edge9 = ({"lora.a": rng.normal(size=3).astype(np.float32)} for _ in range(2))
+    replies = [edge_reply(9, edge9, 30), reply(0, site0, 10, lora=False), edge_reply(7, edge7, 20),
+               reply(1, site1, 10, lora=True),
+               edge_reply(8, edge7, 41),  # more images than [server] edge_max_examples
+               edge_reply(6, {**edge7, "promptformer.w": np.ones(2, np.float32)}, 5)]  # an edge sends LoRA only
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    got = {k: v.numpy() for k, v in arrays.items()}
+    lora = (10 * site1["lora.a"].astype(np.float64) + 20 * edge7["lora.a"].astype(np.float64)
+            + 30 * edge9["lora.a"].astype(np.float64)) / 60
+    assert np.array_equal(got["lora.a"], lora.astype(np.float32))
+    assert np.array_equal(got["promptformer.w"], site0["promptformer.w"])
+    assert metrics["clients"] == 4 and metrics["edges"] == 2
+    reasons = {r["node"]: r["reason"] for r in strategy.rejected}
+    assert "edge_max_examples 40" in reasons[8] and "unexpected promptformer.w" in reasons[6]
+    # The next round: the devices that hold the global PromptFormer get the LoRA only; the others all.
+    strategy.known[7]["promptformer-digest"] = promptformer_digest(strategy.global_state)
+
+    class Grid:
+        def get_node_ids(self):
+            return [7, 9, 100]
+
+    messages = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(), Grid())}
+    assert set(messages[7].content["arrays"]) == {"lora.a"}
+    assert set(messages[9].content["arrays"]) == set(messages[100].content["arrays"]) == {"lora.a", "promptformer.w"}
+    assert messages[7].content["config"]["promptformer-digest"] == promptformer_digest(strategy.global_state)
+
+
+def test_edge_replies_record_what_the_round_state_lists():
+    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
+                              policy=RoundPolicy(sampling="nodes", min_nodes=1))
+    strategy.global_state = {"lora.a": np.zeros(3, np.float32)}
+    summary = {}
+    strategy.on_aggregated = lambda number, state, s: summary.update(s)
+    strategy.aggregate_train(1, [edge_reply(5, {"lora.a": np.ones(3, np.float32)}, 12)])
+    assert summary["replies"] == [{"node": 5, "role": "edge", "examples": 12, "loss": 0.5, "bundle_id": "b5",
+                                   "refreshed": False, "refresh_bytes": 0}]
+    assert summary["sites"] == [] and summary["edges"] == 1

@@ -63,6 +63,10 @@ def test_demo_edge_step_personalises_the_new_classes(demo_run):
     assert result.train_loss[1] < result.train_loss[0]
     gain = 100 * (result.after - result.before)
     assert gain >= EDGE_MARGIN_POINTS, f"held-out top-1 {result.before:.4f} -> {result.after:.4f}"
+    # The loop closed: the update is the run's next round (its LoRA is the one device's), exported, and
+    # that bundle classifies as the personalised device did.
+    assert result.ingested_round == ROUNDS + 1 and result.fed_bundle.is_dir()
+    assert abs(result.fed_accuracy - result.after) <= 0.01  # the same LoRA: at most float noise on a tie
 
 
 def test_federated_evaluation_agrees_with_the_central_one_on_the_demo(demo_run):

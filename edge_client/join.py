@@ -1,0 +1,152 @@
+"""`edge-client join`: this device as a node of the federation, a Flower SuperNode of role ``edge``.
+
+Everything is checked before the SuperNode starts (bundle verified and trainable, the local
+folder holds images of the bundle's classes, the held-out share is not empty, certificates
+exist); then the process becomes ``flower-supernode`` (exec), so signals, output and exit code
+are Flower's. The node config tells the federation's ClientApp (``node_app.client_app``) that
+this node is an edge device and where its bundle and images are; each round it is asked, the
+device trains the global LoRA on its images (``edge_client.node``). Needs ``flwr`` and torch:
+``pip install fedmvp[cpu,edge-join]`` (no open_clip, no peft, no training core).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from edge_client.train_options import DEVICES, OPTIMIZERS, TrainInputError, TrainOptions
+
+# Flower's own chatter off: no telemetry, no update check, no dependency installs on a device.
+QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+
+
+def supernode_executable() -> str:
+    """``flower-supernode`` of this interpreter's environment, else one on PATH."""
+    local = Path(sys.executable).parent / "flower-supernode"
+    found = str(local) if local.is_file() else shutil.which("flower-supernode")
+    if not found:
+        raise TrainInputError("flower-supernode not found: install fedmvp[edge-join] (it brings flwr) on this device")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def check_superlink(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TrainInputError(f"--superlink {address!r}: expected HOST:PORT, e.g. 10.0.0.5:9092")
+
+
+def supernode_command(superlink: str, node_config: str, root_certificates: Path | None, auth_key: Path | None,
+                      insecure: bool, port: int | None = None) -> list[str]:
+    """The ``flower-supernode`` command line of an edge node (arguments checked first)."""
+    check_superlink(superlink)
+    if insecure == (root_certificates is not None):
+        raise TrainInputError("give --root-certificates CA.crt (the federation's CA) or, for a trial, --insecure")
+    for label, path in (("--root-certificates", root_certificates), ("--auth-key", auth_key)):
+        if path is not None and not Path(path).is_file():
+            raise TrainInputError(f"{label} {path}: no such file")
+    if auth_key is not None and insecure:
+        raise TrainInputError("--auth-key needs TLS: drop --insecure and give --root-certificates")
+    args = [supernode_executable(), "--superlink", superlink, "--node-config", node_config,
+            "--port", str(port or free_port())]
+    args += ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
+    if auth_key is not None:
+        args += ["--auth-supernode-private-key", str(auth_key)]
+    return args
+
+
+def check_node(node) -> dict:
+    """Open what the node will use each round, so a bad path fails now, not in round 1."""
+    from edge_client.bundle import Bundle
+    from edge_client.refresh import recover_refresh
+
+    recover_refresh(node.bundle)
+    bundle = Bundle.open(node.bundle, verify=True)
+    bundle.require_trainable()
+    training, held_out = node.shares(bundle)
+    if not held_out.files:
+        raise TrainInputError(f"{node.data}: no image can be held out for evaluation (a class needs 2 images, "
+                              f"or give --eval-data)")
+    return {"bundle": str(bundle.path), "round": bundle.round, "train_images": len(training),
+            "eval_images": len(held_out), "classes": len(training.classes)}
+
+
+def _option(*decls: str, name: str, **kwargs):
+    """A click option whose default and help are `TrainOptions` field ``name``'s."""
+    kwargs.setdefault("help", TrainOptions.help(name))
+    return click.option(*decls, default=TrainOptions.default(name), show_default=True, **kwargs)
+
+
+@click.command()
+@click.option("--superlink", required=True, metavar="HOST:PORT", help="The federation server's address (`fedmvp serve`).")
+@click.option("--bundle", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Bundle directory (default: $FEDMVP_BUNDLE, then ./bundle); refreshed in place when the "
+                   "server's PromptFormer has moved on (the previous one kept: `edge-client rollback --refresh`).")
+@click.option("--data", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="Local labelled images, DATA/<class>/<image> (classes must be the bundle's); they never "
+                   "leave this device.")
+@click.option("--eval-data", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Held-out images for the federation's evaluation (default: a share of --data).")
+@click.option("--eval-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.2,
+              show_default=True, help="Share of each class of --data held out for evaluation (without --eval-data).")
+@click.option("--root-certificates", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The federation's CA certificate (ca.crt from `fedmvp certs`).")
+@click.option("--auth-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="This device's private key, where the server admits only registered nodes.")
+@click.option("--insecure", is_flag=True, help="No TLS (a trial against `fedmvp serve --insecure`).")
+@click.option("--device", type=click.Choice(DEVICES, case_sensitive=False), default="auto", show_default=True,
+              help="Where to train (auto: CUDA when torch sees a GPU).")
+@click.option("--max-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="GPU memory (GiB) the automatic batch size may use (default: 90% of what is free).")
+@click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True, help="Local epochs per round.")
+@_option("--lr", name="lr", type=click.FloatRange(min=0, min_open=True))
+@_option("--optimizer", name="optimizer", type=click.Choice(OPTIMIZERS, case_sensitive=False))
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("updates"), show_default=True,
+              help="Where each round's update file is kept on this device.")
+@click.option("--personalise", is_flag=True,
+              help="Also make each round's result this device's own LoRA for `edge-client infer` (default: the "
+                   "device's personal LoRA is left alone).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for training and inference.")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="Local port of the SuperNode's own API (default: a free one).")
+def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None, eval_fraction: float,
+         root_certificates: Path | None, auth_key: Path | None, insecure: bool, device: str,
+         max_memory_gb: float | None, epochs: int, lr: float, optimizer: str, out: Path, personalise: bool,
+         threads: int | None, port: int | None) -> None:
+    """Join a federation as an edge device: each round it is asked, train the global LoRA on DATA.
+
+    Runs a Flower SuperNode until stopped (Ctrl-C). Only LoRA tensors, the number of images
+    and the evaluation counts are sent; images stay here. Exit codes: 2 for bad arguments
+    (checked before anything starts), then Flower's own."""
+    from edge_client.bundle import Bundle, BundleError
+    from edge_client.node import EdgeNodeConfig
+
+    try:
+        node = EdgeNodeConfig(bundle=Bundle.resolve_dir(bundle).resolve(), data=data.resolve(),
+                              eval_data=eval_data.resolve() if eval_data else None, eval_fraction=eval_fraction,
+                              out=out.resolve(), personalise=personalise, device=device.lower(),
+                              max_memory_gb=max_memory_gb, epochs=epochs, lr=lr, optimizer=optimizer.lower(),
+                              threads=threads)
+        node.options(1)  # the training options are valid (TrainInputError otherwise)
+        summary = check_node(node)
+        args = supernode_command(superlink, node.to_node_config(), root_certificates, auth_key, insecure, port)
+    except (TrainInputError, BundleError) as err:
+        click.echo(f"error: {' '.join(str(err).split())}", err=True)
+        sys.exit(2)
+    click.echo(f"edge node: bundle {summary['bundle']} (round {summary['round']}), {summary['train_images']} "
+               f"training and {summary['eval_images']} held-out images of {summary['classes']} classes; "
+               f"connecting to {superlink}", err=True)
+    if insecure:
+        click.echo("warning: --insecure: no TLS; use it only for a trial", err=True)
+    os.execve(args[0], args, {**os.environ, **QUIET_ENV})

@@ -1,0 +1,219 @@
+"""An edge device as a node of the federation: the train and evaluate handlers of its ClientApp.
+
+``edge-client join`` starts a Flower SuperNode whose node config says ``role='edge'`` and where
+the bundle and the local images are; the federation's ClientApp (``node_app.client_app``)
+hands this module every message such a node receives. Nothing of ``fedmvp`` is needed: the
+round trains with the same code as ``edge-client train`` (``edge_client.train.train_local``:
+the bundle's training program and method config, the memory budget, batch auto-fit).
+
+Each train message carries the global tensors and the digest of the global PromptFormer
+(``promptformer-digest``). A device whose bundle holds another PromptFormer (stale: the server
+has trained it since the export) refreshes the bundle in place from the message's
+``promptformer.*`` tensors first (``edge_client.refresh``), then trains the global LoRA on its
+training share of ``data`` and replies with the LoRA tensors, its number of examples and its
+bundle id. Images never leave the device. With ``personalise`` the result also becomes the
+device's own active LoRA; by default the device's personal LoRA is left alone.
+
+Evaluate messages: the global model (refreshed first when stale) on the held-out share of
+``data`` (or ``eval-data``), through ONNX Runtime as ``edge-client infer`` runs it; only the
+counts go back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.supercore import log
+
+from edge_client.bundle import Bundle, BundleError
+from edge_client.local_data import LocalDataset, held_out_split, scan_folder
+from edge_client.lora_store import ActiveLora
+from edge_client.refresh import promptformer_digest, recover_refresh, refresh_bundle
+from edge_client.train_options import TrainInputError, TrainOptions
+
+ROLE = "edge"
+DEFAULT_EVAL_FRACTION = 0.2
+PARITY_IMAGES = 4  # local images a refresh checks ONNX Runtime against the training program on
+
+
+@dataclass(frozen=True)
+class EdgeNodeConfig:
+    """What an edge node is, from its Flower node config (written by ``edge-client join``)."""
+
+    bundle: Path
+    data: Path
+    eval_data: Path | None = None
+    eval_fraction: float = DEFAULT_EVAL_FRACTION
+    out: Path = Path("updates")
+    personalise: bool = False
+    device: str = "auto"
+    max_memory_gb: float | None = None
+    epochs: int = 1
+    lr: float = float(TrainOptions.default("lr"))
+    optimizer: str = str(TrainOptions.default("optimizer"))
+    batch_size: int | str = "auto"
+    threads: int | None = None
+
+    # node-config key -> field; numbers travel as numbers, paths and words as strings
+    KEYS = {"bundle": "bundle", "data": "data", "eval-data": "eval_data", "eval-fraction": "eval_fraction",
+            "out": "out", "personalise": "personalise", "device": "device", "max-memory-gb": "max_memory_gb",
+            "epochs": "epochs", "lr": "lr", "optimizer": "optimizer", "batch-size": "batch_size",
+            "threads": "threads"}
+
+    @classmethod
+    def from_node_config(cls, config: Any) -> EdgeNodeConfig:
+        values = {field: config[key] for key, field in cls.KEYS.items() if key in config and config[key] != ""}
+        for key in ("bundle", "data"):
+            if key not in values:
+                raise RuntimeError(f"edge node without {key}: start it with `edge-client join --bundle DIR --data DIR`")
+        for key in ("bundle", "data", "eval_data", "out"):
+            if key in values:
+                values[key] = Path(str(values[key]))
+        if "batch_size" in values and str(values["batch_size"]) != "auto":
+            values["batch_size"] = int(values["batch_size"])
+        return cls(**values)
+
+    def to_node_config(self) -> str:
+        """The ``--node-config`` text of ``flower-supernode`` (role first, empty values left out)."""
+        parts = [f"role={ROLE!r}"]
+        for key, field in self.KEYS.items():
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                parts.append(f"{key}={'true' if value else 'false'}")
+            elif isinstance(value, (int, float)):
+                parts.append(f"{key}={value!r}")
+            else:
+                parts.append(f"{key}={str(value)!r}")
+        return " ".join(parts)
+
+    def options(self, round_number: int) -> TrainOptions:
+        """`edge-client train`'s options for one round (the seed follows the round)."""
+        return TrainOptions(epochs=self.epochs, batch_size=self.batch_size, max_memory_gb=self.max_memory_gb,
+                            out=self.out, lr=self.lr, optimizer=self.optimizer, device=self.device,
+                            seed=round_number, apply=self.personalise, threads=self.threads)
+
+    def shares(self, bundle: Bundle) -> tuple[LocalDataset, LocalDataset]:
+        """(training share, held-out share) of the local images."""
+        data = scan_folder(self.data, bundle.class_names)
+        if self.eval_data is not None:
+            return data, scan_folder(self.eval_data, bundle.class_names)
+        return held_out_split(data, self.eval_fraction)
+
+
+# ---- the global tensors and the bundle ---------------------------------------------------------------
+def _arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {name: np.asarray(value.numpy(), dtype=np.float32) for name, value in record.items()}
+
+
+def _record(tensors: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.ascontiguousarray(v, dtype=np.float32)) for k, v in sorted(tensors.items())})
+
+
+@dataclass
+class Synced:
+    """The bundle after it was brought to the server's PromptFormer, and what that cost."""
+
+    bundle: Bundle
+    refreshed: bool = False
+    refresh_bytes: int = 0
+    refresh_seconds: float = 0.0
+
+
+def sync_bundle(node: EdgeNodeConfig, arrays: dict[str, np.ndarray], digest: str, round_number: int,
+                check_images: list[Path]) -> Synced:
+    """The node's bundle holding the PromptFormer whose digest is ``digest``: as it is, or refreshed
+    from the message's ``promptformer.*`` tensors (the bundle then is the global model of
+    ``round_number``; the previous one is kept in ``bundle/previous``)."""
+    recover_refresh(node.bundle)
+    bundle = Bundle.open(node.bundle, verify=True)
+    bundle.require_trainable()
+    if bundle.promptformer_digest == digest:
+        return Synced(bundle)
+    sent = {k: v for k, v in arrays.items() if k.startswith(("promptformer.", "lora."))}
+    if not any(k.startswith("promptformer.") for k in sent):
+        raise BundleError(f"{bundle.path}: holds PromptFormer {str(bundle.promptformer_digest)[:12]}, the round's is "
+                          f"{digest[:12]}, and the message carries no PromptFormer to refresh it with")
+    result = refresh_bundle(bundle, sent, digest=digest, round_number=round_number,
+                            check_images=check_images[:PARITY_IMAGES])
+    log(INFO, "edge: bundle %s refreshed to the PromptFormer of round %s (%s -> %s, %d bytes, %.1f s)",
+        bundle.path, round_number, result.old_id[:12], result.new_id[:12], result.bytes_received, result.seconds)
+    return Synced(Bundle.open(node.bundle, verify=True), True, result.bytes_received, result.seconds)
+
+
+def _identity(config: Any, synced: Synced | None = None) -> ConfigRecord:
+    """Who replies: an edge device, its bundle, for this run and round (checked by the server)."""
+    values: dict[str, Any] = {"role": ROLE, "round": int(config["round"]), "run-id": str(config["run-id"])}
+    if synced is not None:
+        values |= {"bundle-id": synced.bundle.id, "promptformer-digest": str(synced.bundle.promptformer_digest),
+                   "refreshed": int(synced.refreshed), "refresh-bytes": int(synced.refresh_bytes)}
+    return ConfigRecord(values)
+
+
+def _global_lora(arrays: dict[str, np.ndarray], bundle: Bundle) -> dict[str, np.ndarray]:
+    lora = {k: v for k, v in arrays.items() if k.startswith("lora.")}
+    if set(lora) != set(bundle.lora_shapes):
+        raise BundleError(f"{bundle.path}: the round's LoRA tensors ({len(lora)}) are not the bundle's "
+                          f"({len(bundle.lora_shapes)}); was the bundle exported from this federation's run?")
+    return lora
+
+
+# ---- the handlers --------------------------------------------------------------------------------------
+def train(msg: Message, context: Context) -> Message:
+    """One round on the device: sync the bundle, train the global LoRA locally, reply with it."""
+    from edge_client.train import train_local
+    from edge_client.update import read_update
+
+    node = EdgeNodeConfig.from_node_config(context.node_config)
+    config = msg.content["config"]
+    round_number = int(config["round"])
+    arrays = _arrays(msg.content["arrays"])
+    bundle = Bundle.open(node.bundle, verify=False)
+    training, _ = node.shares(bundle)
+    synced = sync_bundle(node, arrays, str(config["promptformer-digest"]), round_number - 1, training.files)
+    start = _global_lora(arrays, synced.bundle)
+    log(INFO, "edge: round %s, training the global LoRA on %d local images", round_number, len(training))
+    result = train_local(training, synced.bundle, node.options(round_number), start_lora=start)
+    trained = read_update(result.update_path, synced.bundle).tensors
+    metrics = MetricRecord({"num-examples": result.num_examples, "train-loss": float(result.mean_loss),
+                            "refresh-seconds": float(synced.refresh_seconds)})
+    return Message(content=RecordDict({"arrays": _record(trained), "metrics": metrics,
+                                       "identity": _identity(config, synced)}), reply_to=msg)
+
+
+def evaluate(msg: Message, context: Context) -> Message:
+    """The global model on the device's held-out images: top-1 counts (``edge:correct``, ``edge:total``)."""
+    from edge_client.infer import Predictor
+
+    node = EdgeNodeConfig.from_node_config(context.node_config)
+    config = msg.content["config"]
+    arrays = _arrays(msg.content["arrays"])
+    if not int(config.get("prompted", 1)) or not arrays:  # zero-shot CLIP: the bundle cannot run it
+        return Message(content=RecordDict({"metrics": MetricRecord({}), "identity": _identity(config)}),
+                       reply_to=msg)
+    digest = str(config.get("promptformer-digest") or promptformer_digest(arrays))
+    bundle = Bundle.open(node.bundle, verify=False)
+    training, held_out = node.shares(bundle)
+    synced = sync_bundle(node, arrays, digest, int(config["round"]), training.files)
+    lora = ActiveLora(tensors=_global_lora(arrays, synced.bundle), source="global", file=synced.bundle.path)
+    correct, total = evaluate_share(Predictor(synced.bundle, lora=lora, threads=node.threads), held_out)
+    log(INFO, "edge: round %s, global model %d/%d correct on held-out images", config["round"], correct, total)
+    metrics = MetricRecord({"edge:correct": correct, "edge:total": total})
+    return Message(content=RecordDict({"metrics": metrics, "identity": _identity(config, synced)}), reply_to=msg)
+
+
+def evaluate_share(predictor: Any, share: LocalDataset) -> tuple[int, int]:
+    """(top-1 correct, images read) of ``predictor`` on ``share``; unreadable images are not counted."""
+    if not share.files:
+        raise TrainInputError(f"{share.root}: no held-out images to evaluate on (give --eval-data or more "
+                              f"images per class)")
+    truth = {Path(path).resolve(): predictor.classes[label] for path, label in zip(share.files, share.labels)}
+    result = predictor.infer(share.files)
+    correct = sum(int(p.label == truth.get(Path(p.path).resolve())) for p in result.predictions)
+    return correct, len(result.predictions)

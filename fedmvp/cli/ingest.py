@@ -1,0 +1,66 @@
+"""`fedmvp ingest`: update files of devices that synced late become the run's next round."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from fedmvp.cli.common import EXIT_FAILED, BadInput, emit_json
+
+
+@click.command()
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@click.argument("updates", nargs=-1, metavar="UPDATE...", type=click.Path(dir_okay=False))
+@click.option("--max-staleness", type=click.IntRange(min=0), default=None,
+              help="Rounds an update's bundle may be behind the run's last round "
+                   "(default: the run's [server] max_staleness, else 5).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, as_json: bool) -> None:
+    """Average edge update files into the run's next round.
+
+    For devices that trained with `edge-client train --data local/` and sync their update
+    files later. Each file is checked against the run's last round R: the update format,
+    exactly round R's LoRA names and shapes (float32, finite), num_examples (1 to
+    [server] edge_max_examples), its bundle's round (R - max_staleness to R), the run_id
+    it names, [server] max_update_norm, and not a file accepted before. Round R+1 gets
+    the example-weighted mean of the accepted files' LoRA and round R's other tensors
+    unchanged; a rejected file changes nothing. Run it while the run is not training.
+
+    Exit codes: 0 a round was written, 1 no file was accepted (nothing written),
+    2 bad input (no run, no complete round, no files)."""
+    from fedmvp.federated.ingest import ingest as ingest_files
+    from fedmvp.runs import RunError
+
+    if not updates:
+        raise BadInput(f"{run_dir}: no update files given (UPDATE...: the files `edge-client train` wrote)")
+    try:
+        result = ingest_files(run_dir, updates, max_staleness=max_staleness)
+    except RunError as err:
+        raise BadInput(str(err)) from None
+    except OSError as err:
+        raise click.ClickException(f"{err.filename or run_dir}: cannot write ({err.strerror or err})") from None
+    if as_json:
+        emit_json(result.to_json())
+    else:
+        click.echo(format_table(result))
+    if result.round is None:
+        sys.exit(EXIT_FAILED)
+
+
+def format_table(result) -> str:
+    """file | accepted/rejected | reason, then one line saying what was written."""
+    rows = [(v.file, "accepted" if v.accepted else "rejected",
+             v.reason or (f"update norm {v.clipped_from:.4g} clipped" if v.clipped_from is not None else ""))
+            for v in result.files]
+    width = max([len("file")] + [len(r[0]) for r in rows])
+    lines = [f"{'file':<{width}}  {'result':<8}  reason"]
+    lines += [f"{f:<{width}}  {outcome:<8}  {reason}".rstrip() for f, outcome, reason in rows]
+    if result.round is None:
+        lines.append(f"nothing written: none of {len(result.files)} files accepted "
+                     f"(the run stays at round {result.base_round})")
+    else:
+        lines.append(f"round {result.round} written: {len(result.accepted)} of {len(result.files)} updates, "
+                     f"{result.examples} examples, mean loss {result.mean_loss:.4g}  "
+                     f"(fedmvp-export --run {result.run} --round {result.round})")
+    return "\n".join(lines)

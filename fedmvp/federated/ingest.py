@@ -1,0 +1,303 @@
+"""`fedmvp ingest`: update files of devices that trained offline become the run's next round.
+
+A device runs `edge-client train --data local/` on a bundle exported from some round and syncs
+its update file (edge_client/update.py: the bundle's LoRA tensors + string metadata) later. Each
+file is as untrusted as a network reply (``replies.py``, whose tensor checks and norm bound are
+reused here): it is checked, and a rejected file gets a reason and changes nothing. The accepted
+ones are averaged, weighted by their examples (FedAvg over the devices that reported,
+``strategy.weighted_average``), into the LoRA of round R+1, R being the run's last round; every
+other tensor is round R's, bit for bit. The round is published whole (``RunDir.save_checkpoint``),
+then its metrics row; nothing is written when no file is accepted.
+
+The update format is read here, not through ``edge_client`` (``fedmvp`` imports neither of the other
+packages): safetensors and its string metadata, nothing unpickled. ``FORMAT``, ``FORMAT_VERSION``
+and ``REQUIRED`` are edge_client/update.py's; tests ingest files written by its ``write_update``,
+so the two cannot drift unnoticed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from fedmvp.federated.replies import bound_update, tensor_problem
+from fedmvp.federated.strategy import weighted_average
+from fedmvp.federated.wire import to_numpy_state, to_torch_state
+from fedmvp.presets.schema import ServerSpec
+from fedmvp.runs import RunDir, RunError
+
+FORMAT = "fedmvp-edge-update"
+FORMAT_VERSION = 1
+REQUIRED = ("format", "format_version", "bundle_id", "bundle_round", "num_examples", "mean_loss", "created")
+LORA_PREFIX = "lora."
+SOURCE = "ingest"  # state.json "source" and the metrics row's "source" of an ingested round
+_NUMPY_DTYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8"}  # anything else is refused before it is read
+
+
+@dataclass(frozen=True)
+class IngestRules:
+    """What an update file must satisfy to count in round ``round + 1`` (config.json's ``server``)."""
+
+    round: int
+    run_id: str | None
+    max_staleness: int
+    max_examples: int
+    max_update_norm: float | None = None
+    norm_action: str = "reject"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], round_number: int, where: Path,
+                    max_staleness: int | None = None) -> "IngestRules":
+        """The run record's ``server`` table (defaults: the preset schema's); ``max_staleness`` overrides."""
+        server, defaults = config.get("server") or {}, ServerSpec()
+        try:
+            rules = cls(round=round_number, run_id=config.get("run_id"),
+                        max_staleness=int(server.get("max_staleness", defaults.max_staleness)
+                                          if max_staleness is None else max_staleness),
+                        max_examples=int(server.get("edge_max_examples", defaults.edge_max_examples)),
+                        max_update_norm=None if server.get("max_update_norm") is None
+                        else float(server["max_update_norm"]),
+                        norm_action=str(server.get("update_norm_action", defaults.update_norm_action)))
+        except (TypeError, ValueError) as err:
+            raise RunError(f"{where}: malformed server table ({err})") from None
+        if rules.max_staleness < 0 or rules.max_examples < 1 or rules.norm_action not in ("reject", "clip"):
+            raise RunError(f"{where}: server table out of range (max_staleness {rules.max_staleness}, "
+                           f"edge_max_examples {rules.max_examples}, update_norm_action {rules.norm_action!r})")
+        return rules
+
+    def record(self) -> dict[str, Any]:
+        """The settings this ingest ran with (state.json ``ingest_rules``: an override is seen later too)."""
+        return {"max_staleness": self.max_staleness, "edge_max_examples": self.max_examples,
+                "max_update_norm": self.max_update_norm, "update_norm_action": self.norm_action}
+
+
+@dataclass
+class FileVerdict:
+    """One update file's outcome; ``record()`` is what state.json keeps of it."""
+
+    file: str
+    sha256: str | None = None
+    reason: str | None = None  # why it was rejected (None: accepted)
+    num_examples: int | None = None
+    bundle_round: int | None = None
+    bundle_id: str | None = None
+    mean_loss: float | None = None
+    clipped_from: float | None = None  # its update norm, when it was clipped onto max_update_norm
+    arrays: dict[str, np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def accepted(self) -> bool:
+        return self.arrays is not None
+
+    def record(self) -> dict[str, Any]:
+        return {"file": self.file, "sha256": self.sha256, "accepted": self.accepted, "reason": self.reason,
+                "num_examples": self.num_examples, "bundle_round": self.bundle_round,
+                "bundle_id": self.bundle_id, "mean_loss": self.mean_loss, "clipped_from": self.clipped_from}
+
+
+@dataclass
+class IngestResult:
+    """What one ingest did: the round written (None: nothing accepted, nothing written) and every file."""
+
+    run: Path
+    base_round: int
+    round: int | None
+    files: list[FileVerdict]
+    examples: int = 0
+    mean_loss: float | None = None
+
+    @property
+    def accepted(self) -> list[FileVerdict]:
+        return [v for v in self.files if v.accepted]
+
+    @property
+    def rejected(self) -> list[FileVerdict]:
+        return [v for v in self.files if not v.accepted]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": str(self.run), "base_round": self.base_round, "round": self.round,
+                "examples": self.examples, "mean_loss": self.mean_loss,
+                "accepted": [v.record() for v in self.accepted], "rejected": [v.record() for v in self.rejected]}
+
+
+class _Rejected(Exception):
+    """Internal: the reason a file is left out."""
+
+
+def ingest(run: RunDir | str | Path, files: Sequence[str | Path], *, max_staleness: int | None = None) -> IngestResult:
+    """Check ``files`` against the run's last round R and write round R+1 from the accepted ones.
+
+    ``RunError`` (nothing written): no run, no complete round, a round without LoRA, no files.
+    ``max_staleness`` overrides config.json's ``server.max_staleness``."""
+    run = run if isinstance(run, RunDir) else RunDir(run)
+    config = run.read_config()
+    if not files:
+        raise RunError(f"{run.path}: no update files given")
+    base = run.last_round()
+    if base is None:
+        raise RunError(f"{run.path}: no complete round to add updates to")
+    checkpoint = run.load_checkpoint(base)
+    lora = to_numpy_state({k: v for k, v in checkpoint.tensors.items() if k.startswith(LORA_PREFIX)})
+    if not lora:
+        raise RunError(f"{run.round_path(base)}: round {base} holds no {LORA_PREFIX}* tensors (use_lora = false): "
+                       f"edge updates have nothing to go into")
+    rules = IngestRules.from_config(config, base, run.config_path, max_staleness)
+    seen = accepted_before(run)
+    verdicts = []
+    for path in files:
+        verdict = check_file(Path(path), rules, lora, seen)
+        if verdict.sha256 is not None:
+            seen.setdefault(verdict.sha256, f"given earlier in this command ({verdict.file})")
+        verdicts.append(verdict)
+    result = IngestResult(run=run.path, base_round=base, round=None, files=verdicts)
+    accepted = sorted(result.accepted, key=lambda v: v.sha256 or "")  # argument order must not change the sums
+    if not accepted:
+        return result
+    averaged = weighted_average([(v.arrays, float(v.num_examples)) for v in accepted])
+    result.examples = sum(int(v.num_examples) for v in accepted)
+    result.mean_loss = sum(float(v.mean_loss) * int(v.num_examples) for v in accepted) / result.examples
+    result.round = base + 1
+    row = {"round": result.round, "source": SOURCE, "updates": len(accepted), "examples": result.examples,
+           "train_loss": result.mean_loss}
+    state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete")}
+    state |= {key: [] for key in ("sites", "rejected") if key in state}  # those describe a Flower round
+    state |= {"source": SOURCE, "ingested_onto": base, "metrics": row, "ingest_rules": rules.record(),
+              "ingest": [v.record() for v in verdicts]}
+    run.save_checkpoint(result.round, {**checkpoint.tensors, **to_torch_state(averaged)}, state, replace=False)
+    run.append_metrics(row)
+    return result
+
+
+def accepted_before(run: RunDir) -> dict[str, str]:
+    """sha256 -> where it was accepted, over every earlier ingest of the run (its rounds' state.json)."""
+    seen: dict[str, str] = {}
+    for number in run.rounds():
+        try:
+            state = json.loads((run.round_path(number) / "state.json").read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise RunError(f"{run.round_path(number) / 'state.json'}: unreadable ({err})") from None
+        for record in state.get("ingest") or []:
+            if record.get("accepted") and record.get("sha256"):
+                seen.setdefault(record["sha256"], f"accepted in round {number} ({record.get('file')})")
+    return seen
+
+
+def check_file(path: Path, rules: IngestRules, lora: dict[str, np.ndarray], seen: dict[str, str]) -> FileVerdict:
+    """One update file judged against round ``rules.round``'s LoRA ``lora``; ``seen``: sha256s refused as
+    duplicates. The checks run in order and the first that fails is the reason."""
+    verdict = FileVerdict(file=str(path))
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        verdict.reason = f"cannot read ({err.strerror or err})"
+        return verdict
+    verdict.sha256 = hashlib.sha256(data).hexdigest()
+    try:
+        if verdict.sha256 in seen:
+            raise _Rejected(f"duplicate: the same file was {seen[verdict.sha256]}")
+        entries, metadata = _read_safetensors(data)
+        _check_metadata(metadata, verdict)
+        arrays = _lora_arrays(entries, lora)
+        _check_numbers(metadata, verdict, rules)
+        kept, reason, verdict.clipped_from = bound_update(arrays, lora, rules.max_update_norm, rules.norm_action)
+        if reason is not None:
+            raise _Rejected(reason)
+        verdict.arrays = kept
+    except _Rejected as rejected:
+        verdict.reason = str(rejected)
+    return verdict
+
+
+def _read_safetensors(data: bytes) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, str]]:
+    """(name, {dtype, shape, data}) entries and the string metadata; a truncated or foreign file is refused.
+    ``safetensors.deserialize`` checks the header and that the data covers every tensor exactly."""
+    from safetensors import SafetensorError, deserialize
+
+    try:
+        entries = deserialize(data)
+        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    except (SafetensorError, ValueError) as err:
+        raise _Rejected(f"not a safetensors file, or truncated ({' '.join(str(err).split())})") from None
+    metadata = header.get("__metadata__") or {}
+    return entries, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _check_metadata(metadata: dict[str, str], verdict: FileVerdict) -> None:
+    """Format, version, required keys and their well-formedness; what parses is kept on ``verdict``."""
+    if metadata.get("format") != FORMAT:
+        raise _Rejected(f"not a {FORMAT} file (format {metadata.get('format')!r})")
+    if _integer(metadata.get("format_version")) != FORMAT_VERSION:
+        raise _Rejected(f"update format version {metadata.get('format_version')!r} is not supported "
+                        f"(ingest reads {FORMAT_VERSION})")
+    missing = [k for k in REQUIRED if k not in metadata]
+    if missing:
+        raise _Rejected(f"metadata lacks {', '.join(missing)}")
+    verdict.bundle_id = metadata["bundle_id"]
+    verdict.bundle_round = _integer(metadata["bundle_round"])
+    verdict.num_examples = _integer(metadata["num_examples"])
+    verdict.mean_loss = _number(metadata["mean_loss"])
+    if not re.fullmatch(r"[0-9a-f]{64}", verdict.bundle_id):
+        raise _Rejected(f"bundle_id {verdict.bundle_id[:80]!r} is not a sha256 hex digest")
+    if verdict.bundle_round is None or verdict.bundle_round < 0:
+        raise _Rejected(f"bundle_round {metadata['bundle_round']!r} is not a round number "
+                        f"(the bundle was not exported from a run's round)")
+    try:
+        datetime.fromisoformat(metadata["created"])
+    except ValueError:
+        raise _Rejected(f"created {metadata['created'][:80]!r} is not an ISO 8601 time") from None
+
+
+def _lora_arrays(entries: list[tuple[str, dict[str, Any]]], lora: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The file's tensors as float32 arrays: only ``lora.*``, exactly the round's names and shapes, finite."""
+    stray = sorted(name for name, _ in entries if not name.startswith(LORA_PREFIX))
+    if stray:
+        raise _Rejected(f"holds non-LoRA tensors ({', '.join(stray[:3])})")
+    arrays = {}
+    for name, entry in entries:
+        dtype = _NUMPY_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise _Rejected(f"{name}: dtype {entry['dtype']} is not float32")
+        arrays[name] = np.frombuffer(bytes(entry["data"]), dtype=dtype).reshape(entry["shape"])
+    problem = tensor_problem(arrays, lora, set(lora), dtype=np.dtype(np.float32))
+    if problem is not None:
+        raise _Rejected(problem)
+    return {k: arrays[k].astype(np.float32) for k in sorted(arrays)}  # native byte order
+
+
+def _check_numbers(metadata: dict[str, str], verdict: FileVerdict, rules: IngestRules) -> None:
+    """The FedAvg weight, the loss, the bundle's round against the run's, and the run identity."""
+    examples = verdict.num_examples
+    if examples is None or examples <= 0:
+        raise _Rejected(f"num_examples {metadata['num_examples']!r} is not a positive integer")
+    if examples > rules.max_examples:
+        raise _Rejected(f"num_examples {examples} exceeds edge_max_examples ({rules.max_examples})")
+    if verdict.mean_loss is None or not math.isfinite(verdict.mean_loss):
+        raise _Rejected(f"mean_loss {metadata['mean_loss']!r} is not a finite number")
+    behind = rules.round - int(verdict.bundle_round)
+    if behind < 0:
+        raise _Rejected(f"bundle round {verdict.bundle_round} is newer than the run's last round {rules.round}")
+    if behind > rules.max_staleness:
+        raise _Rejected(f"stale: bundle round {verdict.bundle_round} is {behind} round{'s' * (behind != 1)} behind "
+                        f"round {rules.round} (max_staleness {rules.max_staleness})")
+    run_id = metadata.get("run_id") or None
+    if run_id is not None and run_id != rules.run_id:
+        raise _Rejected(f"update of another run (run_id {run_id[:80]!r}, this run's is {rules.run_id!r})")
+
+
+def _integer(text: str | None) -> int | None:
+    return int(text) if text is not None and re.fullmatch(r"[+-]?\d{1,18}", text.strip()) else None
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None

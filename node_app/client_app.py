@@ -1,0 +1,57 @@
+"""The federation's ClientApp: one FAB, two kinds of node, dispatched on the node's role.
+
+A federation runs one Flower app (``pyproject.toml`` ``[tool.flwr.app.components]``), but its
+nodes are of two kinds:
+
+* a **site** (``fedmvp join``; node config ``partition-id=N``, ``role`` absent or ``'site'``)
+  trains the PromptFormer or its LoRA on its share of the preset's datasets with the training
+  core (``fedmvp.federated.client_app``: open_clip, peft);
+* an **edge** device (``edge-client join``; node config ``role='edge' bundle=... data=...``)
+  trains only the LoRA of its exported bundle with the edge client's own code
+  (``edge_client.node``), on an install without open_clip, peft or the training core.
+
+Each side is imported lazily, inside the handler that needs it, so an edge node never imports
+``fedmvp`` and a site never imports the edge client. This module lives outside both packages
+because neither may import the other (docs/architecture.md "Three packages, one direction");
+it is the one place allowed to reach both.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+ROLES = ("site", "edge")
+
+app = ClientApp()
+
+
+def role(context: Context) -> str:
+    """The node's role from its node config (``role``; a node without one is a site)."""
+    value = str(context.node_config.get("role", "site")).strip().lower()
+    if value not in ROLES:
+        raise RuntimeError(f"node config role={value!r}: expected one of {', '.join(ROLES)} "
+                           f"(fedmvp join starts a site, edge-client join an edge device)")
+    return value
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    if role(context) == "edge":
+        from edge_client.node import train as edge_train
+
+        return edge_train(msg, context)
+    from fedmvp.federated.client_app import train as site_train
+
+    return site_train(msg, context)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    if role(context) == "edge":
+        from edge_client.node import evaluate as edge_evaluate
+
+        return edge_evaluate(msg, context)
+    from fedmvp.federated.client_app import evaluate as site_evaluate
+
+    return site_evaluate(msg, context)

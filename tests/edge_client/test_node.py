@@ -1,0 +1,106 @@
+"""The edge device as a federation node, without Flower processes: its node config, the held-out
+share of its images, one round's handler on a real bundle, and `edge-client join`'s checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from edge_helpers import write_local_data
+
+from edge_client.bundle import Bundle
+from edge_client.local_data import held_out_split, scan_folder
+from edge_client.node import EdgeNodeConfig
+
+
+def test_node_config_survives_flowers_parser(tmp_path):
+    """`edge-client join` writes --node-config text; flower-supernode parses it; the handler reads it back."""
+    from flwr.common.config import parse_config_args
+
+    node = EdgeNodeConfig(bundle=tmp_path / "my bundle", data=tmp_path / "it's data", eval_fraction=0.3,
+                          out=tmp_path / "up", personalise=True, device="cpu", max_memory_gb=2.5, epochs=3,
+                          lr=0.02, optimizer="adamw", batch_size=8, threads=2)
+    parsed = parse_config_args([node.to_node_config()])
+    assert parsed["role"] == "edge"
+    assert EdgeNodeConfig.from_node_config(parsed) == node
+    options = node.options(7)
+    assert (options.epochs, options.lr, options.optimizer, options.batch_size, options.seed, options.apply) == \
+        (3, 0.02, "adamw", 8, 7, True)
+    with pytest.raises(RuntimeError, match="without data"):
+        EdgeNodeConfig.from_node_config({"bundle": "b"})
+
+
+def test_the_held_out_share_is_stable_per_class_and_disjoint(edge_bundle, tmp_path):
+    classes = Bundle.open(edge_bundle).class_names
+    root = write_local_data(tmp_path / "local", classes[:3], per_class=5)
+    data = scan_folder(root, classes)
+    train, held = held_out_split(data, 0.2)
+    again_train, again_held = held_out_split(scan_folder(root, classes), 0.2)
+    assert held.files == again_held.files and train.files == again_train.files
+    assert len(held) == 3 and len(train) == 12  # one image of each class of five
+    assert not set(held.files) & set(train.files) and sorted(held.files + train.files) == sorted(data.files)
+    assert held.classes == train.classes == sorted(classes[:3])
+
+
+def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_alone(edge_bundle, bundle_dir,
+                                                                                  tmp_path):
+    """The train handler's work (no refresh: the bundle holds the round's PromptFormer)."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from edge_client.node import _record, evaluate, train
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    bundle = Bundle.open(bundle_dir)
+    root = write_local_data(tmp_path / "local", bundle.class_names[:2], per_class=4)
+    node = EdgeNodeConfig(bundle=bundle_dir, data=root, out=tmp_path / "updates", eval_fraction=0.25,
+                          device="cpu", epochs=1, lr=0.05, optimizer="adamw", batch_size=4, threads=1)
+    rng = np.random.default_rng(0)
+    start = {k: (v + rng.normal(scale=0.05, size=v.shape)).astype(np.float32) for k, v in bundle.lora().items()}
+    config = ConfigRecord({"round": 3, "run-id": "r", "promptformer-digest": bundle.promptformer_digest})
+    context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
+                      run_config={})
+    message = Message(content=RecordDict({"arrays": _record(start), "config": config}), dst_node_id=5,
+                      message_type="train")
+    before = {p.name: p.read_bytes() for p in bundle_dir.iterdir() if p.is_file()}
+    reply = train(message, context)
+    assert reply.content["identity"]["role"] == "edge" and reply.content["identity"]["refreshed"] == 0
+    assert reply.content["metrics"]["num-examples"] == 6  # 2 classes x 3 training images (1 held out each)
+    trained = {k: v.numpy() for k, v in reply.content["arrays"].items()}
+    assert set(trained) == set(start) and any(not np.allclose(trained[k], start[k]) for k in start)
+    assert before == {p.name: p.read_bytes() for p in bundle_dir.iterdir() if p.is_file()}  # nothing changed
+    assert not (bundle_dir / "personalised").exists()  # no --personalise: the device's own LoRA is untouched
+    assert len(list((tmp_path / "updates").glob("*.safetensors"))) == 1
+
+    message = Message(content=RecordDict({"arrays": ArrayRecord(reply.content["arrays"]),
+                                          "config": ConfigRecord({"round": 3, "run-id": "r", "prompted": 1})}),
+                      dst_node_id=5, message_type="evaluate")
+    counts = evaluate(message, context).content["metrics"]
+    assert counts["edge:total"] == 2 and 0 <= counts["edge:correct"] <= 2
+
+
+def parse(node: EdgeNodeConfig) -> dict:
+    from flwr.common.config import parse_config_args
+
+    return parse_config_args([node.to_node_config()])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--superlink", "nohost"], "expected HOST:PORT"),
+    (["--superlink", "127.0.0.1:9"], "--root-certificates CA.crt"),
+    (["--superlink", "127.0.0.1:9", "--insecure", "--data", "{missing}"], "not a directory"),
+    (["--superlink", "127.0.0.1:9", "--insecure", "--bundle", "{missing}"], "not a bundle directory"),
+])
+def test_join_checks_everything_before_it_starts(edge_bundle, tmp_path, extra, message):
+    classes = Bundle.open(edge_bundle).class_names
+    root = write_local_data(tmp_path / "local", classes[:2], per_class=3)
+    args = ["--bundle", str(edge_bundle), "--data", str(root)] + \
+        [a.replace("{missing}", str(tmp_path / "nope")) for a in extra]
+    done = subprocess.run([str(Path(sys.executable).parent / "edge-client"), "join", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr
