@@ -48,7 +48,7 @@ def test_the_held_out_share_is_stable_per_class_and_disjoint(edge_bundle, tmp_pa
 def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_alone(edge_bundle, bundle_dir,
                                                                                   tmp_path):
     """The train handler's work (no refresh: the bundle holds the round's PromptFormer)."""
-    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
     from edge_client.node import _record, evaluate, train
@@ -75,8 +75,9 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     assert not (bundle_dir / "personalised").exists()  # no --personalise: the device's own LoRA is untouched
     assert len(list((tmp_path / "updates").glob("*.safetensors"))) == 1
 
-    message = Message(content=RecordDict({"arrays": ArrayRecord(reply.content["arrays"]),
-                                          "config": ConfigRecord({"round": 3, "run-id": "r", "prompted": 1})}),
+    message = Message(content=RecordDict({"arrays": reply.content["arrays"],
+                                          "config": ConfigRecord({"round": 3, "run-id": "r", "prompted": 1,
+                                                                  "promptformer-digest": bundle.promptformer_digest})}),
                       dst_node_id=5, message_type="evaluate")
     counts = evaluate(message, context).content["metrics"]
     assert counts["edge:total"] == 2 and 0 <= counts["edge:correct"] <= 2
