@@ -72,7 +72,8 @@ class BundleResult:
 
     def lines(self) -> list[str]:
         out = [r.line() for r in self.parity.values()] + ([self.int8.line()] if self.int8 else [])
-        out += [f"  {name:<20} {size / 1e6:10.3f} MB" for name, size in sorted(self.sizes.items())]
+        width = max((len(name) for name in self.sizes), default=0)
+        out += [f"  {name:<{width}} {size / 1e6:8.3f} MB" for name, size in sorted(self.sizes.items())]
         out.append(f"bundle: {self.path} ({self.total_bytes / 1e6:.3f} MB, {self.manifest['precision']})")
         return out
 
