@@ -74,6 +74,13 @@ def check_node(node) -> dict:
     recover_refresh(node.bundle)
     bundle = Bundle.open(node.bundle, verify=True)
     bundle.require_trainable()
+    if node.device == "cuda":
+        try:
+            import torch
+        except ImportError as err:
+            raise TrainInputError(f"training needs torch ({err}); install fedmvp[edge-join]") from None
+        if not torch.cuda.is_available():
+            raise TrainInputError("--device cuda: CUDA is not available to torch on this device")
     training, held_out = node.shares(bundle)
     if not held_out.files:
         raise TrainInputError(f"{node.data}: no image can be held out for evaluation (a class needs 2 images, "

@@ -94,6 +94,8 @@ def parse(node: EdgeNodeConfig) -> dict:
     (["--superlink", "127.0.0.1:9"], "--root-certificates CA.crt"),
     (["--superlink", "127.0.0.1:9", "--insecure", "--data", "{missing}"], "not a directory"),
     (["--superlink", "127.0.0.1:9", "--insecure", "--bundle", "{missing}"], "not a bundle directory"),
+    pytest.param(["--superlink", "127.0.0.1:9", "--insecure", "--device", "cuda"], "CUDA is not available",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")),
 ])
 def test_join_checks_everything_before_it_starts(edge_bundle, tmp_path, extra, message):
     classes = Bundle.open(edge_bundle).class_names
