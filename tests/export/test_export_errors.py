@@ -86,3 +86,36 @@ def test_fp32_parity_failure_exits_1_and_writes_nothing(tiny_run, tmp_path, monk
     assert result.exit_code == 1, result.output
     assert "parity failed, no bundle written" in result.output and "parity fp32" in result.output
     assert not out.exists() and list(tmp_path.iterdir()) == []  # the temp directory is gone too
+
+
+def _device_made(out):
+    """A bundle directory as a device leaves it: personalised LoRAs and the bundle before a refresh."""
+    (out / "personalised").mkdir(parents=True)
+    (out / "personalised" / "state.json").write_text('{"active": "lora-0001.safetensors"}')
+    (out / "previous").mkdir()
+    (out / "previous" / "lora.safetensors").write_bytes(b"old bundle")
+
+
+def test_force_refuses_to_delete_device_state(tiny_bundle, tmp_path):
+    import shutil
+
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.path, out)
+    _device_made(out)
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    line = _one_line_error(_run("--run", tiny_bundle.manifest["source"]["run_path"], "--out", str(out), "--force"))
+    assert "personalised/" in line and "previous/" in line and "--discard-device-state" in line
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+
+
+def test_discard_device_state_replaces_and_says_what_went(tiny_bundle, tmp_path):
+    import shutil
+
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.path, out)
+    _device_made(out)
+    result = _run("--run", tiny_bundle.manifest["source"]["run_path"], "--out", str(out), "--force",
+                  "--discard-device-state", "--parity-images", "32")
+    assert result.exit_code == 0, result.output
+    assert "discarded device state of the replaced bundle: personalised/, previous/" in result.output
+    assert not (out / "personalised").exists() and not (out / "previous").exists()
