@@ -119,3 +119,17 @@ def test_discard_device_state_replaces_and_says_what_went(tiny_bundle, tmp_path)
     assert result.exit_code == 0, result.output
     assert "discarded device state of the replaced bundle: personalised/, previous/" in result.output
     assert not (out / "personalised").exists() and not (out / "previous").exists()
+
+
+def test_nan_checkpoint_is_named_not_a_parity_verdict(run_copy, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = run_copy / "round-0002" / "global.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(n for n in tensors if n.startswith("promptformer."))[0]
+    tensors[name][..., 0] = float("nan")
+    save_file(tensors, str(path))
+    out = tmp_path / "b"
+    line = _one_line_error(_run("--run", str(run_copy), "--round", "2", "--out", str(out)))
+    assert "round-0002/global.safetensors" in line and name in line and "NaN" in line
+    assert not out.exists()
