@@ -133,3 +133,12 @@ def test_nan_checkpoint_is_named_not_a_parity_verdict(run_copy, tmp_path):
     line = _one_line_error(_run("--run", str(run_copy), "--round", "2", "--out", str(out)))
     assert "round-0002/global.safetensors" in line and name in line and "NaN" in line
     assert not out.exists()
+
+
+def test_attributes_with_unequal_phrase_counts_name_the_class(tiny_run, tmp_path):
+    attrs = tmp_path / "attrs.json"
+    attrs.write_text(json.dumps({"giraffe": [f"long neck {i}" for i in range(10)], "zebra": ["stripes"],
+                                 "okapi": [f"striped legs {i}" for i in range(10)]}))
+    line = _one_line_error(_run("--run", str(tiny_run), "--attributes", str(attrs), "--out", str(tmp_path / "b")))
+    assert str(attrs) in line and "'zebra' has 1" in line and "most have 10" in line
+    assert not (tmp_path / "b").exists()
