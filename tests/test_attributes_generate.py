@@ -265,3 +265,23 @@ def test_preset_classes_and_domains_come_from_a_real_preset(tmp_path: Path, monk
     assert "preset 'toy.toml' has no domain 'skecth'; its domains are: sketch" in typo.stderr
     unknown = runner.invoke(main, ["attributes", "generate", "--preset", "nope", "--offline"])
     assert unknown.exit_code == 2 and "preset 'nope'" in unknown.stderr
+
+
+def test_answer_containing_the_key_is_dropped_and_the_key_never_written(classes: Path, tmp_path: Path) -> None:
+    """A server that echoes the key inside an answer: the answer is re-asked, never stored, never shown."""
+    leaky = [f"stripes {KEY}"] + [f"zebra trait {i}" for i in range(9)]
+    out = tmp_path / "out" / "a.json"
+    script = {"zebra": [good(leaky), good()], "giraffe": [good(leaky)] * 3}
+    with StubOpenAI(script) as stub:
+        result = generate(stub, classes, out, "--json", "-v")
+        reasked = stub.requests_for("zebra")[1].body["messages"]
+    assert result.exit_code == 1
+    summary = json.loads(result.stdout)
+    assert summary["generated"] == ["zebra", "red_circle"]
+    assert "contained the API key" in summary["failed"]["giraffe"]
+    assert "contained the API key; it was dropped" in result.stderr
+    assert KEY not in json.dumps(reasked)
+    assert load_attributes(out)["zebra"] == default_phrases("zebra", 10)
+    assert KEY not in result.stdout and KEY not in result.stderr
+    for path in tmp_path.rglob("*"):
+        assert not path.is_file() or KEY.encode() not in path.read_bytes(), path

@@ -9,7 +9,8 @@ Why it is built this way:
   with the reason, because not every compatible server enforces the JSON schema;
 - the output file is rewritten atomically after every class, so an interrupted or failed
   run keeps everything answered so far and a rerun asks only for what is missing;
-- the API key is read from the environment only and redacted from every message we emit.
+- the API key is read from the environment only and redacted from every message we emit; an
+  answer that contains it (a server echoing the request) is dropped and re-asked, never stored.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class AttributeClient:
                               max_retries=0, timeout=config.timeout)
 
     def redact(self, text: str) -> str:
-        """``text`` with the API key masked (servers sometimes echo it in error bodies)."""
+        """``text`` with the API key masked (servers sometimes echo it, in error bodies or answers)."""
         return text.replace(self._secret, "***") if self._secret else text
 
     def ask(self, class_name: str) -> list[str]:
@@ -181,6 +182,9 @@ class AttributeClient:
             content: str | None = None
             try:
                 content = self._complete(class_name, messages)
+                if self._secret and content and self._secret in content:
+                    content = self.redact(content)  # not even the re-ask sends it back
+                    raise prompt.InvalidAnswer("the answer contained the API key; it was dropped, not stored")
                 return prompt.parse_answer(content, k)
             except prompt.InvalidAnswer as exc:
                 reason = self.redact(str(exc))
