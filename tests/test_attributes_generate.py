@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import sys
 from pathlib import Path
 
@@ -285,3 +286,19 @@ def test_answer_containing_the_key_is_dropped_and_the_key_never_written(classes:
     assert KEY not in result.stdout and KEY not in result.stderr
     for path in tmp_path.rglob("*"):
         assert not path.is_file() or KEY.encode() not in path.read_bytes(), path
+
+
+def test_timeout_bounds_the_whole_answer_of_a_trickling_server(tmp_path: Path) -> None:
+    """A byte every 0.3 s keeps every read under the timeout; --timeout 1 must still end each try at 1 s."""
+    names = tmp_path / "one.txt"
+    names.write_text("zebra\n")
+    out = tmp_path / "a.json"
+    with StubOpenAI({"zebra": [Reply("trickle", delay=0.3)] * 2}) as stub:
+        started = time.monotonic()
+        result = generate(stub, names, out, "--timeout", "1", "--max-retries", "1")
+        elapsed = time.monotonic() - started
+        assert len(stub.requests_for("zebra")) == 2
+    assert result.exit_code == 1, result.output
+    assert "no answer within 1s" in result.stderr and "gave up after 2 attempts" in result.stderr
+    assert elapsed < 4, elapsed
+    assert not out.exists()
