@@ -302,3 +302,15 @@ def test_timeout_bounds_the_whole_answer_of_a_trickling_server(tmp_path: Path) -
     assert "no answer within 1s" in result.stderr and "gave up after 2 attempts" in result.stderr
     assert elapsed < 4, elapsed
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["x" * 10_000, "Aston Martin V8 Vantage Convertible 2012", "a" * 60])
+def test_offline_file_passes_check_whatever_the_name(tmp_path: Path, name: str) -> None:
+    """generate --offline and check hold phrases to one contract, even for absurd class names."""
+    names = tmp_path / "names.json"
+    names.write_text(json.dumps([name, "giraffe"]))
+    out = tmp_path / "a.json"
+    assert run(["generate", "--classes", str(names), "--out", str(out), "--offline"]).exit_code == 0
+    checked = run(["check", str(out), "--classes", str(names)])
+    assert checked.exit_code == 0, checked.output
+    assert load_attributes(out)["giraffe"][0] == "the typical shape of a giraffe"
