@@ -100,6 +100,10 @@ def _check_out(out: Path, force: bool, discard_device_state: bool = False) -> li
         raise ExportError(f"{out}: already exists (pass --force to replace it)")
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
+    if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        # --out pointing at the run itself, or at any folder of someone's, would be deleted whole
+        raise ExportError(f"{out}: is not a bundle (no {MANIFEST}) and not empty; --force replaces only "
+                          f"bundles: choose another --out")
     state = device_state(out)
     if state and not discard_device_state:
         raise ExportError(f"{out}: --force would delete device state ({', '.join(state)}); export to another "
