@@ -3,7 +3,8 @@
 ``write_bundle`` needs only a model with its round loaded, a class set and parity images;
 ``export_bundle`` finds those in a run directory (what ``fedmvp-export`` and ``fedmvp demo``
 call). Everything is written into ``OUT.tmp-xxxx`` and renamed to ``OUT`` once complete and
-verified; with ``force`` an existing ``OUT`` is replaced only then. Nothing in the files
+verified; with ``force`` an existing ``OUT`` is replaced only then, and only if it is a bundle
+(or empty) without device state (``device_state``; ``discard_device_state`` allows that too). Nothing in the files
 depends on time or on the output path, so the same round exported twice is byte-identical.
 """
 

@@ -39,7 +39,7 @@ def _quiet_libraries() -> None:
 @click.option("--inference-only", is_flag=True,
               help="Leave out what only on-device training needs: the training program, and for fp16/int8 "
                    "the fp32 frozen weights (the ONNX model then holds its own). `edge-client train` refuses it.")
-@click.option("--force", is_flag=True, help="Replace an existing output directory (after the new one is complete).")
+@click.option("--force", is_flag=True, help="Replace an existing bundle directory (after the new one is complete).")
 @click.option("--discard-device-state", is_flag=True,
               help="With --force: replace the directory even if it holds a device's personalised/ LoRAs or "
                    "previous/ bundle (refused otherwise: they would be lost).")
