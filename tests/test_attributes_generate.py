@@ -300,7 +300,7 @@ def test_timeout_bounds_the_whole_answer_of_a_trickling_server(tmp_path: Path) -
         assert len(stub.requests_for("zebra")) == 2
     assert result.exit_code == 1, result.output
     assert "no answer within 1s" in result.stderr and "gave up after 2 attempts" in result.stderr
-    assert elapsed < 4, elapsed
+    assert elapsed < 6, elapsed  # two 1 s deadlines, not the trickle's minutes
     assert not out.exists()
 
 
