@@ -7,6 +7,7 @@ From the run (``run_class_set``: base then new classes of every dataset) or from
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,12 @@ class ClassSet:
         missing = [c for c in self.names if not self.attributes.get(c)]
         if missing:
             raise ExportError(f"{self.source}: no attribute phrases for {', '.join(missing[:5])}")
+        counts = Counter(len(self.attributes[c]) for c in self.names)
+        if len(counts) > 1:  # K is one number (docs/method.md §2); min() would cut every class to the shortest
+            k = counts.most_common(1)[0][0]
+            odd = [f"{c!r} has {len(self.attributes[c])}" for c in self.names if len(self.attributes[c]) != k]
+            raise ExportError(f"{self.source}: every class needs the same number of phrases (K); most have {k}, "
+                              f"but {', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''}")
 
 
 def text_features(clip: LoadedClip, classes: ClassSet, cache=None) -> torch.Tensor:
@@ -96,4 +103,6 @@ def file_class_set(path: Path, domain: str | None = None) -> ClassSet:
         raise ExportError(str(err)) from None
     style = SentenceStyle.for_domain(domain)
     names = list(attributes)
-    return ClassSet(names=names, attributes=attributes, styles={n: style for n in names}, source=str(path))
+    classes = ClassSet(names=names, attributes=attributes, styles={n: style for n in names}, source=str(path))
+    classes.validate()  # before the model is loaded: a bad file is reported at once
+    return classes

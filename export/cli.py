@@ -39,10 +39,14 @@ def _quiet_libraries() -> None:
 @click.option("--inference-only", is_flag=True,
               help="Leave out what only on-device training needs: the training program, and for fp16/int8 "
                    "the fp32 frozen weights (the ONNX model then holds its own). `edge-client train` refuses it.")
-@click.option("--force", is_flag=True, help="Replace an existing output directory (after the new one is complete).")
+@click.option("--force", is_flag=True, help="Replace an existing bundle directory (after the new one is complete).")
+@click.option("--discard-device-state", is_flag=True,
+              help="With --force: replace the directory even if it holds a device's personalised/ LoRAs or "
+                   "previous/ bundle (refused otherwise: they would be lost).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def main(run: Path | None, round_number: int | None, out: Path | None, precision: str, attributes: Path | None,
-         domain: str | None, parity_images: int, inference_only: bool, force: bool, as_json: bool) -> None:
+         domain: str | None, parity_images: int, inference_only: bool, force: bool, discard_device_state: bool,
+         as_json: bool) -> None:
     """Compile a round of a fedmvp run into an edge bundle.
 
     The bundle holds one ONNX model (frozen CLIP + PromptFormer + the attribute text features
@@ -57,7 +61,7 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
     try:
         result = export_bundle(run, round_number, out, precision=precision, force=force, attributes=attributes,
                                domain=domain, parity_images=parity_images, training=not inference_only,
-                               progress=not as_json)
+                               progress=not as_json, discard_device_state=discard_device_state)
     except ParityError as err:
         _fail(as_json, EXIT_PARITY, f"parity failed, no bundle written: {err}",
               {"parity": {k: r.to_manifest() for k, r in err.results.items()}})
@@ -67,7 +71,8 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
         click.echo(json.dumps({"ok": True, "bundle": str(result.path), "precision": precision,
                                "round": result.manifest["source"].get("round"),
                                "parity": {k: r.to_manifest() for k, r in result.parity.items()},
-                               "sizes": result.sizes, "total_bytes": result.total_bytes}, sort_keys=True))
+                               "sizes": result.sizes, "total_bytes": result.total_bytes,
+                               "discarded": result.discarded}, sort_keys=True))
     else:
         for line in result.lines():
             click.echo(line)

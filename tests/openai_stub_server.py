@@ -18,7 +18,10 @@ from typing import Any
 
 @dataclass
 class Reply:
-    """One scripted reply: ``kind`` is good | status | bad_json_content | bad_body | drop | slow."""
+    """One scripted reply: ``kind`` is good | status | bad_json_content | bad_body | drop | trickle.
+
+    ``delay``: seconds before answering; ``trickle``: a good answer sent one byte every ``delay``
+    seconds, status line and headers included (a server that never lets a per-read timeout fire)."""
 
     kind: str = "good"
     phrases: list[str] | None = None
@@ -124,6 +127,8 @@ class StubOpenAI:
                     stub.inflight += 1
                     stub.max_inflight = max(stub.max_inflight, stub.inflight)
                 try:
+                    if reply.kind == "trickle":
+                        return self._trickle(reply, body, class_name)
                     time.sleep(reply.delay)
                     self._play(reply, body, class_name)
                 except (BrokenPipeError, ConnectionResetError):
@@ -148,6 +153,17 @@ class StubOpenAI:
                     content = json.dumps({"attributes": reply.phrases if reply.phrases is not None
                                           else default_phrases(class_name or "thing", k)})
                 self._send(200, _completion(body, content))
+
+            def _trickle(self, reply: Reply, body: Any, class_name: str | None) -> None:
+                content = json.dumps({"attributes": default_phrases(class_name or "thing", _schema_k(body))})
+                data = json.dumps(_completion(body, content)).encode()
+                raw = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+                self.close_connection = True
+                for i in range(len(raw)):
+                    self.wfile.write(raw[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(reply.delay)
 
             def _send(self, code: int, payload: Any, headers: dict[str, str] | None = None) -> None:
                 self._send_raw(code, json.dumps(payload).encode(), "application/json", headers)

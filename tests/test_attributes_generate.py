@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import sys
 from pathlib import Path
 
@@ -265,3 +266,51 @@ def test_preset_classes_and_domains_come_from_a_real_preset(tmp_path: Path, monk
     assert "preset 'toy.toml' has no domain 'skecth'; its domains are: sketch" in typo.stderr
     unknown = runner.invoke(main, ["attributes", "generate", "--preset", "nope", "--offline"])
     assert unknown.exit_code == 2 and "preset 'nope'" in unknown.stderr
+
+
+def test_answer_containing_the_key_is_dropped_and_the_key_never_written(classes: Path, tmp_path: Path) -> None:
+    """A server that echoes the key inside an answer: the answer is re-asked, never stored, never shown."""
+    leaky = [f"stripes {KEY}"] + [f"zebra trait {i}" for i in range(9)]
+    out = tmp_path / "out" / "a.json"
+    script = {"zebra": [good(leaky), good()], "giraffe": [good(leaky)] * 3}
+    with StubOpenAI(script) as stub:
+        result = generate(stub, classes, out, "--json", "-v")
+        reasked = stub.requests_for("zebra")[1].body["messages"]
+    assert result.exit_code == 1
+    summary = json.loads(result.stdout)
+    assert summary["generated"] == ["zebra", "red_circle"]
+    assert "contained the API key" in summary["failed"]["giraffe"]
+    assert "contained the API key; it was dropped" in result.stderr
+    assert KEY not in json.dumps(reasked)
+    assert load_attributes(out)["zebra"] == default_phrases("zebra", 10)
+    assert KEY not in result.stdout and KEY not in result.stderr
+    for path in tmp_path.rglob("*"):
+        assert not path.is_file() or KEY.encode() not in path.read_bytes(), path
+
+
+def test_timeout_bounds_the_whole_answer_of_a_trickling_server(tmp_path: Path) -> None:
+    """A byte every 0.3 s keeps every read under the timeout; --timeout 1 must still end each try at 1 s."""
+    names = tmp_path / "one.txt"
+    names.write_text("zebra\n")
+    out = tmp_path / "a.json"
+    with StubOpenAI({"zebra": [Reply("trickle", delay=0.3)] * 2}) as stub:
+        started = time.monotonic()
+        result = generate(stub, names, out, "--timeout", "1", "--max-retries", "1")
+        elapsed = time.monotonic() - started
+        assert len(stub.requests_for("zebra")) == 2
+    assert result.exit_code == 1, result.output
+    assert "no answer within 1s" in result.stderr and "gave up after 2 attempts" in result.stderr
+    assert elapsed < 6, elapsed  # two 1 s deadlines, not the trickle's minutes
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["x" * 10_000, "Aston Martin V8 Vantage Convertible 2012", "a" * 60])
+def test_offline_file_passes_check_whatever_the_name(tmp_path: Path, name: str) -> None:
+    """generate --offline and check hold phrases to one contract, even for absurd class names."""
+    names = tmp_path / "names.json"
+    names.write_text(json.dumps([name, "giraffe"]))
+    out = tmp_path / "a.json"
+    assert run(["generate", "--classes", str(names), "--out", str(out), "--offline"]).exit_code == 0
+    checked = run(["check", str(out), "--classes", str(names)])
+    assert checked.exit_code == 0, checked.output
+    assert load_attributes(out)["giraffe"][0] == "the typical shape of a giraffe"

@@ -18,6 +18,7 @@ from typing import Any
 from fedmvp import atomic
 
 META_KEY = "_meta"
+MAX_FILE_BYTES = 8 << 20  # ImageNet's 1000 classes x 10 phrases are ~0.5 MB; more is not an attribute file
 
 PathLike = str | os.PathLike
 
@@ -34,6 +35,10 @@ def read_attribute_file(path: PathLike) -> tuple[dict[str, list[str]], dict[str,
     """``(attributes, meta)`` exactly as stored (file order, no K check); meta is ``{}`` if absent."""
     path = Path(path)
     try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise AttributeFileError(f"{path}: {size / 1e6:.1f} MB is too large for an attribute file "
+                                     f"(at most {MAX_FILE_BYTES >> 20} MiB)")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise AttributeFileError(f"{path}: no such attribute file") from None

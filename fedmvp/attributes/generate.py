@@ -9,7 +9,8 @@ Why it is built this way:
   with the reason, because not every compatible server enforces the JSON schema;
 - the output file is rewritten atomically after every class, so an interrupted or failed
   run keeps everything answered so far and a rerun asks only for what is missing;
-- the API key is read from the environment only and redacted from every message we emit.
+- the API key is read from the environment only and redacted from every message we emit; an
+  answer that contains it (a server echoing the request) is dropped and re-asked, never stored.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class _ClassFailed(Exception):
 
 class _Stopped(Exception):
     """The run was stopped while this class waited its turn or its backoff."""
+
+
+class _DeadlinePassed(Exception):
+    """No complete answer within ``--timeout`` seconds of wall-clock time."""
 
 
 @dataclass
@@ -164,11 +169,11 @@ class AttributeClient:
         self.requests = 0
         self._lock = threading.Lock()
         self._secret = endpoint.api_key if endpoint.api_key != NO_KEY else None
-        self._client = OpenAI(api_key=endpoint.api_key, base_url=endpoint.base_url,
-                              max_retries=0, timeout=config.timeout)
+        self._new_client = lambda: OpenAI(api_key=endpoint.api_key, base_url=endpoint.base_url,
+                                          max_retries=0, timeout=config.timeout)
 
     def redact(self, text: str) -> str:
-        """``text`` with the API key masked (servers sometimes echo it in error bodies)."""
+        """``text`` with the API key masked (servers sometimes echo it, in error bodies or answers)."""
         return text.replace(self._secret, "***") if self._secret else text
 
     def ask(self, class_name: str) -> list[str]:
@@ -181,6 +186,9 @@ class AttributeClient:
             content: str | None = None
             try:
                 content = self._complete(class_name, messages)
+                if self._secret and content and self._secret in content:
+                    content = self.redact(content)  # not even the re-ask sends it back
+                    raise prompt.InvalidAnswer("the answer contained the API key; it was dropped, not stored")
                 return prompt.parse_answer(content, k)
             except prompt.InvalidAnswer as exc:
                 reason = self.redact(str(exc))
@@ -190,6 +198,35 @@ class AttributeClient:
                     messages = [*messages, {"role": "assistant", "content": content}]
                 messages = [*messages, prompt.reask_message(reason, k)]
         raise _ClassFailed(f"invalid answer after {tries} tries: {reason}")
+
+    def _create(self, kwargs: dict[str, Any]) -> Any:
+        """One request bounded by ``timeout`` seconds of wall-clock time in all.
+
+        httpx's timeout bounds each read, so a server trickling a byte every few seconds would
+        never time out. The request runs in a daemon thread on a client of its own; past the
+        deadline that client is closed (its socket with it, which ends the thread's next read)
+        and ``_DeadlinePassed`` is raised, whatever the server does."""
+        client = self._new_client()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def request() -> None:
+            try:
+                box["response"] = client.chat.completions.create(**kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=request, name="attributes-request", daemon=True).start()
+        finished = done.wait(self.config.timeout)
+        # closing may wait for the pool's lock: never on this thread
+        threading.Thread(target=client.close, name="attributes-close", daemon=True).start()
+        if not finished:
+            raise _DeadlinePassed()
+        if "error" in box:
+            raise box["error"]
+        return box["response"]
 
     def _backoff(self, attempt: int) -> float:
         delay = min(self.config.backoff_max, self.config.backoff_base * 2 ** attempt)
@@ -213,7 +250,7 @@ class AttributeClient:
                 self.requests += 1
             delay: float | None = None
             try:
-                response = self._client.chat.completions.create(**kwargs)
+                response = self._create(kwargs)
             except openai.APIStatusError as exc:
                 status, detail = exc.status_code, self.redact(str(exc.message))[:300]
                 if status in ABORT_STATUS:
@@ -224,7 +261,7 @@ class AttributeClient:
                     raise _ClassFailed(f"HTTP {status}: {detail}") from None
                 what, unreachable = f"HTTP {status}", False
                 delay = parse_retry_after(exc.response.headers)
-            except openai.APITimeoutError:
+            except (openai.APITimeoutError, _DeadlinePassed):
                 what, unreachable = f"no answer within {cfg.timeout:g}s", False
             except openai.APIConnectionError as exc:
                 what, unreachable = f"connection failed ({self.redact(str(exc))[:200]})", True

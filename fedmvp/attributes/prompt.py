@@ -147,9 +147,15 @@ OFFLINE_TEMPLATES = (
 
 
 def offline_attributes(class_name: str, k: int = DEFAULT_K) -> list[str]:
-    """K template phrases from the class name alone, so training can run without an LLM."""
+    """K template phrases from the class name alone, so training can run without an LLM.
+
+    They obey the same contract as an LLM's answer (``phrase_problems``), so that
+    ``fedmvp attributes check`` accepts what ``generate --offline`` wrote: where naming the class
+    would make a phrase too long, it says "the object" (the sentence names the class anyway)."""
     name = display_name(class_name)
     article = "an" if name[:1].lower() in "aeiou" else "a"
-    phrases = [t.format(a=article, name=name) for t in OFFLINE_TEMPLATES]
-    phrases += [f"visual detail {i + 1} of {article} {name}" for i in range(len(phrases), k)]
-    return phrases[:k]
+    templates = [*OFFLINE_TEMPLATES, *(f"visual detail {i + 1} of {{a}} {{name}}"
+                                       for i in range(len(OFFLINE_TEMPLATES), k))][:k]
+    phrases = [t.format(a=article, name=name) for t in templates]
+    return [p if not phrase_problems([p], None) else t.format(a="the", name="object")
+            for p, t in zip(phrases, templates)]

@@ -103,7 +103,8 @@ def attributes() -> None:
 @click.option("--backoff", default=1.0, show_default=True, type=click.FloatRange(0),
               help="Base delay in seconds of the exponential backoff (Retry-After wins).")
 @click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(0.1),
-              help="Seconds to wait for one answer.")
+              help="Seconds one request may take in all, connecting to last byte (a wall-clock "
+                   "deadline: a server trickling bytes cannot stretch it).")
 @click.option("--temperature", type=click.FloatRange(0, 2),
               help="Sampling temperature (default: the server's).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")

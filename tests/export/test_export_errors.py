@@ -86,3 +86,59 @@ def test_fp32_parity_failure_exits_1_and_writes_nothing(tiny_run, tmp_path, monk
     assert result.exit_code == 1, result.output
     assert "parity failed, no bundle written" in result.output and "parity fp32" in result.output
     assert not out.exists() and list(tmp_path.iterdir()) == []  # the temp directory is gone too
+
+
+def _device_made(out):
+    """A bundle directory as a device leaves it: personalised LoRAs and the bundle before a refresh."""
+    (out / "personalised").mkdir(parents=True)
+    (out / "personalised" / "state.json").write_text('{"active": "lora-0001.safetensors"}')
+    (out / "previous").mkdir()
+    (out / "previous" / "lora.safetensors").write_bytes(b"old bundle")
+
+
+def test_force_refuses_to_delete_device_state(tiny_bundle, tmp_path):
+    import shutil
+
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.path, out)
+    _device_made(out)
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    line = _one_line_error(_run("--run", tiny_bundle.manifest["source"]["run_path"], "--out", str(out), "--force"))
+    assert "personalised/" in line and "previous/" in line and "--discard-device-state" in line
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+
+
+def test_discard_device_state_replaces_and_says_what_went(tiny_bundle, tmp_path):
+    import shutil
+
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.path, out)
+    _device_made(out)
+    result = _run("--run", tiny_bundle.manifest["source"]["run_path"], "--out", str(out), "--force",
+                  "--discard-device-state", "--parity-images", "32")
+    assert result.exit_code == 0, result.output
+    assert "discarded device state of the replaced bundle: personalised/, previous/" in result.output
+    assert not (out / "personalised").exists() and not (out / "previous").exists()
+
+
+def test_nan_checkpoint_is_named_not_a_parity_verdict(run_copy, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = run_copy / "round-0002" / "global.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(n for n in tensors if n.startswith("promptformer."))[0]
+    tensors[name][..., 0] = float("nan")
+    save_file(tensors, str(path))
+    out = tmp_path / "b"
+    line = _one_line_error(_run("--run", str(run_copy), "--round", "2", "--out", str(out)))
+    assert "round-0002/global.safetensors" in line and name in line and "NaN" in line
+    assert not out.exists()
+
+
+def test_attributes_with_unequal_phrase_counts_name_the_class(tiny_run, tmp_path):
+    attrs = tmp_path / "attrs.json"
+    attrs.write_text(json.dumps({"giraffe": [f"long neck {i}" for i in range(10)], "zebra": ["stripes"],
+                                 "okapi": [f"striped legs {i}" for i in range(10)]}))
+    line = _one_line_error(_run("--run", str(tiny_run), "--attributes", str(attrs), "--out", str(tmp_path / "b")))
+    assert str(attrs) in line and "'zebra' has 1" in line and "most have 10" in line
+    assert not (tmp_path / "b").exists()
