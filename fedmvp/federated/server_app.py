@@ -184,13 +184,21 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
     strategy.start(grid, array_record(initial), num_rounds=total - start)
 
 
-def server_app_for(settings: ServerSettings) -> ServerApp:
-    """A ServerApp bound to a prepared run directory (``fedmvp train`` on the simulation engine)."""
+def server_app_for(settings: ServerSettings, failures: list | None = None) -> ServerApp:
+    """A ServerApp bound to a prepared run directory (``fedmvp train`` on the simulation engine).
+
+    ``failures``: the server's error lands there instead of in Flower's log, so the caller can stop
+    with that one line (a non-finite round, a full disk) rather than "stopped after round N"."""
     bound = ServerApp()
 
     @bound.main()
     def main(grid: Grid, context: Context) -> None:
-        run_server(grid, settings)
+        try:
+            run_server(grid, settings)
+        except Exception as err:  # noqa: BLE001 - handed to the caller whole
+            if failures is None:
+                raise
+            failures.append(err)
 
     return bound
 

@@ -228,6 +228,8 @@ def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = Non
     for key, value in table.items():
         if not _type_ok(value, hints[key]):
             raise err(f"{where}: {key} must be {_type_name(hints[key])}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):  # TOML allows nan and inf; no range check sees NaN
+            raise err(f"{where}: {key} must be a finite number, got {value!r}")
         values[key] = float(value) if hints[key] is float or (
             typing.get_args(hints[key]) == (float, type(None)) and value is not None) else value
     return cls(**values, **(extra or {}))
