@@ -100,3 +100,23 @@ def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[s
 
     with atomic_path(path) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+
+
+def probe_writable(folder: str | Path) -> None:
+    """Create ``folder`` and a probe file in it, then remove the probe: a read-only or full disk stops
+    the work before it starts (OSError naming the path), not after an hour of rounds."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".probe.", dir=folder)
+    try:
+        os.write(fd, b"0" * 4096)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def os_error_line(err: OSError) -> str:
+    """An OSError (EACCES, EROFS, ENOSPC, ...) as one line that names the path first."""
+    where = err.filename if err.filename is not None else "error"
+    return f"{where}: {err.strerror or err}"

@@ -2,8 +2,9 @@
 
 ```
 runs/<name>/
-  config.json                 resolved preset + overrides (what was run)
-  preset.toml                 the preset file as given (clients read it)
+  config.json                 resolved preset + overrides + the preset's text and sha256 (what was run)
+  preset.toml                 the preset's text as recorded in config.json, plus base_dir (its folder);
+                              a resume reads it when the original file changed (prepare.run_preset)
   round-0003/global.safetensors   global trainable tensors (promptformer.*, lora.*)
   round-0003/state.json           round, per-client LoRA flags, schedule, seed, complete: true
                                   (a `fedmvp ingest` round adds source: ingest and its files' records)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
+from fedmvp.atomic import os_error_line
 from fedmvp.runs import RunDir, RunError
 
 FLOWER_QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
@@ -45,7 +46,9 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=int(config["num_clients"]),
                    backend_config=backend)
     if failures:  # the server's own error, as one line (Flower would only log it, with a traceback)
-        raise RunError(" ".join(str(failures[0]).split()) or repr(failures[0]))
+        err = failures[0]
+        line = os_error_line(err) if isinstance(err, OSError) else " ".join(str(err).split()) or repr(err)
+        raise RunError(line) from err
     done = run.last_round() or 0
     if done < int(config["rounds"]):
         raise RunError(f"{run.path}: stopped after round {done} of {config['rounds']} (see the log above); "
