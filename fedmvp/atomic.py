@@ -8,6 +8,7 @@ of files (a checkpoint round: its tensors and its state.json appear together or 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -106,6 +107,9 @@ def probe_writable(folder: str | Path) -> None:
     """Create ``folder`` and a probe file in it, then remove the probe: a read-only or full disk stops
     the work before it starts (OSError naming the path), not after an hour of rounds."""
     folder = Path(folder)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():  # mkdir would only say "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, "Not a directory (a file is in the way)", str(existing))
     folder.mkdir(parents=True, exist_ok=True)
     fd, probe = tempfile.mkstemp(prefix=".probe.", dir=folder)
     try:

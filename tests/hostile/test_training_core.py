@@ -36,3 +36,127 @@ def test_every_float_flag_refuses_non_finite_values(command, flag, value):
 
 def test_the_float_flags_are_found():
     assert {("serve", "--fraction"), ("serve", "--round-timeout"), ("pretrain-tiny", "--lr")} <= set(_float_flags())
+
+
+# ---- the table: `fedmvp train`, `evaluate`, `world`, `ingest` as a user runs them -------------------------
+from pathlib import Path  # noqa: E402
+
+from tests.hostile.disk import Hostile, assert_one_line_error, run, tree_digest  # noqa: E402
+
+PRESET = """name = "hostile"
+protocol = "base-to-new"
+[model]
+clip = "fedmvp-tiny"
+pretrained = ""
+[train]
+rounds = 2
+batch_size = 4
+shots = 2
+[[datasets]]
+name = "shapes"
+layout = "synthetic"
+root = "{root}"
+train_domains = ["photo"]
+base_classes = 4
+new_classes = 2
+classes_per_client = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A world, a good preset, bad presets, and prepared runs (never trained: a round is written directly)."""
+    import torch
+
+    from fedmvp.federated.prepare import prepare_run
+    from fedmvp.runs import RunDir
+    from fedmvp.synthetic.writer import write_world
+
+    base = tmp_path_factory.mktemp("hostile")
+    world = write_world(base / "world", counts={"train": 2, "test": 2}, domains=["photo"])
+    good = PRESET.format(root=world)
+    presets = {"good": good, "rounds0": good.replace("rounds = 2", "rounds = 0"),
+               "rounds-1": good.replace("rounds = 2", "rounds = -1"),
+               "rounds1e9": good.replace("rounds = 2", "rounds = 1e9"),
+               "lrnan": good.replace("shots = 2", "shots = 2\nlr = nan"),
+               "alphainf": good.replace("shots = 2", "shots = 2\nalpha = inf"),
+               "duplicate": good.replace("shots = 2", "shots = 2\nshots = 3"),
+               "table": good + "\n[optimizer]\nname = 'adam'\n",
+               "rootfile": good.replace(f'root = "{world}"', f'root = "{world / "world.json"}"')}
+    for name, text in presets.items():
+        (base / f"{name}.toml").write_text(text)
+    (base / "dir.toml").mkdir()
+    (base / "a-file").write_text("not a folder\n")
+    (base / "empty").mkdir()
+    for name in ("run", "listconfig", "liststate", "nanround", "corrupt", "other"):
+        path = base / name
+        prepare_run(str(base / "good.toml"), str(path), None, False, "cpu")
+        for number in (1, 2):  # round 2 of 2: a resume has nothing left to train
+            RunDir(path).save_checkpoint(number, {"promptformer.w": torch.zeros(2)},
+                                         {"method": RunDir(path).read_config()["method"]})
+    (base / "listconfig" / "config.json").write_text("[1, 2]")
+    (base / "liststate" / "round-0001" / "state.json").write_text('["complete"]')
+    from safetensors.torch import save_file
+
+    save_file({"promptformer.w": torch.tensor([float("nan"), 0.0])}, str(base / "nanround" / "round-0002" /
+                                                                         "global.safetensors"))
+    (base / "corrupt" / "round-0002" / "global.safetensors").write_bytes(b"\x00" * 20)
+    (base / "other.toml").write_text(good.replace("shots = 2", "shots = 1"))
+    return base
+
+
+def _train(preset: str, run_dir: str, *extra: str) -> list[str]:
+    return ["train", "--config", preset, "--run-dir", run_dir, *extra]
+
+
+ROWS = [
+    Hostile("rounds-0", _train("rounds0.toml", "r"), 2, "rounds must be at least 1", ["rounds0.toml"]),
+    Hostile("rounds-negative", _train("rounds-1.toml", "r"), 2, "rounds must be at least 1"),
+    Hostile("rounds-1e9", _train("rounds1e9.toml", "r"), 2, "rounds must be an integer, got 1000000000.0"),
+    Hostile("lr-nan", _train("lrnan.toml", "r"), 2, "lr must be a finite number, got nan"),
+    Hostile("alpha-inf", _train("alphainf.toml", "r"), 2, "alpha must be a finite number, got inf"),
+    Hostile("duplicate-key", _train("duplicate.toml", "r"), 2, "invalid TOML"),
+    Hostile("unknown-table", _train("table.toml", "r"), 2, "unknown key 'optimizer'"),
+    Hostile("root-is-a-file", _train("rootfile.toml", "r"), 2, "world.json does not exist"),
+    Hostile("preset-is-a-directory", _train("dir.toml", "r"), 2, "dir.toml: cannot read"),
+    Hostile("run-dir-is-a-file", _train("good.toml", "a-file"), 2, "is a file", ["a-file"]),
+    Hostile("run-dir-not-writable", _train("good.toml", "a-file/run"), 2, "a-file: Not a directory",
+            ["a-file"]),
+    Hostile("resume-empty-dir", _train("good.toml", "empty", "--resume"), 2, "not a fedmvp run", ["empty"]),
+    Hostile("resume-config-list", _train("good.toml", "listconfig", "--resume"), 2,
+            "listconfig/config.json: not a JSON object", ["listconfig"]),
+    Hostile("resume-state-list", _train("good.toml", "liststate", "--resume"), 2,
+            "liststate/round-0001/state.json: not a JSON object", ["liststate"]),
+    Hostile("resume-nan-checkpoint", _train("good.toml", "nanround", "--resume"), 2,
+            "round-0002/global.safetensors: tensor promptformer.w holds NaN", ["nanround"]),
+    Hostile("resume-corrupt-last-round", _train("good.toml", "corrupt", "--resume"), 2,
+            "to resume from round 1", ["corrupt"]),
+    Hostile("resume-another-preset", _train("other.toml", "other", "--resume"), 2, "not the preset",
+            ["other"]),
+    Hostile("resume-other-rounds", _train("good.toml", "run", "--resume", "--rounds", "5"), 2,
+            "was started with 2 rounds", ["run"]),
+    Hostile("evaluate-round-999", ["evaluate", "--run", "run", "--round", "999"], 2,
+            "round 999 not found (complete rounds: 1, 2)", ["run"]),
+    Hostile("evaluate-config-list", ["evaluate", "--run", "listconfig"], 2, "not a JSON object", ["listconfig"]),
+    Hostile("evaluate-state-list", ["evaluate", "--run", "liststate", "--round", "2"], 2,
+            "round-0001/state.json: not a JSON object", ["liststate"]),
+    Hostile("evaluate-nan-checkpoint", ["evaluate", "--run", "nanround"], 2, "holds NaN or infinite values",
+            ["nanround"]),
+    Hostile("evaluate-a-file", ["evaluate", "--run", "a-file"], 2, "is a file", ["a-file"]),
+    Hostile("world-out-is-a-file", ["world", "--out", "a-file", "--train", "1", "--val", "0", "--test", "0"], 2,
+            "is a file", ["a-file"]),
+    Hostile("world-out-not-writable", ["world", "--out", "a-file/w", "--train", "1", "--val", "0", "--test", "0"],
+            2, "a-file: Not a directory", ["a-file"]),
+    Hostile("ingest-a-directory", ["ingest", "--run", "run", "empty"], 2, "is a directory", ["run"]),
+    Hostile("ingest-run-config-list", ["ingest", "--run", "listconfig", "good.toml"], 2, "not a JSON object",
+            ["listconfig"]),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_hostile_input_is_one_line_and_changes_nothing(root, row):
+    before = {path: tree_digest(root / path) for path in row.unchanged}
+    done = run("fedmvp", row.args, cwd=root, timeout=120)
+    assert_one_line_error(done, row.exit_code, row.fragment)
+    assert {path: tree_digest(root / path) for path in row.unchanged} == before
+    assert not (root / "r").exists()  # a refused run leaves no run directory behind
