@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import click
 import pytest
-from click.testing import CliRunner
 
 from fedmvp.cli import SUBCOMMANDS, main
 
