@@ -24,6 +24,9 @@ def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume
         raise BadInput(str(err)) from err
     except OSError as err:  # a missing file, a read-only or full disk (the run directory is probed first)
         raise BadInput(os_error_line(err)) from err
+    from fedmvp.watchdog import start_watchdog
+
+    start_watchdog()  # Ray's helpers must not outlive a killed `fedmvp train` / `fedmvp demo`
     try:
         return simulate(run, eval_every=eval_every, progress=progress)
     except OSError as err:  # a write that failed mid-run (the rounds so far are whole: --resume)

@@ -38,6 +38,8 @@ def test_the_float_flags_are_found():
 
 
 # ---- the table: `fedmvp train`, `evaluate`, `world`, `ingest` as a user runs them -------------------------
+import os  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from tests.hostile.disk import Hostile, assert_one_line_error, run, tree_digest  # noqa: E402
@@ -159,3 +161,50 @@ def test_hostile_input_is_one_line_and_changes_nothing(root, row):
     assert_one_line_error(done, row.exit_code, row.fragment)
     assert {path: tree_digest(root / path) for path in row.unchanged} == before
     assert not (root / "r").exists()  # a refused run leaves no run directory behind
+
+
+def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
+    """kill -9 of `fedmvp train` (the process, not its group) used to leave ray::DashboardAgent and
+    ray::RuntimeEnvAgent running (~90 MB each): the watchdog (fedmvp/watchdog.py) ends them."""
+    import signal
+    import subprocess
+    import time
+
+    from fedmvp.watchdog import descendants
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("the watchdog reads /proc (Linux)")
+    (root / "long.toml").write_text((root / "good.toml").read_text().replace("rounds = 2", "rounds = 50"))
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "fedmvp"), *_train("long.toml", "killed")],
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while True:
+            agents = {pid: start for pid, start in descendants(proc.pid).items()
+                      if b"Agent" in Path(f"/proc/{pid}/cmdline").read_bytes()} if proc.poll() is None else {}
+            if len(agents) >= 2:
+                break
+            assert proc.poll() is None and time.time() < deadline, "Ray's agents never started"
+            time.sleep(0.5)
+        started = descendants(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 20
+        while True:
+            alive = [pid for pid, start in started.items() if _alive(pid, start)]
+            if not alive or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        assert not alive, [Path(f"/proc/{pid}/cmdline").read_bytes()[:60] for pid in alive]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group, if the test failed
+        except OSError:
+            pass
+
+
+def _alive(pid: int, start: int) -> bool:
+    from fedmvp.watchdog import _stat
+
+    stat = _stat(pid)
+    return stat is not None and stat[1] == start
