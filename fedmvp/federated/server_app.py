@@ -74,7 +74,7 @@ def deployment_settings(run_config: dict) -> ServerSettings:
         prepare_run(preset, run_dir, rounds or None, resume=False, device="auto", with_data=False)
     else:
         config = run.read_config()
-        if preset and preset != config["preset"]:
+        if preset:
             try:
                 check_same_preset(run, config, preset)
             except RunError as err:
