@@ -208,3 +208,39 @@ def _alive(pid: int, start: int) -> bool:
 
     stat = _stat(pid)
     return stat is not None and stat[1] == start
+
+
+def test_the_exporter_names_a_state_json_that_is_not_an_object(root):
+    """Even a round not in use: the run reader sees every round's state.json."""
+    before = tree_digest(root / "liststate")
+    done = run("fedmvp-export", ["--run", "liststate", "--round", "2", "--out", "bundle"], cwd=root, timeout=120)
+    assert_one_line_error(done, 2, "liststate/round-0001/state.json: not a JSON object")
+    assert tree_digest(root / "liststate") == before and not (root / "bundle").exists()
+
+
+def test_world_names_the_path_when_the_disk_fills_while_writing(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import fedmvp.synthetic.writer as writer
+
+    def full(out, *args, **kwargs):
+        raise OSError(28, "No space left on device", str(out / "photo" / "train"))
+
+    monkeypatch.setattr(writer, "write_world", full)
+    result = CliRunner().invoke(main, ["world", "--out", str(tmp_path / "w"), "--train", "1", "--val", "0",
+                                       "--test", "0"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"{tmp_path / 'w' / 'photo' / 'train'}: No space left on device" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders (the a-file rows cover this)")
+def test_a_read_only_run_folder_stops_train_before_it_starts(root, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        done = run("fedmvp", _train(str(root / "good.toml"), str(locked / "run")), cwd=root, timeout=120)
+        assert_one_line_error(done, 2, "Permission denied")
+    finally:
+        locked.chmod(0o755)
