@@ -42,26 +42,9 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from tests.federated.conftest import PRESET  # noqa: E402
 from tests.hostile.disk import Hostile, assert_one_line_error, run, tree_digest  # noqa: E402
 
-PRESET = """name = "hostile"
-protocol = "base-to-new"
-[model]
-clip = "fedmvp-tiny"
-pretrained = ""
-[train]
-rounds = 2
-batch_size = 4
-shots = 2
-[[datasets]]
-name = "shapes"
-layout = "synthetic"
-root = "{root}"
-train_domains = ["photo"]
-base_classes = 4
-new_classes = 2
-classes_per_client = 2
-"""
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +57,13 @@ def root(tmp_path_factory) -> Path:
     from fedmvp.synthetic.writer import write_world
 
     base = tmp_path_factory.mktemp("hostile")
-    world = write_world(base / "world", counts={"train": 2, "test": 2}, domains=["photo"])
-    good = PRESET.format(root=world)
-    presets = {"good": good, "rounds0": good.replace("rounds = 2", "rounds = 0"),
-               "rounds-1": good.replace("rounds = 2", "rounds = -1"),
-               "rounds1e9": good.replace("rounds = 2", "rounds = 1e9"),
+    world = write_world(base / "world", counts={"train": 2, "test": 2}, domains=["photo", "painting"])
+    good = PRESET.format(root=world, sigma=1000.0)
+    presets = {"good": good, "rounds0": good.replace("rounds = 3", "rounds = 0"),
+               "rounds-1": good.replace("rounds = 3", "rounds = -1"),
+               "rounds1e9": good.replace("rounds = 3", "rounds = 1e9"),
                "lrnan": good.replace("shots = 2", "shots = 2\nlr = nan"),
-               "alphainf": good.replace("shots = 2", "shots = 2\nalpha = inf"),
+               "alphainf": good.replace("alpha = 5.0", "alpha = inf"),
                "duplicate": good.replace("shots = 2", "shots = 2\nshots = 3"),
                "table": good + "\n[optimizer]\nname = 'adam'\n",
                "rootfile": good.replace(f'root = "{world}"', f'root = "{world / "world.json"}"')}
@@ -92,7 +75,7 @@ def root(tmp_path_factory) -> Path:
     for name in ("run", "listconfig", "liststate", "nanround", "corrupt", "other"):
         path = base / name
         prepare_run(str(base / "good.toml"), str(path), None, False, "cpu")
-        for number in (1, 2):  # round 2 of 2: a resume has nothing left to train
+        for number in (1, 2):  # every row fails before training starts
             RunDir(path).save_checkpoint(number, {"promptformer.w": torch.zeros(2)},
                                          {"method": RunDir(path).read_config()["method"]})
     (base / "listconfig" / "config.json").write_text("[1, 2]")
@@ -135,7 +118,7 @@ ROWS = [
     Hostile("resume-another-preset", _train("other.toml", "other", "--resume"), 2, "not the preset",
             ["other"]),
     Hostile("resume-other-rounds", _train("good.toml", "run", "--resume", "--rounds", "5"), 2,
-            "was started with 2 rounds", ["run"]),
+            "was started with 3 rounds", ["run"]),
     Hostile("evaluate-round-999", ["evaluate", "--run", "run", "--round", "999"], 2,
             "round 999 not found (complete rounds: 1, 2)", ["run"]),
     Hostile("evaluate-config-list", ["evaluate", "--run", "listconfig"], 2, "not a JSON object", ["listconfig"]),
@@ -174,7 +157,7 @@ def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
 
     if not Path("/proc/self/stat").exists():
         pytest.skip("the watchdog reads /proc (Linux)")
-    (root / "long.toml").write_text((root / "good.toml").read_text().replace("rounds = 2", "rounds = 50"))
+    (root / "long.toml").write_text((root / "good.toml").read_text().replace("rounds = 3", "rounds = 50"))
     proc = subprocess.Popen([str(Path(sys.executable).parent / "fedmvp"), *_train("long.toml", "killed")],
                             cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
