@@ -77,8 +77,9 @@ def deployment_settings(run_config: dict) -> ServerSettings:
         if preset:
             try:
                 check_same_preset(run, config, preset)
-            except RunError as err:
-                raise RuntimeError(f"{err} (leave preset empty to resume it)") from None
+            except RunError:
+                raise RuntimeError(f"{run.path}: was started with preset {config.get('preset_path')}, not "
+                                   f"{preset}; leave preset empty to resume it or use another run-dir") from None
         if rounds and rounds != int(config["rounds"]):
             raise RuntimeError(f"{run.path}: was started with {config['rounds']} rounds; resume keeps them "
                                f"(set rounds=0)")

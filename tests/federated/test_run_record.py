@@ -98,7 +98,7 @@ def test_deployment_resume_refuses_another_preset_and_accepts_the_original(prese
     run = prepare_run(str(preset_file), str(tmp_path / "run"), None, False, "cpu", with_data=False)
     other = tmp_path / "other.toml"
     other.write_text(preset_file.read_text().replace("shots = 2", "shots = 1"))
-    with pytest.raises(RuntimeError, match="not the preset"):
+    with pytest.raises(RuntimeError, match="was started with preset"):
         deployment_settings({"run-dir": str(run.path), "preset": str(other)})
     preset_file.write_text(preset_file.read_text().replace("shots = 2", "shots = 1"))  # edited: a warning later
     assert deployment_settings({"run-dir": str(run.path), "preset": str(preset_file)}).run_dir == str(run.path)
