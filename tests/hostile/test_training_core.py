@@ -132,6 +132,8 @@ ROWS = [
     Hostile("world-out-not-writable", ["world", "--out", "a-file/w", "--train", "1", "--val", "0", "--test", "0"],
             2, "a-file: Not a directory", ["a-file"]),
     Hostile("ingest-a-directory", ["ingest", "--run", "run", "empty"], 2, "is a directory", ["run"]),
+    Hostile("ingest-state-list", ["ingest", "--run", "liststate", "good.toml"], 2,
+            "round-0001/state.json: not a JSON object", ["liststate"]),
     Hostile("ingest-run-config-list", ["ingest", "--run", "listconfig", "good.toml"], 2, "not a JSON object",
             ["listconfig"]),
 ]
