@@ -64,9 +64,13 @@ def recorded_copy(text: str, folder: Path) -> str:
     return f"base_dir = {json.dumps(str(folder))}  # added by fedmvp: the preset's folder\n{text}"
 
 
-def _warn_once(run: RunDir, message: str, _said: set = set()) -> None:  # noqa: B006 - once per process
-    if (str(run.path), message) not in _said:
-        _said.add((str(run.path), message))
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(run: RunDir, message: str) -> None:
+    """A resume, the ServerApp and evaluation all ask for the preset in one process: say it once."""
+    if (str(run.path), message) not in _WARNED:
+        _WARNED.add((str(run.path), message))
         warn(message)
 
 
