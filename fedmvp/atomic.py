@@ -8,6 +8,7 @@ of files (a checkpoint round: its tensors and its state.json appear together or 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -100,3 +101,26 @@ def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[s
 
     with atomic_path(path) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+
+
+def probe_writable(folder: str | Path) -> None:
+    """Create ``folder`` and a probe file in it, then remove the probe: a read-only or full disk stops
+    the work before it starts (OSError naming the path), not after an hour of rounds."""
+    folder = Path(folder)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():  # mkdir would only say "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, "Not a directory (a file is in the way)", str(existing))
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".probe.", dir=folder)
+    try:
+        os.write(fd, b"0" * 4096)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def os_error_line(err: OSError) -> str:
+    """An OSError (EACCES, EROFS, ENOSPC, ...) as one line that names the path first."""
+    where = err.filename if err.filename is not None else "error"
+    return f"{where}: {err.strerror or err}"

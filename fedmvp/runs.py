@@ -2,8 +2,9 @@
 
 ```
 runs/<name>/
-  config.json                 resolved preset + overrides (what was run)
-  preset.toml                 the preset file as given (clients read it)
+  config.json                 resolved preset + overrides + the preset's text and sha256 (what was run)
+  preset.toml                 the preset's text as recorded in config.json, plus base_dir (its folder);
+                              a resume reads it when the original file changed (prepare.run_preset)
   round-0003/global.safetensors   global trainable tensors (promptformer.*, lora.*)
   round-0003/state.json           round, per-client LoRA flags, schedule, seed, complete: true
                                   (a `fedmvp ingest` round adds source: ingest and its files' records)
@@ -20,6 +21,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,19 @@ METRIC_COLUMNS = ["round", "train_loss", "train_ce", "train_consistency", "lora_
 
 class RunError(RuntimeError):
     """A run directory or checkpoint that cannot be used; the message names the path."""
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr (the CLI's and the simulation's output stay parseable)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor holding NaN or inf (a NaN checkpoint trains to NaN and evaluates at chance)."""
+    for name, value in tensors.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return name
+    return None
 
 
 def round_dir_name(round_number: int) -> str:
@@ -76,11 +91,18 @@ class RunDir:
 
     def read_config(self) -> dict[str, Any]:
         try:
-            return json.loads(self.config_path.read_text())
+            config = json.loads(self.config_path.read_text())
         except FileNotFoundError as err:
             raise RunError(f"{self.path}: not a fedmvp run (no config.json)") from err
-        except json.JSONDecodeError as err:
-            raise RunError(f"{self.config_path}: corrupt JSON ({err.msg} at line {err.lineno})") from err
+        except NotADirectoryError as err:
+            raise RunError(f"{self.path}: not a directory") from err
+        except IsADirectoryError as err:
+            raise RunError(f"{self.config_path}: a directory, not a file") from err
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise RunError(f"{self.config_path}: corrupt JSON ({err})") from err
+        if not isinstance(config, dict):
+            raise RunError(f"{self.config_path}: not a JSON object (got {type(config).__name__})")
+        return config
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict[str, Any],
@@ -89,21 +111,29 @@ class RunDir:
         overwrite a complete round (`fedmvp ingest` adds rounds, it never rewrites one)."""
         if not replace and round_number in self.rounds():
             raise RunError(f"{self.round_path(round_number)}: round {round_number} already exists")
+        bad = nonfinite_tensor(tensors)
+        if bad is not None:
+            raise RunError(f"{self.round_path(round_number) / 'global.safetensors'}: tensor {bad} holds NaN or "
+                           f"infinite values; round {round_number} not written")
         with atomic.atomic_dir(self.round_path(round_number)) as folder:
             atomic.save_safetensors(tensors, folder / "global.safetensors", {"round": str(round_number)})
             atomic.write_json(folder / "state.json", {**state, "round": round_number, "complete": True})
 
     def rounds(self) -> list[int]:
-        """Complete rounds, ascending."""
+        """Complete rounds, ascending. A state.json that parses but is no JSON object is corruption,
+        not an unfinished round: it stops the reader with one line naming it."""
         found = []
         for child in self.path.glob(f"{ROUND_PREFIX}*"):
             state = child / "state.json"
             try:
                 number = int(child.name[len(ROUND_PREFIX):])
-                if state.is_file() and json.loads(state.read_text()).get("complete"):
-                    found.append(number)
-            except (ValueError, json.JSONDecodeError):
+                record = json.loads(state.read_text()) if state.is_file() else {}
+            except (ValueError, OSError):  # not a round folder, or a state.json cut short (JSON errors)
                 continue
+            if not isinstance(record, dict):
+                raise RunError(f"{state}: not a JSON object (got {type(record).__name__}); move {child} aside")
+            if record.get("complete"):
+                found.append(number)
         return sorted(found)
 
     def last_round(self) -> int | None:
@@ -120,18 +150,36 @@ class RunDir:
             listed = ", ".join(map(str, rounds)) or "none"
             raise RunError(f"{self.path}: round {round_number} not found (complete rounds: {listed})")
         folder = self.round_path(round_number)
+        weights = folder / "global.safetensors"
         try:
-            tensors = load_file(str(folder / "global.safetensors"))
+            tensors = load_file(str(weights))
             state = json.loads((folder / "state.json").read_text())
         except Exception as err:  # safetensors raises its own error types
-            raise RunError(f"{folder}: corrupt checkpoint ({err.__class__.__name__}: {err})") from err
+            raise RunError(f"{weights}: corrupt checkpoint ({err.__class__.__name__}: {err})") from err
+        bad = nonfinite_tensor(tensors)
+        if bad is not None:
+            raise RunError(f"{weights}: tensor {bad} holds NaN or infinite values")
         return Checkpoint(round=round_number, tensors=tensors, state=state)
 
     # ---- metrics -------------------------------------------------------------------------------
     def read_metrics(self) -> list[dict[str, Any]]:
+        """Rows of metrics.jsonl; a line that is no JSON object (e.g. cut short by a full disk) is dropped
+        with a warning: the rounds' own state.json records hold the same rows (``rebuild_metrics``)."""
         if not self.metrics_path.is_file():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        rows = []
+        for number, line in enumerate(self.metrics_path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if not isinstance(row, dict):
+                warn(f"{self.metrics_path}: line {number} is not a JSON object (cut short?); dropped")
+                continue
+            rows.append(row)
+        return rows
 
     def append_metrics(self, row: dict[str, Any]) -> None:
         """Rewrite metrics.jsonl/csv atomically with ``row`` (replacing an older row of the same round)."""
@@ -145,8 +193,18 @@ class RunDir:
         atomic.write_text(self.path / "metrics.csv", buffer.getvalue())
 
     def truncate_metrics_after(self, round_number: int) -> None:
-        """On resume, forget metrics of rounds that never completed."""
-        rows = [r for r in self.read_metrics() if r.get("round", 0) <= round_number]
+        """On resume, forget metrics of rounds that never completed; rows missing from metrics.jsonl (a
+        line cut short) come back from their round's state.json."""
+        kept = {r.get("round"): r for r in self.read_metrics() if r.get("round", 0) <= round_number}
+        for number in self.rounds():
+            if number <= round_number and number not in kept:
+                try:
+                    row = json.loads((self.round_path(number) / "state.json").read_text()).get("metrics")
+                except (OSError, ValueError):
+                    row = None
+                if isinstance(row, dict):
+                    kept[number] = row
+        rows = [kept[k] for k in sorted(kept, key=lambda k: k or 0)]
         atomic.write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def plot(self) -> Path | None:

@@ -176,3 +176,31 @@ def test_names_resolve_to_shipped_files_and_unknown_names_fail():
         load_preset("nosuch")
     with pytest.raises(PresetError, match="no such preset file"):
         load_preset("/nonexistent/x.toml")
+
+
+def _float_fields() -> list[tuple[str, str]]:
+    """(table, key) of every float setting a preset can hold (plain or optional)."""
+    import typing
+
+    from fedmvp.presets.schema import ServerSpec
+
+    out = []
+    for table, cls in (("train", TrainSpec), ("server", ServerSpec), ("datasets", DatasetSpec)):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if hints[f.name] is float or typing.get_args(hints[f.name]) == (float, type(None)):
+                out.append((table, f.name))
+    return out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("table,key", _float_fields())
+def test_every_float_setting_must_be_finite(tmp_path, table, key, value):
+    """TOML allows nan and inf; a range check like `lr < 0` is false for NaN, so lr = nan trained to NaN."""
+    assert len(_float_fields()) >= 11  # lr .. dirichlet_alpha: a new float key is covered by itself
+    header = "[[datasets]]" if table == "datasets" else f"[{table}]"
+    text = ('name = "f"\nprotocol = "base-to-new"\n[train]\nrounds = 1\n[server]\n[[datasets]]\nname = "s"\n'
+            'layout = "synthetic"\nroot = ""\n').replace(header + "\n", f"{header}\n{key} = {value}\n")
+    path = write(tmp_path, text)
+    with pytest.raises(PresetError, match=f"{key} must be a finite number"):
+        load_preset(path, check_roots=False)

@@ -42,3 +42,53 @@ def test_a_checkpoint_appears_whole_and_replaces_a_round_whole(tmp_path, monkeyp
     with pytest.raises(RunError, match="round 1 already exists"):
         run.save_checkpoint(1, {"w": torch.zeros(2)}, {"seed": 3}, replace=False)
     assert run.load_checkpoint(1).state["seed"] == 2
+
+
+def test_non_finite_checkpoints_are_neither_written_nor_read(tmp_path):
+    """A NaN checkpoint resumes and trains to NaN, then evaluates at chance with no warning."""
+    import pytest
+    import torch
+    from safetensors.torch import save_file
+
+    from fedmvp.runs import RunError
+
+    run = RunDir(tmp_path)
+    with pytest.raises(RunError, match=r"round-0001/global.safetensors: tensor lora.b holds NaN"):
+        run.save_checkpoint(1, {"lora.a": torch.zeros(2), "lora.b": torch.tensor([1.0, float("nan")])}, {})
+    assert run.rounds() == []
+    run.save_checkpoint(1, {"lora.a": torch.zeros(2)}, {})
+    save_file({"lora.a": torch.tensor([float("inf"), 0.0])}, str(run.round_path(1) / "global.safetensors"))
+    with pytest.raises(RunError, match=r"round-0001/global.safetensors: tensor lora.a holds NaN or infinite"):
+        run.load_checkpoint(1)
+
+
+def test_a_state_json_that_is_not_an_object_is_named(tmp_path):
+    import pytest
+    import torch
+
+    from fedmvp.runs import RunError
+
+    run = RunDir(tmp_path)
+    run.save_checkpoint(1, {"w": torch.zeros(2)}, {})
+    run.save_checkpoint(2, {"w": torch.zeros(2)}, {})
+    (run.round_path(1) / "state.json").write_text("[1, 2]")
+    with pytest.raises(RunError, match=r"round-0001/state.json: not a JSON object \(got list\)"):
+        run.load_checkpoint(2)  # even a round not in use
+    run.config_path.write_text("[]")
+    with pytest.raises(RunError, match="config.json: not a JSON object"):
+        run.read_config()
+
+
+def test_metrics_cut_short_are_rebuilt_from_the_rounds(tmp_path, capsys):
+    import torch
+
+    run = RunDir(tmp_path)
+    for number in (1, 2):
+        run.save_checkpoint(number, {"w": torch.zeros(2)}, {"metrics": {"round": number, "train_loss": 0.5}})
+        run.append_metrics({"round": number, "train_loss": 0.5})
+    text = run.metrics_path.read_text()
+    run.metrics_path.write_text(text[:-7])  # the last line cut by a full disk
+    assert [r["round"] for r in run.read_metrics()] == [1]
+    assert "metrics.jsonl: line 2 is not a JSON object" in capsys.readouterr().err
+    run.truncate_metrics_after(2)
+    assert [r["round"] for r in run.read_metrics()] == [1, 2]

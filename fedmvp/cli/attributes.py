@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from fedmvp.cli.common import FiniteFloat
 from fedmvp.attributes.files import (META_KEY, AttributeFileError, read_attribute_file,
                                      read_class_names)
 
@@ -100,12 +101,12 @@ def attributes() -> None:
               help="Classes asked in parallel.")
 @click.option("--max-retries", default=5, show_default=True, type=click.IntRange(0, 20),
               help="Retries per request on 429, 5xx, timeouts and dropped connections.")
-@click.option("--backoff", default=1.0, show_default=True, type=click.FloatRange(0),
+@click.option("--backoff", default=1.0, show_default=True, type=FiniteFloat(0),
               help="Base delay in seconds of the exponential backoff (Retry-After wins).")
-@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(0.1),
+@click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(0.1),
               help="Seconds one request may take in all, connecting to last byte (a wall-clock "
                    "deadline: a server trickling bytes cannot stretch it).")
-@click.option("--temperature", type=click.FloatRange(0, 2),
+@click.option("--temperature", type=FiniteFloat(0, 2),
               help="Sampling temperature (default: the server's).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 @click.option("--progress/--no-progress", default=True, show_default=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import click
@@ -10,6 +11,18 @@ import click
 EXIT_OK = 0
 EXIT_FAILED = 1  # the work ran and (part of) it failed
 EXIT_BAD_INPUT = 2  # bad arguments, files or presets: nothing was done
+
+
+class FiniteFloat(click.FloatRange):
+    """A float flag that refuses nan and inf: no range check catches NaN (every comparison is false)."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 class BadInput(click.ClickException):

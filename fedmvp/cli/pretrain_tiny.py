@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp.cli.common import emit_json, quiet_open_clip_logging
+from fedmvp.cli.common import FiniteFloat, emit_json, quiet_open_clip_logging
 
 
 @click.command("pretrain-tiny")
@@ -17,7 +17,7 @@ from fedmvp.cli.common import emit_json, quiet_open_clip_logging
 @click.option("--steps", default=1300, show_default=True, type=click.IntRange(min=1), help="Optimiser steps.")
 @click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=2),
               help="Images (and captions) per contrastive batch.")
-@click.option("--lr", default=1e-3, show_default=True, type=float, help="Peak AdamW learning rate (cosine decay).")
+@click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(min=0, min_open=True), help="Peak AdamW learning rate (cosine decay).")
 @click.option("--warmup", default=100, show_default=True, type=click.IntRange(min=0), help="Linear warm-up steps.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Initialisation and data-stream seed.")
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="Torch CPU threads.")

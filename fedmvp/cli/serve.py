@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
+from fedmvp.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_clip_logging
 
 
 @click.command()
@@ -19,9 +19,9 @@ from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
 @click.option("--min-nodes", type=click.IntRange(min=1), default=None,
               help="Replies a round needs (and nodes that must be connected); default: the preset's [server] "
                    "min_nodes, else every client.")
-@click.option("--fraction", type=click.FloatRange(0, 1, min_open=True), default=None,
+@click.option("--fraction", type=FiniteFloat(0, 1, min_open=True), default=None,
               help="Share of the connected nodes asked each round (default: the preset's fraction_fit).")
-@click.option("--round-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--round-timeout", type=FiniteFloat(min=0, min_open=True), default=None,
               help="Seconds a round waits; then it closes with the replies it has if at least --min-nodes came.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Evaluate every N rounds (0: only the last round).")

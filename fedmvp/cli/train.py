@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from fedmvp.atomic import os_error_line
 from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
 
 
@@ -19,9 +20,17 @@ def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume
 
     try:
         run = prepare_run(config, run_dir, rounds, resume, device)
-    except (PresetError, RunError, AttributeFileError, ClipLoadError, FileNotFoundError) as err:
+    except (PresetError, RunError, AttributeFileError, ClipLoadError) as err:
         raise BadInput(str(err)) from err
-    return simulate(run, eval_every=eval_every, progress=progress)
+    except OSError as err:  # a missing file, a read-only or full disk (the run directory is probed first)
+        raise BadInput(os_error_line(err)) from err
+    from fedmvp.watchdog import start_watchdog
+
+    start_watchdog()  # Ray's helpers must not outlive a killed `fedmvp train` / `fedmvp demo`
+    try:
+        return simulate(run, eval_every=eval_every, progress=progress)
+    except OSError as err:  # a write that failed mid-run (the rounds so far are whole: --resume)
+        raise RunError(os_error_line(err)) from err
 
 
 @click.command()

@@ -34,7 +34,8 @@ def world(out: Path | None, seed: int, n_train: int, n_val: int, n_test: int, do
     Writes OUT/<domain>/<split>/<class>/<nnnn>.png (each OUT/<domain>/<split> is an
     ImageFolder), OUT/attributes.json ({class: [10 phrases]}) and OUT/world.json."""
     from fedmvp.synthetic.world import DOMAINS
-    from fedmvp.synthetic.writer import ensure_world, read_world, write_world
+    from fedmvp.atomic import os_error_line, probe_writable
+    from fedmvp.synthetic.writer import default_cache_root, ensure_world, read_world, write_world
 
     picked = [d.strip() for d in domains.split(",") if d.strip()]
     unknown = [d for d in picked if d not in DOMAINS]
@@ -43,6 +44,13 @@ def world(out: Path | None, seed: int, n_train: int, n_val: int, n_test: int, do
     counts = {s: n for s, n in (("train", n_train), ("val", n_val), ("test", n_test)) if n > 0}
     if not counts:
         raise BadInput("nothing to write: every split has 0 images")
+    target = out if out is not None else default_cache_root()
+    if target.exists() and not target.is_dir():
+        raise BadInput(f"{target}: not a directory")
+    try:  # a read-only or full disk stops here, before any image is rendered
+        probe_writable(target.parent if out is not None else target)
+    except OSError as err:
+        raise BadInput(os_error_line(err)) from err
     try:
         if out is None:
             root = ensure_world(None, seed, counts, picked, progress=not as_json, workers=workers)
@@ -50,6 +58,8 @@ def world(out: Path | None, seed: int, n_train: int, n_val: int, n_test: int, do
             root = write_world(out, seed, counts, picked, progress=not as_json, workers=workers)
     except FileExistsError as err:
         raise BadInput(str(err)) from err
+    except OSError as err:  # the disk filled up (or went read-only) while writing: nothing half-written stays
+        raise click.ClickException(os_error_line(err)) from err
     meta = read_world(root)
     images = sum(meta["splits"].values()) * len(meta["classes"]) * len(meta["domains"])
     summary = {"root": str(root), "seed": seed, "version": meta["version"], "domains": meta["domains"],

@@ -9,14 +9,16 @@ client's and evaluation's classes), so none of them rebuilds those from defaults
 
 from __future__ import annotations
 
-import shutil
+import hashlib
+import json
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from fedmvp import atomic
 from fedmvp.model import FedMVPConfig
-from fedmvp.runs import Checkpoint, RunDir, RunError
+from fedmvp.runs import Checkpoint, RunDir, RunError, warn
 
 RECORD_VERSION = 2
 
@@ -52,12 +54,120 @@ def run_method(run: RunDir, checkpoint: Checkpoint | None = None) -> FedMVPConfi
         raise RunError(str(err)) from None
 
 
+def recorded_copy(text: str, folder: Path) -> str:
+    """The run's preset.toml: the preset's text with ``base_dir`` set to its folder, so relative roots
+    resolve as they did (a top-level key first in a TOML file stays top-level)."""
+    import tomllib
+
+    if "base_dir" in tomllib.loads(text):
+        return text
+    return f"base_dir = {json.dumps(str(folder))}  # added by fedmvp: the preset's folder\n{text}"
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(run: RunDir, message: str) -> None:
+    """A resume, the ServerApp and evaluation all ask for the preset in one process: say it once."""
+    if (str(run.path), message) not in _WARNED:
+        _WARNED.add((str(run.path), message))
+        warn(message)
+
+
+def run_preset(run: RunDir, config: dict[str, Any] | None = None) -> str:
+    """The preset file a run's rounds use: the run's settings are its record (config.json
+    ``preset_text``), so an edit of the original after the start must not change resumed rounds.
+
+    While the original file still holds the recorded text it is used as is (deployed clients load it by
+    that path); else runs/<name>/preset.toml (the recorded text) is, with one warning line. A run made
+    before the record existed uses the original as it is now, with a warning."""
+    config = config if config is not None else run.read_config()
+    original, text = str(config.get("preset_path", "")), config.get("preset_text")
+    if not isinstance(text, str):
+        _warn_once(run, f"{run.config_path}: no recorded preset text (a run of an older fedmvp); "
+                        f"using {original} as it is now")
+        return original
+    try:
+        current = Path(original).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        current = None
+    if current == text:
+        return original
+    copy = run.path / "preset.toml"
+    wanted = recorded_copy(text, Path(config.get("preset_dir") or Path(original).parent))
+    if not copy.is_file() or copy.read_text(encoding="utf-8", errors="replace") != wanted:
+        atomic.write_text(copy, wanted)
+    _warn_once(run, f"{original} {'changed' if current is not None else 'is gone'} since the run started "
+                    f"(sha256 {str(config.get('preset_sha256', ''))[:12]} recorded); using the recorded preset {copy}")
+    return str(copy)
+
+
+def check_same_preset(run: RunDir, config: dict[str, Any], given: str) -> None:
+    """Resuming with another preset than the run's is refused (RunError): its rounds would mix settings.
+    The original path itself is fine even if edited since (``run_preset`` then warns and uses the record)."""
+    from fedmvp.presets.schema import preset_path
+
+    path = Path(preset_path(given))
+    original = Path(str(config.get("preset_path", "")))
+    if path.resolve() == original.resolve():
+        return
+    text = config.get("preset_text")
+    try:
+        same = isinstance(text, str) and path.read_text(encoding="utf-8") == text
+    except (OSError, UnicodeDecodeError):
+        same = False
+    if not same:
+        raise RunError(f"{path}: not the preset {run.path} was started with ({original}, recorded in "
+                       f"{run.config_path}); resume with --config {original} or use another --run-dir")
+
+
+def _resume(preset_arg: str, run_dir: str | None, rounds: int | None, with_data: bool) -> RunDir:
+    """Reopen a run from its own record; nothing of the given preset but its identity is used."""
+    from fedmvp.presets.schema import load_preset
+
+    if run_dir:
+        path = Path(run_dir)
+    else:
+        name = load_preset(preset_arg, check_roots=False).name
+        candidates = sorted(Path("runs").glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise RunError(f"runs/{name}-*: nothing to resume")
+        path = candidates[-1]
+    run = RunDir(path)
+    config = run.read_config()
+    if rounds is not None and rounds != config.get("rounds"):
+        raise RunError(f"{run.path}: was started with {config.get('rounds')} rounds; resume keeps them")
+    check_same_preset(run, config, preset_arg)
+    effective = run_preset(run, config)
+    if with_data:
+        from fedmvp.data.federation import load_federation
+
+        load_federation(effective)  # the recorded preset and its data, checked before anything starts
+    else:
+        load_preset(effective, check_roots=False)
+    run_method(run)  # refuses a run without a usable method record before anything starts
+    last = run.last_round()
+    if last is not None:
+        try:
+            run.load_checkpoint(last)
+        except RunError as err:
+            before = [r for r in run.rounds() if r < last]
+            folder = run.round_path(last)
+            hint = (f"; move it aside (mv {folder} {folder}.corrupt) to resume from round {before[-1]}" if before
+                    else f"; move it aside (mv {folder} {folder}.corrupt) to start over from round 1")
+            raise RunError(f"{err}{hint}") from None
+    return run
+
+
 def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resume: bool,
                 device: str = "auto", with_data: bool = True) -> RunDir:
     """Validate the preset, create or reopen the run directory, write config.json.
 
     ``with_data=False`` (the server of a federation across machines): the federation's shape comes
-    from class lists alone (``plan_record``), so this machine needs none of the sites' images."""
+    from class lists alone (``plan_record``), so this machine needs none of the sites' images.
+    config.json records the preset's text and sha256: a resumed run uses that record (``run_preset``)."""
+    if resume:
+        return _resume(preset_path, run_dir, rounds, with_data)
     if with_data:
         from fedmvp.data.federation import load_federation
 
@@ -69,32 +179,23 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
 
         preset = load_preset(preset_path, check_roots=False)
         record = plan_record(preset)
-    path = Path(run_dir) if run_dir else None
-    if resume:
-        if path is None:
-            candidates = sorted(Path("runs").glob(f"{preset.name}-*"), key=lambda p: p.stat().st_mtime)
-            if not candidates:
-                raise RunError(f"runs/{preset.name}-*: nothing to resume")
-            path = candidates[-1]
-        run = RunDir(path)
-        config = run.read_config()
-        if rounds is not None and rounds != config["rounds"]:
-            raise RunError(f"{run.path}: was started with {config['rounds']} rounds; resume keeps them")
-        run_method(run)  # refuses a run without a usable method record before anything starts
-        return run
-    run = RunDir(path or default_run_dir(preset.name))
+    run = RunDir(Path(run_dir) if run_dir else default_run_dir(preset.name))
     if run.exists() and run.rounds():
         raise RunError(f"{run.path}: already holds rounds {run.rounds()[0]}..{run.rounds()[-1]}; "
                        f"pass --resume or another --run-dir")
-    run.path.mkdir(parents=True, exist_ok=True)
+    if run.path.exists() and not run.path.is_dir():
+        raise RunError(f"{run.path}: not a directory")
+    atomic.probe_writable(run.path)
     source = Path(getattr(preset, "path", preset_path))
-    if source.is_file():
-        shutil.copyfile(source, run.path / "preset.toml")
+    text = source.read_bytes()
+    atomic.write_text(run.path / "preset.toml", recorded_copy(text.decode("utf-8"), source.parent.resolve()))
     dev = resolve_device(device)
     train = preset.train
     run.write_config({
         "record_version": RECORD_VERSION, "run_id": uuid.uuid4().hex,
-        "preset": preset.name, "preset_path": str(source.resolve()) if source.is_file() else preset_path,
+        "preset": preset.name, "preset_path": str(source.resolve()),
+        "preset_dir": str(source.parent.resolve()),
+        "preset_sha256": hashlib.sha256(text).hexdigest(), "preset_text": text.decode("utf-8"),
         "protocol": preset.protocol, "seed": preset.seed, "rounds": int(rounds or train.rounds),
         "lr": train.lr, "num_clients": len(record["clients"]),
         "fraction": float(train.fraction_fit),

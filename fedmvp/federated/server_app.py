@@ -20,11 +20,11 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedmvp.federated.evaluation import evaluate_global
-from fedmvp.federated.prepare import prepare_run, run_method
+from fedmvp.federated.prepare import check_same_preset, prepare_run, run_method, run_preset
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
 from fedmvp.federated.task import LocalSettings, build_model, task_context
 from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
-from fedmvp.runs import RunDir
+from fedmvp.runs import RunDir, RunError
 
 log = logging.getLogger("fedmvp.server")
 
@@ -59,8 +59,6 @@ def deployment_settings(run_config: dict) -> ServerSettings:
 
     An existing run directory resumes: ``preset`` may then be empty or must name the same preset,
     ``rounds`` must be 0 or the run's. Bad settings raise RuntimeError before any round starts."""
-    from fedmvp.presets.schema import preset_path
-
     run_dir = str(run_config.get("run-dir", "")).strip()
     if not run_dir:
         raise RuntimeError(f"no run directory: set run-dir in the run config ({EXAMPLE})")
@@ -76,10 +74,12 @@ def deployment_settings(run_config: dict) -> ServerSettings:
         prepare_run(preset, run_dir, rounds or None, resume=False, device="auto", with_data=False)
     else:
         config = run.read_config()
-        if preset and preset != config["preset"] and \
-                Path(preset_path(preset)).resolve() != Path(config["preset_path"]).resolve():
-            raise RuntimeError(f"{run.path}: was started with preset {config['preset_path']}, not {preset}; "
-                               f"leave preset empty to resume it or use another run-dir")
+        if preset:
+            try:
+                check_same_preset(run, config, preset)
+            except RunError:
+                raise RuntimeError(f"{run.path}: was started with preset {config.get('preset_path')}, not "
+                                   f"{preset}; leave preset empty to resume it or use another run-dir") from None
         if rounds and rounds != int(config["rounds"]):
             raise RuntimeError(f"{run.path}: was started with {config['rounds']} rounds; resume keeps them "
                                f"(set rounds=0)")
@@ -138,7 +138,7 @@ class RoundRecorder:
 def run_server(grid: Grid, settings: ServerSettings) -> None:
     run = RunDir(settings.run_dir)
     config = run.read_config()
-    preset_path, total = config["preset_path"], int(config["rounds"])
+    preset_path, total = run_preset(run, config), int(config["rounds"])
     method = run_method(run)
     device = config.get("server_device", "cpu")
     if settings.evaluation == "federated":  # the nodes evaluate: this machine needs no site's data
@@ -184,13 +184,21 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
     strategy.start(grid, array_record(initial), num_rounds=total - start)
 
 
-def server_app_for(settings: ServerSettings) -> ServerApp:
-    """A ServerApp bound to a prepared run directory (``fedmvp train`` on the simulation engine)."""
+def server_app_for(settings: ServerSettings, failures: list | None = None) -> ServerApp:
+    """A ServerApp bound to a prepared run directory (``fedmvp train`` on the simulation engine).
+
+    ``failures``: the server's error lands there instead of in Flower's log, so the caller can stop
+    with that one line (a non-finite round, a full disk) rather than "stopped after round N"."""
     bound = ServerApp()
 
     @bound.main()
     def main(grid: Grid, context: Context) -> None:
-        run_server(grid, settings)
+        try:
+            run_server(grid, settings)
+        except Exception as err:  # noqa: BLE001 - handed to the caller whole
+            if failures is None:
+                raise
+            failures.append(err)
 
     return bound
 

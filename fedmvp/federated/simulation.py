@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
+from fedmvp.atomic import os_error_line
 from fedmvp.runs import RunDir, RunError
 
 FLOWER_QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
@@ -32,7 +33,9 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     if config.get("client_device") == "cuda":
         gpu = 1.0 / cpus
     os.environ["FEDMVP_CLIENT_THREADS"] = str(max(1, (os.cpu_count() or 1) // cpus))
-    server_app = server_app_for(ServerSettings(run_dir=str(run.path), eval_every=eval_every, progress=progress))
+    failures: list[BaseException] = []
+    server_app = server_app_for(ServerSettings(run_dir=str(run.path), eval_every=eval_every, progress=progress),
+                                failures)
     # Flower logs every round at INFO and warns that run_simulation is deprecated in favour of
     # `flwr run`; our progress bar and run directory say what happened, errors still print.
     logging.getLogger("flwr").setLevel(logging.ERROR)
@@ -42,6 +45,10 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
                              "include_dashboard": False}}
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=int(config["num_clients"]),
                    backend_config=backend)
+    if failures:  # the server's own error, as one line (Flower would only log it, with a traceback)
+        err = failures[0]
+        line = os_error_line(err) if isinstance(err, OSError) else " ".join(str(err).split()) or repr(err)
+        raise RunError(line) from err
     done = run.last_round() or 0
     if done < int(config["rounds"]):
         raise RunError(f"{run.path}: stopped after round {done} of {config['rounds']} (see the log above); "

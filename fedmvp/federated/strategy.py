@@ -287,11 +287,18 @@ class FedMVPStrategy:
         contents.sort(key=lambda c: (0, c[1].site, "", 0) if c[1].role == "site"
                       else (1, 0, str(c[3].get("bundle-id", "")), c[0]))
         averaged = weighted_average([(v.arrays, float(m["num-examples"])) for _, v, m, _ in contents])
+        bad = next((k for k, v in averaged.items() if not np.all(np.isfinite(v))), None)
+        if bad is not None:  # never publish (or train on) a NaN global state
+            raise RoundFailed(f"round {round_number}: the averaged tensor {bad} holds NaN or infinite values; "
+                              f"the run stops")
         self.global_state = {**self.global_state, **averaged}
         for _, verdict, metrics, _ in contents:
             if verdict.role == "site" and int(metrics.get("switch-next", 0)):
                 self.lora_clients.add(verdict.site)
         summary = _loss_summary([m for _, _, m, _ in contents])
+        if not math.isfinite(summary["train-loss"]):
+            raise RoundFailed(f"round {round_number}: the training loss is {summary['train-loss']}; the run stops "
+                              f"(check the preset's lr and the last checkpoint)")
         summary |= {"clients": len(contents), "lora-clients": len(self.lora_clients),
                     "lora-uploads": sum(int(m.get("lora-active", 1)) for _, _, m, _ in contents),
                     "edges": sum(v.role == "edge" for _, v, _, _ in contents),

@@ -6,7 +6,8 @@ with ONE line that starts with the preset file's path (``PresetError``). Shipped
 ``fedmvp/presets/<name>.toml``; a name resolves there, anything else is a path.
 
 Paths: ``${VAR}``/``$VAR`` and ``~`` are expanded; a relative ``root`` is relative to the
-preset file's folder, and ``split_file``, ``image_dir``, ``class_names_file`` and ``attributes``
+preset file's folder (or ``base_dir``, which a run's recorded copy of its preset sets), and
+``split_file``, ``image_dir``, ``class_names_file`` and ``attributes``
 are relative to the dataset's ``root``. ``attributes`` may contain ``{domain}`` for one attribute
 file per domain. ``root = ""`` (synthetic layout only) means the cached default world.
 """
@@ -143,6 +144,8 @@ class Preset:
     protocol: str = _help(f"one of {', '.join(PROTOCOLS)}")
     seed: int = _help("seed for k-shot sampling and partitions", 0)
     description: str = _help("free text", "")
+    base_dir: str = _help("folder relative dataset roots are taken from (default: this file's folder); "
+                          "a run's recorded copy (runs/<name>/preset.toml) names its preset's folder", "")
     model: ModelSpec = _help("[model] table", None)
     train: TrainSpec = _help("[train] table", None)
     server: ServerSpec = _help("[server] table", None)
@@ -228,6 +231,8 @@ def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = Non
     for key, value in table.items():
         if not _type_ok(value, hints[key]):
             raise err(f"{where}: {key} must be {_type_name(hints[key])}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):  # TOML allows nan and inf; no range check sees NaN
+            raise err(f"{where}: {key} must be a finite number, got {value!r}")
         values[key] = float(value) if hints[key] is float or (
             typing.get_args(hints[key]) == (float, type(None)) and value is not None) else value
     return cls(**values, **(extra or {}))
@@ -349,13 +354,17 @@ def load_preset(name_or_path: str | os.PathLike, check_roots: bool = True) -> Pr
     preset = _build(Preset, top, "top level", err, {"model": model, "train": train, "server": server,
                                                      "path": path, "raw": raw})
     preset.protocol = PROTOCOL_ALIASES.get(preset.protocol, preset.protocol)
+    try:
+        base = expand_path(preset.base_dir, path.parent).resolve() if preset.base_dir else path.parent.resolve()
+    except ValueError as exc:
+        raise err(f"base_dir: {exc}") from None
     if preset.protocol not in PROTOCOLS:
         raise err(f"unknown protocol {preset.protocol!r} (one of {', '.join(PROTOCOLS)}; "
                   f"aliases {', '.join(PROTOCOL_ALIASES)})")
     preset.datasets = [
         _build(DatasetSpec, t, f"datasets[{i}]" + (f" ({t['name']})" if isinstance(t, dict) and
                                                     isinstance(t.get("name"), str) else ""),
-               err, {"base_dir": path.parent.resolve()})
+               err, {"base_dir": base})
         for i, t in enumerate(tables)]
     _check_values(preset, err)
     if check_roots:

@@ -211,3 +211,25 @@ def test_edge_replies_record_what_the_round_state_lists():
     assert summary["replies"] == [{"node": 5, "role": "edge", "examples": 12, "loss": 0.5, "bundle_id": "b5",
                                    "refreshed": False, "refresh_bytes": 0}]
     assert summary["sites"] == [] and summary["edges"] == 1
+
+
+@pytest.mark.parametrize("what", ["loss", "tensor"])
+def test_a_non_finite_round_stops_the_run_naming_the_round(monkeypatch, what):
+    """Never publish or train on a NaN global state; the run stops with one line naming the round."""
+    import fedmvp.federated.strategy as strategy_module
+
+    strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=0, total_rounds=4, base_lr=0.003,
+                              num_clients=1, run_id=RUN, round_offset=4)
+    strategy.global_state = {"promptformer.w": np.zeros(2, np.float32)}
+    if what == "loss":
+        monkeypatch.setattr(strategy_module, "_loss_summary", lambda metrics: {
+            "train-loss": float("nan"), "train-ce": 0.0, "train-consistency": 0.0})
+    else:
+        monkeypatch.setattr(strategy_module, "weighted_average",
+                            lambda replies: {"promptformer.w": np.full(2, np.inf, np.float32)})
+    calls = []
+    strategy.on_aggregated = lambda *args: calls.append(args)
+    with pytest.raises(RoundFailed, match="round 5: the (training loss|averaged tensor promptformer.w)"):
+        strategy.aggregate_train(1, [reply(0, {"promptformer.w": np.ones(2, np.float32)}, 10, lora=False,
+                                           round_number=5)])
+    assert calls == []
