@@ -49,3 +49,52 @@ def test_existing_out_file_is_never_overwritten(bundle_dir, local, tmp_path):
     with pytest.raises(TrainInputError, match="already exists"):
         train_local(local, bundle_dir, out=target, epochs=1)
     assert target.read_bytes() == b"precious"
+
+
+# ---- 2: concurrent personalisation --------------------------------------------------------------------
+_APPLY = """
+import sys
+from edge_client.bundle import read_bundle
+from edge_client.lora_store import apply_update
+bundle = read_bundle(sys.argv[1])
+for path in sys.argv[2:]:
+    apply_update(bundle, path, keep=1000)
+"""
+
+
+def test_concurrent_applies_lose_nothing_and_every_entry_verifies(bundle_dir, tmp_path):
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from edge_client.lora_store import _load_entry, read_state
+    from edge_client.update import write_update
+
+    bundle = read_bundle(bundle_dir)
+    base = bundle.lora()
+    workers, each = 4, 4
+    batches = []
+    for w in range(workers):
+        paths = []
+        for i in range(each):
+            tensors = {k: v + np.float32(0.001 * (w * each + i + 1)) for k, v in base.items()}
+            paths.append(str(write_update(tmp_path / f"u{w}-{i}.safetensors", tensors, bundle=bundle,
+                                          num_examples=1, mean_loss=1.0)))
+        batches.append(paths)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", _APPLY, str(bundle_dir), *paths], env=env,
+                              stderr=subprocess.PIPE, text=True) for paths in batches]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    state = read_state(bundle)
+    entries = [state["active"], *state["history"]]
+    assert len(entries) == workers * each and state["next"] == workers * each + 1
+    assert len({e["file"] for e in entries}) == workers * each
+    assert sorted(Path(e["update"]["source"]).name for e in entries) == sorted(
+        Path(p).name for paths in batches for p in paths)
+    for entry in entries:
+        _load_entry(bundle, entry)  # size, sha256, update metadata
+    leftovers = [p.name for p in (bundle_dir / "personalised").iterdir() if p.name.endswith(".tmp")]
+    assert not leftovers
