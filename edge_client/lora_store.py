@@ -27,10 +27,10 @@ hashed file. The active file's sha256 (and the update's bundle id, names and sha
 verified every time it is loaded; a mismatch refuses to run, like a tampered bundle.
 
 Every read-modify-write of ``state.json`` (apply, rollback) and a refresh's moves of
-``personalised/`` hold an exclusive lock (``fcntl.flock`` on ``BUNDLE/.personalisation.lock``,
-`personalisation_lock`): two processes personalising one bundle never lose an update or reuse a
-file number. The lock file lies beside ``personalised/``, not in it, because a refresh moves that
-directory. Commit points are single renames (``edge_client.atomic``): a LoRA file is written under a
+``personalised/`` hold an exclusive lock (``fcntl.flock`` on the bundle directory itself, `personalisation_lock`):
+two processes personalising one bundle never lose an update or reuse a file number. The lock is
+on the bundle directory, not in ``personalised/``, because a refresh moves that directory, and
+not on a lock file, so that the bundle's tree stays exactly what the exporter and a refresh wrote. Commit points are single renames (``edge_client.atomic``): a LoRA file is written under a
 temp name and renamed, then ``state.json`` is replaced. A crash in between leaves an unreferenced file that the
 next change removes; the active LoRA is always either the old or the new one.
 """
@@ -57,7 +57,6 @@ STATE = "state.json"
 FORMAT = "fedmvp-edge-personalisation"
 FORMAT_VERSION = 1
 DEFAULT_KEEP = 5  # older LoRAs kept for rollback
-LOCK = ".personalisation.lock"  # in the bundle directory: personalised/ itself moves on a refresh
 _UPDATE_KEYS = ("bundle_round", "num_examples", "mean_loss", "final_loss", "epochs", "created", "train_seconds",
                 "classes", "device")
 
@@ -117,7 +116,7 @@ def personalisation_lock(bundle_dir: str | os.PathLike) -> Iterator[None]:
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    fd = os.open(Path(bundle_dir) / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = os.open(Path(bundle_dir), os.O_RDONLY)  # a directory can be flocked like a file
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
