@@ -299,7 +299,9 @@ def _info_lines(report: dict[str, Any]) -> list[str]:
         lines += [f"  round:    {b.get('round')} of run {b.get('run')}",
                   f"  model:    {b.get('model')}, precision {b.get('precision')}",
                   f"  classes:  {len(classes)} ({shown})",
-                  f"  hashes:   {'OK' if b.get('hashes_ok') else 'FAILED'}",
+                  f"  hashes:   {'OK' if b.get('hashes_ok') else 'FAILED'}"
+                  + ("" if not b.get("hashes_ok") else ", class names checked against model.onnx"
+                     if b.get("classes_pinned") else ", class names not pinned by model.onnx (re-export to pin them)"),
                   f"  LoRA:     {b.get('lora', {}).get('describe', '?')}",
                   f"  training: {'yes (edge-client train)' if b.get('trainable') else 'no (inference-only bundle)'}",
                   f"  size:     {b.get('bytes', 0) / 1e6:.1f} MB"]

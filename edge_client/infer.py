@@ -129,6 +129,15 @@ class Predictor:
         self._input = next((i for i in inputs if i.name == wanted), inputs[0])
         self._dtype = np.float16 if self._input.type == "tensor(float16)" else np.float32
         self._outputs = [o.name for o in self.session.get_outputs()]
+        self._check_outputs()
+
+    def _check_outputs(self) -> None:
+        """The model's class dimension is the manifest's class count (else a name lookup would fail)."""
+        for output in self.session.get_outputs():
+            width = output.shape[-1] if output.name in ("logits", "probs") and output.shape else None
+            if isinstance(width, int) and width != len(self.classes):
+                raise BundleError(f"{self.bundle.path / 'manifest.json'}: field classes.names lists "
+                                  f"{len(self.classes)} classes, model.onnx outputs {width}")
 
     def run(self, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
         """Preprocessed images [N, 3, S, S] -> every model output by name (logits, probs, image_embeds)."""

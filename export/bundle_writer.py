@@ -156,7 +156,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         proto = onnx_export.to_proto(graph)
         linked = onnx_export.link_external(proto, weights_file)
         external = onnx_export.external_names(proto)
-        onnx_export.save(proto, tmp / names["onnx"])
+        onnx_export.save(onnx_export.pin_classes(proto, list(classes.names)), tmp / names["onnx"])
         onnx_export.check(tmp / names["onnx"])
         bar.update()
 
@@ -179,7 +179,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             variant, int8_plan = onnx_export.to_int8(graph, edge.lora_names, calib.numpy().astype("float32"),
                                                      calib_reference, parity.MIN_AGREEMENT["int8"], progress=step)
         if precision != "fp32":
-            onnx_export.save(variant, tmp / names["onnx"])
+            onnx_export.save(onnx_export.pin_classes(variant, list(classes.names)), tmp / names["onnx"])
             onnx_export.check(tmp / names["onnx"])
             results[precision] = parity.check(tmp / names["onnx"], reference, images, precision)
             linked, external = 0, None
@@ -259,7 +259,7 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
         "precision": precision,
         "files_by_role": dict(names),
         "onnx": {"file": names["onnx"], "opset": onnx_export.OPSET, "input": onnx_export.INPUT_NAME,
-                 "outputs": list(onnx_export.OUTPUT_NAMES), "batch": "dynamic",
+                 "outputs": list(onnx_export.OUTPUT_NAMES), "batch": "dynamic", "num_classes": len(classes.names),
                  "external_data": [names["weights"]] if linked else [], "external_bytes": linked,
                  "numerics": NUMERICS[precision],
                  "lora_initializers": list(edge.lora_names),
