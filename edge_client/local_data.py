@@ -62,13 +62,16 @@ def scan_folder(root: str | os.PathLike, class_names: Sequence[str]) -> LocalDat
     for folder in folders:
         errors: list[ImageReadError] = []
         found = iter_image_paths([folder], errors=errors)
-        skipped.extend(f"{e.path}: {e.reason}" for e in errors)
         if found:
             present.append(folder.name)
+            skipped.extend(f"{e.path}: {e.reason}" for e in errors)
+        else:  # said so: training silently without a class the user meant to teach is a surprise
+            skipped.append(f"{folder}: empty class folder (no images), left out")
         files.extend(found)
         labels.extend([index[folder.name]] * len(found))
     if not files:
-        raise TrainInputError(f"{root}: no images in the class folders")
+        raise TrainInputError(f"{root}: every class folder is empty ({', '.join(p.name for p in folders[:10])}); "
+                              f"put images in {root}/<class>/")
     return LocalDataset(root=root, files=files, labels=labels, classes=present, skipped=skipped)
 
 

@@ -98,3 +98,90 @@ def test_concurrent_applies_lose_nothing_and_every_entry_verifies(bundle_dir, tm
         _load_entry(bundle, entry)  # size, sha256, update metadata
     leftovers = [p.name for p in (bundle_dir / "personalised").iterdir() if p.name.endswith(".tmp")]
     assert not leftovers
+
+
+# ---- 3: manifest integrity ----------------------------------------------------------------------------
+def _edit_manifest(bundle_dir: Path, change) -> None:
+    manifest = json.loads((bundle_dir / "manifest.json").read_text())
+    change(manifest)
+    (bundle_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _swap(m: dict) -> None:
+    names = m["classes"]["names"]
+    names[0], names[1] = names[1], names[0]
+
+
+@pytest.mark.parametrize("change, field", [
+    (_swap, "classes.names"),
+    (lambda m: m["classes"].update(names=m["classes"]["names"][:-1]), "classes.count"),
+    (lambda m: m["classes"].update(names=m["classes"]["names"][:-1], count=m["classes"]["count"] - 1),
+     "onnx.num_classes"),
+    (lambda m: m["classes"].update(names=[m["classes"]["names"][0]] * m["classes"]["count"]), "classes.names"),
+    (lambda m: m["classes"].update(names=[1, 2, 3, 4, 5, 6]), "classes.names"),
+    (lambda m: m.update(classes=["a", "b"]), "classes"),
+    (lambda m: m.update(preprocess=[224]), "preprocess"),
+    (lambda m: m["preprocess"].update(image_size="big"), "preprocess"),
+    (lambda m: m["lora"].update(tensors=["x"]), "lora.tensors"),
+    (lambda m: m.update(source=[1]), "source"),
+    (lambda m: m.update(precision=7), "precision"),
+    (lambda m: m.update(files_by_role={"onnx": "nope"}), "files_by_role"),
+])
+def test_inconsistent_manifest_is_one_line_naming_the_field(bundle_dir, change, field):
+    from edge_client.bundle import BundleError
+
+    _edit_manifest(bundle_dir, change)
+    with pytest.raises(BundleError) as err:
+        read_bundle(bundle_dir)
+    message = str(err.value)
+    assert "manifest.json" in message and f"field {field}" in message and "\n" not in message
+
+
+def test_model_pins_the_class_list_and_info_says_so(edge_bundle):
+    from edge_client.bundle import classes_digest, onnx_classes_pin
+    from edge_client.device import bundle_report
+
+    bundle = read_bundle(edge_bundle)
+    assert onnx_classes_pin(bundle.file("onnx")) == classes_digest(bundle.class_names)
+    assert bundle.manifest["onnx"]["num_classes"] == len(bundle.class_names)
+    assert bundle_report(edge_bundle)["classes_pinned"] is True
+
+
+# ---- 4: update weight and loss ------------------------------------------------------------------------
+@pytest.mark.parametrize("key, value, fragment", [
+    ("num_examples", "0", "num_examples is 0"), ("num_examples", "-3", "num_examples is -3"),
+    ("mean_loss", "nan", "mean_loss is nan"), ("mean_loss", "inf", "mean_loss is inf"),
+    ("final_loss", "-inf", "final_loss is -inf")])
+def test_update_without_weight_or_with_a_non_finite_loss_is_refused(edge_bundle, tmp_path, key, value, fragment):
+    from safetensors.numpy import load_file, save_file
+
+    from edge_client.update import UpdateError, read_update, write_update
+
+    bundle = read_bundle(edge_bundle)
+    good = write_update(tmp_path / "good.safetensors", bundle.lora(), bundle=bundle, num_examples=3, mean_loss=1.0,
+                        final_loss=1.0)
+    from edge_client.update import _read_metadata
+
+    metadata = {**_read_metadata(good.read_bytes()), key: value}
+    bad = tmp_path / "bad.safetensors"
+    save_file(load_file(str(good)), str(bad), metadata=metadata)
+    with pytest.raises(UpdateError, match=fragment):
+        read_update(bad, bundle)
+    with pytest.raises(UpdateError):
+        write_update(tmp_path / "never.safetensors", bundle.lora(), bundle=bundle, num_examples=0, mean_loss=1.0)
+    assert not (tmp_path / "never.safetensors").exists()
+
+
+# ---- 5: empty class folders ---------------------------------------------------------------------------
+def test_empty_class_folder_is_reported_and_all_empty_is_an_error(tmp_path):
+    from edge_client.local_data import scan_folder
+    from edge_helpers import CLASSES
+
+    data = write_local_data(tmp_path / "data", ["red_circle"], per_class=1)
+    (data / "blue_square").mkdir()
+    dataset = scan_folder(data, CLASSES)
+    assert any("blue_square" in line and "empty class folder" in line for line in dataset.skipped)
+    shutil.rmtree(data / "red_circle")
+    (data / "red_circle").mkdir()
+    with pytest.raises(TrainInputError, match="every class folder is empty"):
+        scan_folder(data, CLASSES)
