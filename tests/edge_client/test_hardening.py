@@ -185,3 +185,31 @@ def test_empty_class_folder_is_reported_and_all_empty_is_an_error(tmp_path):
     (data / "red_circle").mkdir()
     with pytest.raises(TrainInputError, match="every class folder is empty"):
         scan_folder(data, CLASSES)
+
+
+# ---- 6: non-UTF-8 file names --------------------------------------------------------------------------
+def test_infer_json_and_table_stay_valid_utf8_with_non_utf8_names(edge_bundle, tmp_path):
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    raw = os.path.join(os.fsencode(folder), b"caf\xe9-\xff.png")
+    Image.new("RGB", (20, 20), (200, 30, 30)).save(os.fsdecode(raw), format="PNG")
+    with open(os.path.join(os.fsencode(folder), b"bad-\xfe.png"), "wb") as handle:
+        handle.write(b"not an image")
+    cli = Path(sys.executable).parent / "edge-client"
+    for extra in (["--json"], []):
+        done = subprocess.run([str(cli), "infer", "--bundle", str(edge_bundle), "--provider", "cpu", *extra,
+                               str(folder)], capture_output=True, timeout=300)
+        out, err = done.stdout.decode("utf-8"), done.stderr.decode("utf-8")  # strict: valid UTF-8
+        assert done.returncode == 1 and "Traceback" not in out + err, out + err
+        if extra:
+            rows = [json.loads(line) for line in out.splitlines()]
+            good = next(r for r in rows if "top_k" in r)
+            assert bytes.fromhex(good["path_bytes"]) == raw and good["path"].endswith("caf\\xe9-\\xff.png")
+            assert any(r.get("path", "").endswith("bad-\\xfe.png") and "error" in r for r in rows)
+        else:
+            assert "caf\\xe9-\\xff.png" in out and "bad-\\xfe.png" in err
