@@ -250,6 +250,9 @@ def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, as_json: bool)
         _fail(as_json, EXIT_FAILED, str(err))
     except BundleError as err:
         _fail(as_json, EXIT_INPUT, str(err))
+    except OSError as err:  # a read-only bundle, a full disk: state.json is unchanged (atomic writes)
+        _fail(as_json, EXIT_FAILED, f"{err.filename or Bundle.resolve_dir(bundle)}: cannot roll back "
+                                    f"({err.strerror or err}); nothing was changed")
     if as_json:
         click.echo(json.dumps({"ok": True, "active": active.to_json()}, sort_keys=True))
     else:

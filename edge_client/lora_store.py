@@ -154,7 +154,29 @@ def read_state(bundle: Bundle) -> dict[str, Any] | None:
             f"({bundle.id[:12]}); run `edge-client rollback --all` or remove {path.parent}")
     if not isinstance(state.get("history"), list) or not isinstance(state.get("next"), int):
         raise PersonalisationError(f"{path}: malformed state (history/next)")
+    entries = [("active", state.get("active"))] if state.get("active") is not None else []
+    for where, entry in [*entries, *((f"history[{i}]", e) for i, e in enumerate(state["history"]))]:
+        problem = _entry_problem(entry)
+        if problem:
+            raise PersonalisationError(f"{path}: malformed {where} entry ({problem}); `edge-client rollback --all` "
+                                       f"returns to the bundle's LoRA")
     return state
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """What is wrong with one state entry (None: file, sha256 and bytes have their types)."""
+    if not isinstance(entry, dict):
+        return f"not a mapping: {str(entry)[:40]!r}"
+    name = entry.get("file")
+    if not isinstance(name, str) or not name or Path(name).name != name:
+        return f"bad file name {name!r}"
+    if not isinstance(entry.get("sha256"), str):
+        return "no sha256"
+    if not isinstance(entry.get("bytes"), int) or isinstance(entry.get("bytes"), bool):
+        return "no byte count"
+    if not isinstance(entry.get("update", {}), dict):
+        return "update is not a mapping"
+    return None
 
 
 def _entry_path(bundle: Bundle, entry: dict[str, Any]) -> Path:

@@ -213,3 +213,58 @@ def test_infer_json_and_table_stay_valid_utf8_with_non_utf8_names(edge_bundle, t
             assert any(r.get("path", "").endswith("bad-\\xfe.png") and "error" in r for r in rows)
         else:
             assert "caf\\xe9-\\xff.png" in out and "bad-\\xfe.png" in err
+
+
+# ---- 7: malformed state, unwritable targets -----------------------------------------------------------
+@pytest.mark.parametrize("history", [["lora-0001.safetensors"], [{"file": 3}], [{"file": "../x", "sha256": "a"}],
+                                     [{"file": "lora-0001.safetensors", "sha256": "a", "bytes": "9"}], [None]])
+def test_malformed_history_entry_is_one_line_for_infer_and_rollback(bundle_dir, history):
+    from click.testing import CliRunner
+
+    from edge_client.cli import main
+
+    bundle = read_bundle(bundle_dir)
+    state = bundle_dir / "personalised" / "state.json"
+    state.parent.mkdir()
+    state.write_text(json.dumps({"format": "fedmvp-edge-personalisation", "format_version": 1,
+                                 "bundle_id": bundle.id, "active": None, "history": history, "next": 2}))
+    for args in (["rollback"], ["infer", "nothing.png"], ["info"]):
+        done = CliRunner().invoke(main, [*args, "--bundle", str(bundle_dir)])
+        assert done.exit_code == 2, done.output
+        assert done.exception is None or isinstance(done.exception, SystemExit)
+        assert "state.json: malformed history[0] entry" in done.output
+    assert CliRunner().invoke(main, ["rollback", "--all", "--bundle", str(bundle_dir)]).exit_code == 0
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_out_directory_is_refused_before_training(bundle_dir, local, tmp_path):
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o500)
+    try:
+        with pytest.raises(TrainInputError, match="cannot write the update file"):
+            train_local(local, bundle_dir, out=out, epochs=1)
+    finally:
+        out.chmod(0o700)
+
+
+def test_out_below_a_file_is_refused_before_training(bundle_dir, local, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(TrainInputError, match="not a directory"):
+        train_local(local, bundle_dir, out=tmp_path / "afile" / "sub", epochs=1)
+
+
+def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(bundle_dir, local, tmp_path, monkeypatch):
+    import errno
+
+    import edge_client.train as train_module
+    from edge_client.train_options import TrainingError
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train_module, "write_update", full)
+    before = tree_bytes(bundle_dir)
+    with pytest.raises(TrainingError, match="No space left on device"):
+        train_local(local, bundle_dir, out=tmp_path / "u", epochs=1, batch_size=2)
+    assert tree_bytes(bundle_dir) == before and not (tmp_path / "u").exists()
