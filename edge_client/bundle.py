@@ -127,7 +127,10 @@ class Bundle:
         """A `Bundle` as given, or read (and by default verified) from `resolve_dir(bundle)`."""
         if isinstance(bundle, Bundle):
             return bundle
-        return read_bundle(cls.resolve_dir(bundle), verify=verify)
+        path = cls.resolve_dir(bundle)
+        if not path.is_dir():
+            raise BundleError(not_found(bundle, path))
+        return read_bundle(path, verify=verify)
 
     @property
     def id(self) -> str:
@@ -229,6 +232,20 @@ class Bundle:
         from safetensors.numpy import load_file
 
         return load_file(str(self.file("lora")))
+
+
+def not_found(given: str | os.PathLike | None, path: Path) -> str:
+    """The one line for a bundle directory that is not there: where it looked and what to type.
+
+    Why: after `fedmvp-export` a user types `edge-client infer img.jpg`; "not a bundle directory"
+    alone does not say that ./bundle was the default, nor how to make one."""
+    what = "a file, " if path.is_file() else ""
+    if given is not None and str(given) != "":
+        return f"{path}: not a bundle directory ({what}given with --bundle)"
+    env = os.environ.get(BUNDLE_ENV)
+    looked = f"${BUNDLE_ENV}={env}" if env else f"${BUNDLE_ENV} (unset), ./{DEFAULT_BUNDLE}"
+    return (f"{path}: not a bundle directory ({what}no bundle found; looked at {looked}); export one with "
+            f"`fedmvp-export --round N` (it points ./{DEFAULT_BUNDLE} at it) or pass --bundle DIR")
 
 
 def _fail(path: Path, reason: str) -> BundleError:

@@ -57,7 +57,7 @@ def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
     path = Bundle.resolve_dir(bundle)
     out: dict[str, Any] = {"path": str(path), "hashes_ok": False}
     try:
-        verified = read_bundle(path, verify=True)
+        verified = Bundle.open(bundle, verify=True)
         out["hashes_ok"] = True
     except BundleError as err:
         out["error"] = str(err)

@@ -284,6 +284,31 @@ def _topped_up(images: torch.Tensor, image_size: int, seed: int) -> torch.Tensor
     return torch.cat([images, synthetic_images(missing, image_size, seed=seed)]) if missing else images
 
 
+def point_default_bundle(path: Path, cwd: Path | None = None) -> str:
+    """Point ``./bundle`` (edge-client's default bundle) at ``path`` with a relative symlink; one line saying so.
+
+    Why: `fedmvp-export --round N` then `edge-client infer img.jpg` in the same directory must just work.
+    Only a missing ``./bundle`` or a symlink is replaced (atomically: a new link renamed over it); a real
+    directory or file of that name is never touched, and the line says what to type instead."""
+    from edge_client.bundle import DEFAULT_BUNDLE
+
+    cwd = Path(cwd) if cwd is not None else Path.cwd()
+    link = cwd / DEFAULT_BUNDLE
+    if (link.exists() or link.is_symlink()) and not link.is_symlink():
+        kind = "directory" if link.is_dir() else "file"
+        return (f"./{DEFAULT_BUNDLE} is a {kind} of your own, left as it is: use edge-client --bundle {path} "
+                f"(or export FEDMVP_BUNDLE={path})")
+    target = os.path.relpath(Path(path).resolve(), cwd.resolve())
+    temp = cwd / f".{DEFAULT_BUNDLE}.{os.getpid()}.{uuid.uuid4().hex[:8]}.link"
+    try:
+        os.symlink(target, temp, target_is_directory=True)
+        os.replace(temp, link)
+    except OSError as err:
+        temp.unlink(missing_ok=True)
+        return f"./{DEFAULT_BUNDLE} not pointed at the bundle ({err.strerror or err}): use edge-client --bundle {path}"
+    return f"./{DEFAULT_BUNDLE} -> {target} (edge-client's default bundle)"
+
+
 def default_out(run_path: Path, round_number: int, precision: str) -> Path:
     return run_path / "bundles" / f"round-{round_number:04d}-{precision}"
 
