@@ -341,9 +341,12 @@ def _check_sections(manifest_path: Path, m: dict[str, Any]) -> None:
 
 def onnx_classes_pin(path: Path) -> str | None:
     """The class-list digest model.onnx was exported with (its ``fedmvp.classes_sha256``), or None."""
-    from edge_client.tensor_layout import onnx_metadata
+    from edge_client.protobuf import onnx_metadata
 
-    return onnx_metadata(path).get(CLASSES_KEY)
+    try:
+        return onnx_metadata(path).get(CLASSES_KEY)
+    except ValueError as err:
+        raise _fail(path, f"not a readable ONNX model ({' '.join(str(err).split())[:200]})") from None
 
 
 def _check_class_pin(root: Path, manifest_path: Path, m: dict[str, Any]) -> None:
