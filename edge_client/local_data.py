@@ -70,7 +70,7 @@ def scan_folder(root: str | os.PathLike, class_names: Sequence[str]) -> LocalDat
         files.extend(found)
         labels.extend([index[folder.name]] * len(found))
     if not files:
-        raise TrainInputError(f"{root}: every class folder is empty ({', '.join(p.name for p in folders[:10])}); "
+        raise TrainInputError(f"{root}: no images, every class folder is empty ({', '.join(p.name for p in folders[:10])}); "
                               f"put images in {root}/<class>/")
     return LocalDataset(root=root, files=files, labels=labels, classes=present, skipped=skipped)
 

@@ -27,12 +27,16 @@ hashed file. The active file's sha256 (and the update's bundle id, names and sha
 verified every time it is loaded; a mismatch refuses to run, like a tampered bundle.
 
 Every read-modify-write of ``state.json`` (apply, rollback) and a refresh's moves of
-``personalised/`` hold an exclusive lock (``fcntl.flock`` on the bundle directory itself, `personalisation_lock`):
-two processes personalising one bundle never lose an update or reuse a file number. The lock is
-on the bundle directory, not in ``personalised/``, because a refresh moves that directory, and
-not on a lock file, so that the bundle's tree stays exactly what the exporter and a refresh wrote. Commit points are single renames (``edge_client.atomic``): a LoRA file is written under a
-temp name and renamed, then ``state.json`` is replaced. A crash in between leaves an unreferenced file that the
-next change removes; the active LoRA is always either the old or the new one.
+``personalised/`` hold an exclusive lock (``fcntl.flock`` on the bundle directory itself,
+`personalisation_lock`): two processes personalising one bundle never lose an update or reuse a
+file number. The lock is on the bundle directory, not in ``personalised/``, because a refresh
+moves that directory, and not on a lock file, so that the bundle's tree stays exactly what the
+exporter and a refresh wrote.
+
+Commit points are single renames (``edge_client.atomic``): a LoRA file is written under a
+temp name (carrying the writer's pid) and renamed, then ``state.json`` is replaced. A crash in
+between leaves an unreferenced file that the next change removes (temp files only when their
+process is gone); the active LoRA is always either the old or the new one.
 """
 
 from __future__ import annotations
