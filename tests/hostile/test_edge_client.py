@@ -159,7 +159,13 @@ def _unknown_class(root: Path) -> None:
     (root / "other" / "zebra").mkdir()
 
 
+def _class_link_up(root: Path) -> None:
+    shutil.rmtree(root / "local" / "red_circle")
+    (root / "local" / "red_circle").symlink_to("..")
+
+
 SETUPS: dict[str, Callable[[Path], None]] = {
+    "class-folder-links-up": _class_link_up,
     "out-is-bundle-weights": lambda root: None,
     "out-symlink-into-bundle": _link_into_bundle,
     "out-exists": _existing,
@@ -240,6 +246,7 @@ ROWS = [
     Hostile("rollback-nothing", ["rollback"], 1, "nothing to roll back", ["bundle"]),
     Hostile("image-is-a-directory", ["infer", "photo.jpg"], 1, "contains no image files", ["bundle"]),
     Hostile("unknown-class", ["train", "--data", "other"], 2, "unknown class 'zebra'", ["bundle"]),
+    Hostile("class-folder-links-up", ["train", "--data", "local"], 2, "class folder leads back to", ["bundle"]),
     Hostile("data-is-a-class-folder", ["train", "--data", "local/red_circle/../red_circle"], 2,
             "no class folders", ["bundle"]),
 ]
