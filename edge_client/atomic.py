@@ -18,7 +18,27 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-TEMP_SUFFIX = ".tmp"  # temp files are ".<name>.<random>.tmp" next to the target
+TEMP_SUFFIX = ".tmp"  # temp files are ".<name>.<pid>.<random>.tmp" next to the target
+
+
+def temp_is_removable(name: str) -> bool:
+    """Whether a temp file (``.<name>.<pid>.<random>.tmp``) is this process's or a dead one's.
+
+    Why: cleanup must never delete the temp file another process is writing (it once left a
+    personalised LoRA whose bytes no longer matched its sha256). A name without a pid is left alone."""
+    parts = name.split(".")
+    if not name.endswith(TEMP_SUFFIX) or len(parts) < 4 or not parts[-3].isdigit():
+        return False
+    pid = int(parts[-3])
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's
+        return False
+    return False
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -92,7 +112,7 @@ def _new_file_mode() -> int:
 def _replacing(path: Path) -> Iterator[BinaryIO]:
     """A binary handle on a temp file that replaces ``path`` when the block ends without error."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             yield handle

@@ -34,6 +34,11 @@ before it). Both are optional within format 2: a bundle without them cannot be r
 An inference-only bundle (``fedmvp-export --inference-only``) has no train.pt2 and no
 text_features.safetensors, and no weights.safetensors either when its ONNX model embeds its
 weights (fp16, int8).
+manifest.json itself is hashed by nothing, so `read_bundle` checks that its sections have the
+types and agree with each other (``classes.names`` unique strings, as many as ``classes.count``
+and the model's ``onnx.num_classes`` outputs), and that the class list is the one the ONNX model
+was exported with: model.onnx (which the manifest hashes) carries the class list's sha256 in its
+metadata (``fedmvp.classes_sha256``, `classes_digest`), so relabelled classes are refused.
 Only numpy, safetensors and the standard library are used here: the smallest install can
 read and verify a bundle. ``read_bundle`` verifies every hash before anything is loaded, so
 a tampered training program (``torch.export.load`` may unpickle) is refused first.
@@ -60,6 +65,8 @@ BUNDLE_ENV = "FEDMVP_BUNDLE"  # where `--bundle` is not given
 DEFAULT_BUNDLE = "bundle"  # where neither --bundle nor $FEDMVP_BUNDLE is given
 ROLES = {"onnx": "model.onnx", "weights": "weights.safetensors", "lora": "lora.safetensors",
          "training": "train.pt2", "text": "text_features.safetensors"}
+CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class list it was exported with
+PRECISIONS = ("fp32", "fp16", "int8")
 REFRESH_DERIVE = "fedmvp-context-v1"  # how a refresh derives the text constants (docs/method.md §10)
 REFRESH_JOURNAL = "refresh.json"  # present only while a refresh or its rollback is under way
 PREVIOUS = "previous"  # what the last refresh replaced, for `edge-client rollback --refresh`
@@ -82,6 +89,12 @@ def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]
     """{name: {sha256, bytes}} for files in ``directory`` (the manifest's ``files``)."""
     return {name: {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
             for name in sorted(names)}
+
+
+def classes_digest(names: list[str]) -> str:
+    """sha256 of a class list in logit order (canonical JSON): what model.onnx's metadata pins."""
+    return hashlib.sha256(json.dumps(list(names), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+                          ).hexdigest()
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
@@ -114,7 +127,10 @@ class Bundle:
         """A `Bundle` as given, or read (and by default verified) from `resolve_dir(bundle)`."""
         if isinstance(bundle, Bundle):
             return bundle
-        return read_bundle(cls.resolve_dir(bundle), verify=verify)
+        path = cls.resolve_dir(bundle)
+        if not path.is_dir():
+            raise BundleError(not_found(bundle, path))
+        return read_bundle(path, verify=verify)
 
     @property
     def id(self) -> str:
@@ -218,6 +234,20 @@ class Bundle:
         return load_file(str(self.file("lora")))
 
 
+def not_found(given: str | os.PathLike | None, path: Path) -> str:
+    """The one line for a bundle directory that is not there: where it looked and what to type.
+
+    Why: after `fedmvp-export` a user types `edge-client infer img.jpg`; "not a bundle directory"
+    alone does not say that ./bundle was the default, nor how to make one."""
+    what = "a file, " if path.is_file() else ""
+    if given is not None and str(given) != "":
+        return f"{path}: not a bundle directory ({what}given with --bundle)"
+    env = os.environ.get(BUNDLE_ENV)
+    looked = f"${BUNDLE_ENV}={env}" if env else f"${BUNDLE_ENV} (unset), ./{DEFAULT_BUNDLE}"
+    return (f"{path}: not a bundle directory ({what}no bundle found; looked at {looked}); export one with "
+            f"`fedmvp-export --round N` (it points ./{DEFAULT_BUNDLE} at it) or pass --bundle DIR")
+
+
 def _fail(path: Path, reason: str) -> BundleError:
     """One-line error naming the path at fault."""
     return BundleError(f"{path}: {reason}")
@@ -261,8 +291,71 @@ def _read(root: Path, verify: bool) -> Bundle:
         where = "method" if isinstance(method, dict) else "manifest"
         raise _fail(manifest_path, f"the {where} lacks {', '.join(missing)} (the model's method config); "
                                    f"re-export the bundle with this version of fedmvp-export")
+    _check_sections(manifest_path, manifest)
     _check_files(root, manifest_path, files, verify)
+    if verify:
+        _check_class_pin(root, manifest_path, manifest)
     return Bundle(path=root, manifest=manifest)
+
+
+def _check_sections(manifest_path: Path, m: dict[str, Any]) -> None:
+    """Every section the device reads has its type, and the class list agrees with itself and the model.
+
+    Why: the manifest is covered by no hash, and a wrong type deep inside would be a traceback later."""
+    def bad(field: str, why: str) -> BundleError:
+        return _fail(manifest_path, f"field {field}: {why}")
+
+    for key, kind in (("classes", dict), ("preprocess", dict), ("files_by_role", dict), ("lora", dict)):
+        if not isinstance(m.get(key), kind):
+            raise bad(key, f"missing or not a {'mapping' if kind is dict else kind.__name__}")
+    for key in ("source", "onnx", "promptformer"):
+        if m.get(key) is not None and not isinstance(m[key], dict):
+            raise bad(key, "not a mapping")
+    names, count = m["classes"].get("names"), m["classes"].get("count")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise bad("classes.names", "not a non-empty list of class names")
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise bad("classes.names", f"names a class twice ({', '.join(twice[:5])})")
+    if not isinstance(count, int) or isinstance(count, bool) or count != len(names):
+        raise bad("classes.count", f"{count!r}, but classes.names lists {len(names)}")
+    outputs = (m.get("onnx") or {}).get("num_classes")
+    if outputs is not None and outputs != len(names):
+        raise bad("onnx.num_classes", f"the model outputs {outputs!r} classes, classes.names lists {len(names)}")
+    if m.get("precision") not in PRECISIONS:
+        raise bad("precision", f"{m.get('precision')!r} is not one of {', '.join(PRECISIONS)}")
+    try:
+        PreprocessSpec.from_manifest(m["preprocess"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise bad("preprocess", " ".join(str(err).split())) from None
+    roles = m["files_by_role"]
+    if not all(isinstance(v, str) and v in m["files"] for v in roles.values()) or "onnx" not in roles \
+            or "lora" not in roles:
+        raise bad("files_by_role", "must name the onnx and lora files, each one listed in files")
+    tensors = m["lora"].get("tensors")
+    if not isinstance(tensors, dict) or not tensors or not all(
+            isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in s)
+            for s in tensors.values()):
+        raise bad("lora.tensors", "not a mapping of LoRA tensor names to shapes (lists of positive ints)")
+
+
+def onnx_classes_pin(path: Path) -> str | None:
+    """The class-list digest model.onnx was exported with (its ``fedmvp.classes_sha256``), or None."""
+    from edge_client.protobuf import onnx_metadata
+
+    try:
+        return onnx_metadata(path).get(CLASSES_KEY)
+    except ValueError as err:
+        raise _fail(path, f"not a readable ONNX model ({' '.join(str(err).split())[:200]})") from None
+
+
+def _check_class_pin(root: Path, manifest_path: Path, m: dict[str, Any]) -> None:
+    """Refuse a manifest whose class list is not the one the (hashed) ONNX model was exported with."""
+    pinned = onnx_classes_pin(root / m["files_by_role"]["onnx"])
+    if pinned is not None and pinned != classes_digest(m["classes"]["names"]):
+        raise _fail(manifest_path, f"field classes.names: not the class list model.onnx was exported with "
+                                   f"({CLASSES_KEY}); the manifest was edited, predictions would be "
+                                   f"mislabelled: re-export the bundle")
 
 
 def _check_files(root: Path, manifest_path: Path, files: dict[str, Any], verify: bool) -> None:

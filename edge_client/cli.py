@@ -32,7 +32,9 @@ def _json_option(f: Any) -> Any:
 
 
 def _fail(as_json: bool, code: int, message: str, **extra: Any) -> None:
-    message = " ".join(str(message).split())
+    from edge_client.images import printable
+
+    message = printable(" ".join(str(message).split()))
     if as_json:
         click.echo(json.dumps({"ok": False, "error": message, **extra}, sort_keys=True))
     else:
@@ -78,7 +80,7 @@ def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: i
     the others are still classified; the exit code is then 1.
     """
     from edge_client.bundle import BundleError
-    from edge_client.images import DEFAULT_MAX_PIXELS
+    from edge_client.images import DEFAULT_MAX_PIXELS, printable
     from edge_client.infer import FileFailure, Prediction, Predictor
     from edge_client.runtime import ProviderError
 
@@ -90,14 +92,15 @@ def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: i
         _fail(as_json, EXIT_INPUT, f"cannot load the model: {err}")
     if not as_json:
         loaded = predictor.bundle
-        click.echo(f"provider: {predictor.provider}  ·  bundle: {loaded.path} (round {loaded.round}, "
+        shown = printable(str(loaded.path))
+        click.echo(f"provider: {predictor.provider}  ·  bundle: {shown} (round {loaded.round}, "
                    f"{loaded.precision})  ·  LoRA: {predictor.lora.describe()}", err=True)
 
     def stream(item: Prediction | FileFailure) -> None:
         if as_json:
             click.echo(json.dumps({**item.to_json(), "provider": predictor.provider}, ensure_ascii=False))
         elif isinstance(item, FileFailure):
-            click.echo(f"error: {item.error}", err=True)
+            click.echo(f"error: {printable(item.error)}", err=True)
 
     result = predictor.infer(list(paths), top_k=top_k, batch_size=batch_size,
                              max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
@@ -113,7 +116,9 @@ def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: i
 def _print_table(predictions: list) -> None:
     if not predictions:
         return
-    paths = [str(p.path) for p in predictions]
+    from edge_client.images import printable
+
+    paths = [printable(str(p.path)) for p in predictions]
     width = min(max(len("PATH"), *(len(p) for p in paths)), 60)
     cwidth = max(len("CLASS"), *(len(c) for p in predictions for c, _ in p.top_k))
     click.echo(f"{'PATH':<{width}}  {'CLASS':<{cwidth}}  {'PROB':>7}  {'LATENCY':>10}")
@@ -245,6 +250,9 @@ def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, as_json: bool)
         _fail(as_json, EXIT_FAILED, str(err))
     except BundleError as err:
         _fail(as_json, EXIT_INPUT, str(err))
+    except OSError as err:  # a read-only bundle, a full disk: state.json is unchanged (atomic writes)
+        _fail(as_json, EXIT_FAILED, f"{err.filename or Bundle.resolve_dir(bundle)}: cannot roll back "
+                                    f"({err.strerror or err}); nothing was changed")
     if as_json:
         click.echo(json.dumps({"ok": True, "active": active.to_json()}, sort_keys=True))
     else:
@@ -299,7 +307,9 @@ def _info_lines(report: dict[str, Any]) -> list[str]:
         lines += [f"  round:    {b.get('round')} of run {b.get('run')}",
                   f"  model:    {b.get('model')}, precision {b.get('precision')}",
                   f"  classes:  {len(classes)} ({shown})",
-                  f"  hashes:   {'OK' if b.get('hashes_ok') else 'FAILED'}",
+                  f"  hashes:   {'OK' if b.get('hashes_ok') else 'FAILED'}"
+                  + ("" if not b.get("hashes_ok") else ", class names checked against model.onnx"
+                     if b.get("classes_pinned") else ", class names not pinned by model.onnx (re-export to pin them)"),
                   f"  LoRA:     {b.get('lora', {}).get('describe', '?')}",
                   f"  training: {'yes (edge-client train)' if b.get('trainable') else 'no (inference-only bundle)'}",
                   f"  size:     {b.get('bytes', 0) / 1e6:.1f} MB"]

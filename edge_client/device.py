@@ -57,7 +57,7 @@ def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
     path = Bundle.resolve_dir(bundle)
     out: dict[str, Any] = {"path": str(path), "hashes_ok": False}
     try:
-        verified = read_bundle(path, verify=True)
+        verified = Bundle.open(bundle, verify=True)
         out["hashes_ok"] = True
     except BundleError as err:
         out["error"] = str(err)
@@ -75,6 +75,7 @@ def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
                 "files": {name: entry.get("sha256") for name, entry in sorted(m.get("files", {}).items())},
                 "bytes": sum(int(e.get("bytes", 0)) for e in m.get("files", {}).values())})
     if out["hashes_ok"]:
+        out["classes_pinned"] = _classes_pinned(verified)
         try:
             active = active_lora(verified)
             out["lora"] = {**active.to_json(), "describe": active.describe()}
@@ -82,6 +83,17 @@ def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
             out["hashes_ok"] = False
             out["error"] = str(err)
     return out
+
+
+def _classes_pinned(bundle: Bundle) -> bool:
+    """Whether model.onnx pins the manifest's class list (read_bundle refused a mismatch already;
+    False: exported before the pin, the class names are taken on trust)."""
+    from edge_client.bundle import onnx_classes_pin
+
+    try:
+        return onnx_classes_pin(bundle.file("onnx")) is not None
+    except BundleError:
+        return False
 
 
 def describe(bundle: str | os.PathLike | None = None) -> dict[str, Any]:

@@ -165,6 +165,25 @@ def is_image_path(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
 
 
+def printable(text: str) -> str:
+    """``text`` as valid UTF-8: bytes a file name holds that are not UTF-8 (surrogate escapes from
+    ``os.fsdecode``) become ``\\xNN``. Why: a JSON line or a table row with such a name would be
+    invalid UTF-8, or crash the print."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        raw = text.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def path_fields(path: str | os.PathLike) -> dict[str, str]:
+    """``{"path": printable}`` plus ``"path_bytes"`` (hex of the raw name) when the name is not UTF-8,
+    so a program reading the JSON can still find the file."""
+    text = os.fspath(path)
+    shown = printable(text)
+    return {"path": shown} if shown == text else {"path": shown, "path_bytes": os.fsencode(text).hex()}
+
+
 def iter_image_paths(
     inputs: list[str] | list[str | os.PathLike[str]],
     errors: list[ImageReadError] | None = None,

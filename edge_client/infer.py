@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.bundle import Bundle, BundleError
-from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, iter_image_paths, load_image
+from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, iter_image_paths, load_image, path_fields, printable
 from edge_client.lora_store import ActiveLora, active_lora, bundle_lora
 from edge_client.preprocess import preprocess
 from edge_client.runtime import make_session
@@ -53,7 +53,7 @@ class Prediction:
         return self.top_k[0][1]
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": str(self.path), "top_k": [{"class": c, "prob": round(p, 6)} for c, p in self.top_k],
+        return {**path_fields(self.path), "top_k": [{"class": c, "prob": round(p, 6)} for c, p in self.top_k],
                 "latency_ms": round(self.latency_ms, 3), "decode_ms": round(self.decode_ms, 3),
                 "model_ms": round(self.model_ms, 3)}
 
@@ -66,7 +66,7 @@ class FileFailure:
     error: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": str(self.path), "error": self.error}
+        return {**path_fields(self.path), "error": printable(self.error)}
 
 
 @dataclass
@@ -129,6 +129,15 @@ class Predictor:
         self._input = next((i for i in inputs if i.name == wanted), inputs[0])
         self._dtype = np.float16 if self._input.type == "tensor(float16)" else np.float32
         self._outputs = [o.name for o in self.session.get_outputs()]
+        self._check_outputs()
+
+    def _check_outputs(self) -> None:
+        """The model's class dimension is the manifest's class count (else a name lookup would fail)."""
+        for output in self.session.get_outputs():
+            width = output.shape[-1] if output.name in ("logits", "probs") and output.shape else None
+            if isinstance(width, int) and width != len(self.classes):
+                raise BundleError(f"{self.bundle.path / 'manifest.json'}: field classes.names lists "
+                                  f"{len(self.classes)} classes, model.onnx outputs {width}")
 
     def run(self, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
         """Preprocessed images [N, 3, S, S] -> every model output by name (logits, probs, image_embeds)."""

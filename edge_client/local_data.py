@@ -54,6 +54,12 @@ def scan_folder(root: str | os.PathLike, class_names: Sequence[str]) -> LocalDat
                               f"classes ({shown})")
     if not folders:
         raise TrainInputError(f"{root}: no class folders (expected {root}/<class>/<image>)")
+    real_root = root.resolve()
+    for folder in folders:  # a link to the tree itself would label every class's images as this one
+        real = folder.resolve()
+        if real == real_root or real_root.is_relative_to(real):
+            raise TrainInputError(f"{folder}: class folder leads back to {real} (a link to the data folder or "
+                                  f"above it); its images would all be labelled {folder.name!r}")
     skipped = [f"{p}: not in a class folder, left out" for p in sorted(root.iterdir())
                if p.is_file() and is_image_path(p)]
     files: list[Path] = []
@@ -62,13 +68,16 @@ def scan_folder(root: str | os.PathLike, class_names: Sequence[str]) -> LocalDat
     for folder in folders:
         errors: list[ImageReadError] = []
         found = iter_image_paths([folder], errors=errors)
-        skipped.extend(f"{e.path}: {e.reason}" for e in errors)
         if found:
             present.append(folder.name)
+            skipped.extend(f"{e.path}: {e.reason}" for e in errors)
+        else:  # said so: training silently without a class the user meant to teach is a surprise
+            skipped.append(f"{folder}: empty class folder (no images), left out")
         files.extend(found)
         labels.extend([index[folder.name]] * len(found))
     if not files:
-        raise TrainInputError(f"{root}: no images in the class folders")
+        raise TrainInputError(f"{root}: no images, every class folder is empty ({', '.join(p.name for p in folders[:10])}); "
+                              f"put images in {root}/<class>/")
     return LocalDataset(root=root, files=files, labels=labels, classes=present, skipped=skipped)
 
 

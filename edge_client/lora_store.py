@@ -26,9 +26,17 @@ the file, without copying the model (hundreds of MB for fp16/int8) and without t
 hashed file. The active file's sha256 (and the update's bundle id, names and shapes) are
 verified every time it is loaded; a mismatch refuses to run, like a tampered bundle.
 
+Every read-modify-write of ``state.json`` (apply, rollback) and a refresh's moves of
+``personalised/`` hold an exclusive lock (``fcntl.flock`` on the bundle directory itself,
+`personalisation_lock`): two processes personalising one bundle never lose an update or reuse a
+file number. The lock is on the bundle directory, not in ``personalised/``, because a refresh
+moves that directory, and not on a lock file, so that the bundle's tree stays exactly what the
+exporter and a refresh wrote.
+
 Commit points are single renames (``edge_client.atomic``): a LoRA file is written under a
-temp name and renamed, then ``state.json`` is replaced. A crash in between leaves an unreferenced file that the
-next change removes; the active LoRA is always either the old or the new one.
+temp name (carrying the writer's pid) and renamed, then ``state.json`` is replaced. A crash in
+between leaves an unreferenced file that the next change removes (temp files only when their
+process is gone); the active LoRA is always either the old or the new one.
 """
 
 from __future__ import annotations
@@ -36,13 +44,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edge_client.atomic import TEMP_SUFFIX, copy_file, write_bytes
+from edge_client.atomic import copy_file, temp_is_removable, write_bytes
 from edge_client.bundle import Bundle, BundleError, sha256_file
 from edge_client.update import UpdateError, read_update, utc_now
 
@@ -100,6 +110,24 @@ class ActiveLora:
                    if self.personalised else {})}
 
 
+@contextmanager
+def personalisation_lock(bundle_dir: str | os.PathLike) -> Iterator[None]:
+    """Hold the bundle's personalisation lock (blocking) for one read-modify-write of its state.
+
+    Standard library only; where ``fcntl`` is missing (Windows) changes are not serialised."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(Path(bundle_dir), os.O_RDONLY)  # a directory can be flocked like a file
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def state_dir(bundle: Bundle) -> Path:
     """Where the personalisation lives (beside the hashed files, never among them)."""
     return Path(bundle.path) / DIRECTORY
@@ -130,7 +158,29 @@ def read_state(bundle: Bundle) -> dict[str, Any] | None:
             f"({bundle.id[:12]}); run `edge-client rollback --all` or remove {path.parent}")
     if not isinstance(state.get("history"), list) or not isinstance(state.get("next"), int):
         raise PersonalisationError(f"{path}: malformed state (history/next)")
+    entries = [("active", state.get("active"))] if state.get("active") is not None else []
+    for where, entry in [*entries, *((f"history[{i}]", e) for i, e in enumerate(state["history"]))]:
+        problem = _entry_problem(entry)
+        if problem:
+            raise PersonalisationError(f"{path}: malformed {where} entry ({problem}); `edge-client rollback --all` "
+                                       f"returns to the bundle's LoRA")
     return state
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """What is wrong with one state entry (None: file, sha256 and bytes have their types)."""
+    if not isinstance(entry, dict):
+        return f"not a mapping: {str(entry)[:40]!r}"
+    name = entry.get("file")
+    if not isinstance(name, str) or not name or Path(name).name != name:
+        return f"bad file name {name!r}"
+    if not isinstance(entry.get("sha256"), str):
+        return "no sha256"
+    if not isinstance(entry.get("bytes"), int) or isinstance(entry.get("bytes"), bool):
+        return "no byte count"
+    if not isinstance(entry.get("update", {}), dict):
+        return "update is not a mapping"
+    return None
 
 
 def _entry_path(bundle: Bundle, entry: dict[str, Any]) -> Path:
@@ -176,28 +226,33 @@ def _write_state(bundle: Bundle, state: dict[str, Any]) -> None:
 
 
 def _cleanup(bundle: Bundle, state: dict[str, Any]) -> None:
-    """Remove LoRA files the state no longer references, and stale temp files."""
+    """Remove LoRA files the state no longer references, and this process's (or dead ones') temp
+    files; call with the lock held (another process's unreferenced file may be its next entry)."""
     keep = {e["file"] for e in [state.get("active"), *state["history"]] if e}
     for path in state_dir(bundle).iterdir():
         if path.name == STATE or path.name in keep:
             continue
-        if (path.name.startswith("lora-") and path.suffix == ".safetensors") or path.name.endswith(TEMP_SUFFIX):
+        if (path.name.startswith("lora-") and path.suffix == ".safetensors") or temp_is_removable(path.name):
             path.unlink(missing_ok=True)
 
 
 def apply_update(bundle: Bundle, update_path: str | os.PathLike, keep: int = DEFAULT_KEEP) -> ActiveLora:
     """Make the LoRA of ``update_path`` the device's active LoRA; the previous one goes to history."""
     update = read_update(update_path, bundle)  # names, shapes, bundle id: refuse before changing anything
-    state = read_state(bundle) or _empty_state(bundle)
-    name = f"lora-{state['next']:04d}.safetensors"
-    target = copy_file(update.path, state_dir(bundle) / name)
-    entry = {"file": name, "sha256": sha256_file(target), "bytes": target.stat().st_size, "applied": utc_now(),
-             "update": {"source": str(Path(update_path).resolve()),
-                        **{k: update.metadata[k] for k in _UPDATE_KEYS if k in update.metadata}}}
-    history = ([state["active"]] if state.get("active") else []) + list(state["history"])
-    new_state = {**state, "active": entry, "history": history[:max(0, int(keep))], "next": state["next"] + 1}
-    _write_state(bundle, new_state)  # the commit point
-    _cleanup(bundle, new_state)
+    with personalisation_lock(bundle.path):
+        if update.bundle_id != bundle.id:  # a refresh moved the bundle on since the update was read
+            raise PersonalisationError(f"{update.path}: trained on bundle {update.bundle_id[:12]}, which was "
+                                       f"refreshed meanwhile (now {bundle.id[:12]}); not applied")
+        state = read_state(bundle) or _empty_state(bundle)
+        name = f"lora-{state['next']:04d}.safetensors"
+        target = copy_file(update.path, state_dir(bundle) / name)
+        entry = {"file": name, "sha256": sha256_file(target), "bytes": target.stat().st_size, "applied": utc_now(),
+                 "update": {"source": str(Path(update_path).resolve()),
+                            **{k: update.metadata[k] for k in _UPDATE_KEYS if k in update.metadata}}}
+        history = ([state["active"]] if state.get("active") else []) + list(state["history"])
+        new_state = {**state, "active": entry, "history": history[:max(0, int(keep))], "next": state["next"] + 1}
+        _write_state(bundle, new_state)  # the commit point
+        _cleanup(bundle, new_state)
     return ActiveLora(tensors=update.tensors, source="personalised", file=target, entry=entry,
                       history=len(new_state["history"]))
 
@@ -207,17 +262,30 @@ def rollback(bundle: Bundle, to_bundle: bool = False) -> ActiveLora:
 
     ``to_bundle`` discards every personalisation (also a corrupt state or one of another
     bundle) and returns to the bundle's own LoRA."""
+    if not state_dir(bundle).exists():
+        raise _nothing(bundle)
+    with personalisation_lock(bundle.path):
+        _rollback_locked(bundle, to_bundle)
+    return active_lora(bundle)
+
+
+def _nothing(bundle: Bundle) -> NothingToRollBack:
+    return NothingToRollBack(f"{bundle.path}: nothing to roll back (the bundle's own LoRA is active)")
+
+
+def _rollback_locked(bundle: Bundle, to_bundle: bool) -> None:
+    """`rollback`'s change of the state, with the personalisation lock held."""
     directory = state_dir(bundle)
     if to_bundle:
         if not directory.exists():
-            raise NothingToRollBack(f"{bundle.path}: nothing to roll back (the bundle's own LoRA is active)")
-        aside = directory.with_name(f".{DIRECTORY}.removed-{os.getpid()}")
+            raise _nothing(bundle)
+        aside = directory.with_name(f".{DIRECTORY}.removed-{os.getpid()}-{os.urandom(4).hex()}")
         os.replace(directory, aside)  # the commit point: one rename
         shutil.rmtree(aside, ignore_errors=True)
-        return active_lora(bundle)
+        return
     state = read_state(bundle)
     if state is None or state.get("active") is None:
-        raise NothingToRollBack(f"{bundle.path}: nothing to roll back (the bundle's own LoRA is active)")
+        raise _nothing(bundle)
     if not state["history"]:
         new_state = {**state, "active": None, "history": []}
     else:
@@ -226,4 +294,3 @@ def rollback(bundle: Bundle, to_bundle: bool = False) -> ActiveLora:
         new_state = {**state, "active": previous, "history": state["history"][1:]}
     _write_state(bundle, new_state)
     _cleanup(bundle, new_state)
-    return active_lora(bundle)

@@ -33,6 +33,7 @@ from edge_client import journal
 from edge_client.atomic import copy_file, copy_patched
 from edge_client.bundle import MANIFEST, PREVIOUS, Bundle, BundleError, file_entries, read_bundle, write_manifest
 from edge_client.lora_store import DIRECTORY as PERSONALISED
+from edge_client.lora_store import personalisation_lock
 from edge_client.refresh_check import check_refreshed
 from edge_client.tensor_layout import Span, onnx_initializer_spans, safetensors_layout
 
@@ -193,9 +194,11 @@ def restore_previous(bundle_dir: str | Path) -> Bundle:
 
 
 def _commit(root: Path, kind: str, moves: list[tuple[str, str]], record: dict[str, Any]) -> None:
-    """`journal.commit`, with a failed rename reported as one line saying what completes the change."""
+    """`journal.commit` under the personalisation lock (it moves personalised/: an apply or rollback
+    must not write into it meanwhile), with a failed rename reported as one line."""
     try:
-        journal.commit(root, kind, moves, record)
+        with personalisation_lock(root):
+            journal.commit(root, kind, moves, record)
     except OSError as err:
         raise BundleError(f"{root}: the {kind} stopped part-way ({_one_line(err)}); "
                           f"edge_client.refresh.recover_refresh completes it") from None

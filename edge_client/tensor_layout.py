@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge_client.bundle import BundleError
+from edge_client.protobuf import fields as _fields
+from edge_client.protobuf import varint as _varint
 
 _ONNX_FLOAT = 1  # TensorProto.FLOAT
 # Field numbers of onnx.proto: ModelProto.graph, GraphProto.initializer, TensorProto.{dims, data_type, name, raw_data}
@@ -90,40 +91,3 @@ def _tensor(data: bytes, start: int, end: int) -> tuple[str | None, Span | None]
     if raw is None:
         return name, None
     return name, Span("F32" if dtype == _ONNX_FLOAT else f"onnx-{dtype}", tuple(dims), raw[0], raw[1])
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    """(value, position after it) of the protobuf varint at ``pos``."""
-    value, shift = 0, 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-    """(field number, wire type, value start, value end) of each protobuf field in data[start:end]."""
-    pos = start
-    while pos < end:
-        key, pos = _varint(data, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            after = _varint(data, pos)[1]
-        elif wire == 1:
-            after = pos + 8
-        elif wire == 5:
-            after = pos + 4
-        elif wire == 2:
-            length, pos = _varint(data, pos)
-            after = pos + length
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        if after > end:
-            raise ValueError("truncated field")
-        yield number, wire, pos, after
-        pos = after

@@ -42,10 +42,11 @@ import numpy as np
 from edge_client.batch_fit import auto_batch, probe_step
 from edge_client.bundle import Bundle
 from edge_client.local_data import LocalDataset, decode_dataset, scan_folder
-from edge_client.lora_store import ActiveLora, active_lora, apply_update, bundle_lora
+from edge_client.lora_store import ActiveLora, active_lora, apply_update, bundle_lora, state_dir
 from edge_client.program import GraphRunner, load_program
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
 from edge_client.update import check_lora, write_update
+from edge_client.write_guard import WriteTargetError, check_output_file, probe_writable
 
 
 # ---- training ------------------------------------------------------------------------------------------
@@ -107,10 +108,28 @@ def default_out_path(out: str | os.PathLike, bundle: Bundle) -> Path:
     return out / f"update-{tag}-{stamp}.safetensors"
 
 
+def check_write_targets(options: TrainOptions, bundle: Bundle, allow_run_dir: bool = False) -> Path:
+    """The update file's path, refused (`TrainInputError`) before training if writing it could
+    replace someone else's file or cannot succeed (edge_client.write_guard); with apply, also
+    the personalisation directory must be writable. ``allow_run_dir``: the caller owns the run
+    directory the update goes into (`fedmvp demo` keeps its updates in RUN/edge/updates)."""
+    target = default_out_path(options.out, bundle)
+    try:
+        check_output_file(target, allow_run_dir=allow_run_dir)
+        probe_writable(target.parent, "update file")
+        if options.apply:
+            where = state_dir(bundle)
+            probe_writable(where if where.is_dir() else Path(bundle.path), "personalised LoRA")
+    except WriteTargetError as err:
+        raise TrainInputError(str(err)) from None
+    return target
+
+
 def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLike | Bundle | None = None,
                 options: TrainOptions | None = None, *, progress: bool = False,
                 on_step: Callable[[int, float], None] | None = None,
-                start_lora: Mapping[str, np.ndarray] | None = None, **overrides: Any) -> TrainResult:
+                start_lora: Mapping[str, np.ndarray] | None = None, allow_run_dir: bool = False,
+                **overrides: Any) -> TrainResult:
     """Train the bundle's LoRA on ``data`` (ImageFolder of bundle classes); write an update file.
 
     ``data``: the folder, or an already scanned `LocalDataset` (e.g. a node's training share).
@@ -118,7 +137,8 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
     (default `TrainOptions()`) with any field overridden by keyword, e.g. ``epochs=20,
     optimizer="adamw"``; see `TrainOptions` for each. ``progress`` shows tqdm bars on stderr;
     ``on_step(step, loss)`` is called after every step. ``start_lora``: start from these LoRA
-    tensors (a federation round's global LoRA) instead of ``options.start``'s.
+    tensors (a federation round's global LoRA) instead of ``options.start``'s. The update file
+    may not land inside a bundle or (unless ``allow_run_dir``) a run directory, nor replace a file.
     Raises `TrainInputError` (bad data/options), `BundleError` (bad bundle) or `TrainingError`.
     """
     began = time.perf_counter()
@@ -132,20 +152,21 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
         check_lora(tensors, bundle.lora_shapes, bundle.path, TrainInputError)
         initial = ActiveLora(tensors=tensors, source="global", file=bundle.path)
     alpha = float(bundle.method["alpha"]) if options.alpha is None else float(options.alpha)
+    target = check_write_targets(options, bundle, allow_run_dir)
 
     torch = _torch()
     previous_threads = torch.get_num_threads()
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     try:
-        return _train(torch, bundle, dataset, began, options, alpha, progress, on_step, initial)
+        return _train(torch, bundle, dataset, began, options, alpha, progress, on_step, initial, target)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: TrainOptions, alpha: float,
            progress: bool, on_step: Callable[[int, float], None] | None,
-           initial: ActiveLora | None = None) -> TrainResult:
+           initial: ActiveLora | None = None, target: Path | None = None) -> TrainResult:
     """The training loop proper (torch loaded, options ``o`` checked); writes only after the last step."""
     dev = _device(torch, o.device)
     on_cuda = dev.type == "cuda"
@@ -236,12 +257,20 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
         raise TrainingError("the trained LoRA holds NaN or infinite values; nothing was written")
     seconds = time.perf_counter() - began
     mean_loss = total_loss / total_seen
-    target = default_out_path(o.out, bundle)
-    write_update(target, trained, bundle=bundle, num_examples=n, mean_loss=mean_loss,
-                 final_loss=epoch_losses[-1], epochs=o.epochs, train_seconds=round(seconds, 3),
-                 classes=dataset.classes, device=dev.type, alpha=alpha, lr=o.lr, optimizer=o.optimizer,
-                 started_from=initial.source)
-    personalised = apply_update(bundle, target) if o.apply else None
+    target = target or check_write_targets(o, bundle)
+    try:
+        write_update(target, trained, bundle=bundle, num_examples=n, mean_loss=mean_loss,
+                     final_loss=epoch_losses[-1], epochs=o.epochs, train_seconds=round(seconds, 3),
+                     classes=dataset.classes, device=dev.type, alpha=alpha, lr=o.lr, optimizer=o.optimizer,
+                     started_from=initial.source)
+    except OSError as err:  # a full disk, a directory made read-only meanwhile: one line, nothing half-written
+        raise TrainingError(f"{target}: cannot write the update ({err.strerror or err}); nothing was "
+                            f"written, the bundle is unchanged") from None
+    try:
+        personalised = apply_update(bundle, target) if o.apply else None
+    except OSError as err:
+        raise TrainingError(f"{state_dir(bundle)}: cannot apply the update ({err.strerror or err}); the "
+                            f"update file {target} was written, the device's LoRA is unchanged") from None
     return TrainResult(update_path=target, bundle=bundle.path, num_examples=n, classes=dataset.classes,
                        epochs=o.epochs, batch_size=batch, device=str(dev), mean_loss=mean_loss,
                        final_loss=epoch_losses[-1], epoch_losses=epoch_losses, seconds=seconds, alpha=alpha,

@@ -39,7 +39,8 @@ class TrainOptions:
     max_memory_gb: float | None = field(default=None, metadata={
         "help": "GPU memory (GiB) batch size auto may use (default: 90% of what is free)."})
     out: str | os.PathLike = field(default="updates", metadata={
-        "help": "Directory for the update file (or a path ending in .safetensors)."})
+        "help": "Directory for the update file (or a new path ending in .safetensors); never inside a bundle "
+                "or run directory, never an existing file."})
     lr: float = field(default=0.003, metadata={
         "help": "Learning rate (docs/method.md §6; with adamw try 0.01)."})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum (docs/method.md §6)."})

@@ -31,6 +31,7 @@ sees half a file.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ def write_update(path: str | os.PathLike, tensors: Mapping[str, Any], *, bundle:
                 "bundle_round": bundle.round, "num_examples": int(num_examples),
                 "mean_loss": float(mean_loss), "created": utc_now(),
                 **({"run_id": bundle.run_id} if bundle.run_id else {}), **extra}
+    _check_weight(metadata, path)
     return write_bytes(path, save(arrays, metadata=_encode(metadata)))
 
 
@@ -198,6 +200,7 @@ def read_update(path: str | os.PathLike, bundle: Bundle | None = None, *, check_
     if metadata["format_version"] != FORMAT_VERSION:
         raise UpdateError(f"{path}: update format version {metadata['format_version']} is not supported "
                           f"(this client reads {FORMAT_VERSION})")
+    _check_weight(metadata, path)
     stray = [n for n in tensors if not n.startswith(LORA_PREFIX)]
     if stray:
         raise UpdateError(f"{path}: holds non-LoRA tensors ({', '.join(sorted(stray)[:5])})")
@@ -210,6 +213,17 @@ def read_update(path: str | os.PathLike, bundle: Bundle | None = None, *, check_
     else:
         check_lora(tensors, {k: list(v.shape) for k, v in tensors.items()}, path, UpdateError)
     return update
+
+
+def _check_weight(metadata: Mapping[str, Any], path: Path) -> None:
+    """``num_examples`` (the FedAvg weight) a positive int and ``mean_loss`` finite: an update with
+    no examples or a NaN loss would weigh nothing or poison an average."""
+    count = metadata.get("num_examples")
+    if not isinstance(count, int) or count <= 0:
+        raise UpdateError(f"{path}: num_examples is {count!r}; an update must be trained on at least one image")
+    for key in ("mean_loss", "final_loss"):
+        if key in metadata and not math.isfinite(metadata[key]):
+            raise UpdateError(f"{path}: {key} is {metadata[key]!r}; an update's loss must be finite")
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:

@@ -188,7 +188,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         proto = onnx_export.to_proto(graph)
         linked = onnx_export.link_external(proto, weights_file)
         external = onnx_export.external_names(proto)
-        onnx_export.save(proto, tmp / names["onnx"])
+        onnx_export.save(onnx_export.pin_classes(proto, list(classes.names)), tmp / names["onnx"])
         onnx_export.check(tmp / names["onnx"])
         bar.update()
 
@@ -211,7 +211,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             variant, int8_plan = onnx_export.to_int8(graph, edge.lora_names, calib.numpy().astype("float32"),
                                                      calib_reference, parity.MIN_AGREEMENT["int8"], progress=step)
         if precision != "fp32":
-            onnx_export.save(variant, tmp / names["onnx"])
+            onnx_export.save(onnx_export.pin_classes(variant, list(classes.names)), tmp / names["onnx"])
             onnx_export.check(tmp / names["onnx"])
             results[precision] = parity.check(tmp / names["onnx"], reference, images, precision)
             linked, external = 0, None
@@ -292,7 +292,7 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
         "precision": precision,
         "files_by_role": dict(names),
         "onnx": {"file": names["onnx"], "opset": onnx_export.OPSET, "input": onnx_export.INPUT_NAME,
-                 "outputs": list(onnx_export.OUTPUT_NAMES), "batch": "dynamic",
+                 "outputs": list(onnx_export.OUTPUT_NAMES), "batch": "dynamic", "num_classes": len(classes.names),
                  "external_data": [names["weights"]] if linked else [], "external_bytes": linked,
                  "numerics": NUMERICS[precision],
                  "lora_initializers": list(edge.lora_names),
@@ -315,6 +315,31 @@ def _topped_up(images: torch.Tensor, image_size: int, seed: int) -> torch.Tensor
     images = images.reshape(-1, 3, image_size, image_size)
     missing = max(0, parity.MIN_IMAGES - len(images))
     return torch.cat([images, synthetic_images(missing, image_size, seed=seed)]) if missing else images
+
+
+def point_default_bundle(path: Path, cwd: Path | None = None) -> str:
+    """Point ``./bundle`` (edge-client's default bundle) at ``path`` with a relative symlink; one line saying so.
+
+    Why: `fedmvp-export --round N` then `edge-client infer img.jpg` in the same directory must just work.
+    Only a missing ``./bundle`` or a symlink is replaced (atomically: a new link renamed over it); a real
+    directory or file of that name is never touched, and the line says what to type instead."""
+    from edge_client.bundle import DEFAULT_BUNDLE
+
+    cwd = Path(cwd) if cwd is not None else Path.cwd()
+    link = cwd / DEFAULT_BUNDLE
+    if (link.exists() or link.is_symlink()) and not link.is_symlink():
+        kind = "directory" if link.is_dir() else "file"
+        return (f"./{DEFAULT_BUNDLE} is a {kind} of your own, left as it is: use edge-client --bundle {path} "
+                f"(or export FEDMVP_BUNDLE={path})")
+    target = os.path.relpath(Path(path).resolve(), cwd.resolve())
+    temp = cwd / f".{DEFAULT_BUNDLE}.{os.getpid()}.{uuid.uuid4().hex[:8]}.link"
+    try:
+        os.symlink(target, temp, target_is_directory=True)
+        os.replace(temp, link)
+    except OSError as err:
+        temp.unlink(missing_ok=True)
+        return f"./{DEFAULT_BUNDLE} not pointed at the bundle ({err.strerror or err}): use edge-client --bundle {path}"
+    return f"./{DEFAULT_BUNDLE} -> {target} (edge-client's default bundle)"
 
 
 def default_out(run_path: Path, round_number: int, precision: str) -> Path:

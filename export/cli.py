@@ -27,7 +27,8 @@ def _quiet_libraries() -> None:
 @click.option("--round", "round_number", type=click.IntRange(min=0), default=None,
               help="Round to export (default: the run's last complete round).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Bundle directory (default: RUN/bundles/round-NNNN-PRECISION).")
+              help="Bundle directory (default: RUN/bundles/round-NNNN-PRECISION, and ./bundle, edge-client's "
+                   "default, becomes a symlink to it unless ./bundle is a directory or file of your own).")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
               help="Precision of the ONNX model (fp32 parity is always checked).")
 @click.option("--attributes", type=click.Path(path_type=Path), default=None,
@@ -55,7 +56,7 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
     both) and a manifest with sha256 hashes and the ONNX Runtime vs PyTorch parity check.
     """
     _quiet_libraries()
-    from export.bundle_writer import ParityError, export_bundle
+    from export.bundle_writer import ParityError, export_bundle, point_default_bundle
     from export.errors import ExportError
 
     try:
@@ -67,14 +68,16 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
               {"parity": {k: r.to_manifest() for k, r in err.results.items()}})
     except (ExportError, OSError) as err:
         _fail(as_json, EXIT_INPUT, " ".join(str(err).split()))
+    linked = point_default_bundle(result.path) if out is None else None  # the default: ./bundle follows
     if as_json:
-        click.echo(json.dumps({"ok": True, "bundle": str(result.path), "precision": precision,
+        click.echo(json.dumps({"ok": True, "bundle": str(result.path), "default_bundle": linked,
+                               "precision": precision,
                                "round": result.manifest["source"].get("round"),
                                "parity": {k: r.to_manifest() for k, r in result.parity.items()},
                                "sizes": result.sizes, "total_bytes": result.total_bytes,
                                "discarded": result.discarded}, sort_keys=True))
     else:
-        for line in result.lines():
+        for line in result.lines() + ([linked] if linked else []):
             click.echo(line)
     if not result.passed:
         click.echo(f"warning: {precision} parity below the target (bundle kept; fp32 parity passed)", err=True)

@@ -124,6 +124,21 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
     return proto
 
 
+def pin_classes(proto: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """Record the class list's sha256 in the model's metadata (``fedmvp.classes_sha256``).
+
+    Why: manifest.json is hashed by nothing, model.onnx is; the device refuses a manifest whose
+    class list is not this one (relabelled predictions)."""
+    from edge_client.bundle import CLASSES_KEY, classes_digest
+
+    for entry in list(proto.metadata_props):
+        if entry.key == CLASSES_KEY:
+            proto.metadata_props.remove(entry)
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = CLASSES_KEY, classes_digest(names)
+    return proto
+
+
 def link_external(proto: onnx.ModelProto, weights: Path) -> int:
     """Point fp32 initializers whose bytes are in ``weights`` there instead of embedding them.
 

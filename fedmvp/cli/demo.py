@@ -84,7 +84,7 @@ def run_edge_demo(run: RunDir, shots: int = 8) -> EdgeDemoResult:
     local, held_out, classes = new_class_folders(run, shots)
     before = infer_paths([str(held_out)], bundle.path).accuracy()
     trained = train_local(str(local), bundle.path, out=str(run.path / "edge" / "updates"), batch_size=EDGE_BATCH,
-                          progress=True, **EDGE_TRAIN)
+                          progress=True, allow_run_dir=True, **EDGE_TRAIN)
     after = infer_paths([str(held_out)], bundle.path).accuracy()
     losses = trained.epoch_losses
     fed = ingest(run, [trained.update_path])  # the loop back: the device's update is the run's next round
