@@ -101,9 +101,9 @@ def _malformed_history(root: Path) -> None:
 
 
 def _foreign_temp(root: Path) -> None:
-    """A live process's (this test's) half-written file in personalised/: rollback must leave it."""
+    """A live process's (the one that started pytest) half-written file in personalised/: rollback must leave it."""
     _personalise(root, 2)
-    (root / "bundle" / "personalised" / f".lora-0009.safetensors.{os.getpid()}.abcd.tmp").write_bytes(b"mine")
+    (root / "bundle" / "personalised" / f".lora-0009.safetensors.{os.getppid()}.abcd.tmp").write_bytes(b"mine")
 
 
 def _existing(root: Path) -> None:
@@ -216,7 +216,7 @@ ROWS = [
             ["ro", "bundle"]),
     # 2: cleanup leaves another process's temp file alone
     Hostile("rollback-keeps-foreign-temp", ["rollback"], 0, "rolled back", [f"bundle/personalised/.lora-0009"
-            f".safetensors.{os.getpid()}.abcd.tmp"]),
+            f".safetensors.{os.getppid()}.abcd.tmp"]),
     # 3: manifest integrity
     Hostile("swapped-class-names-infer", ["infer", "img.jpg"], 2, "manifest.json: field classes.names", ["bundle"]),
     Hostile("swapped-class-names-info", ["info"], 2, "manifest.json: field classes.names", ["bundle"]),

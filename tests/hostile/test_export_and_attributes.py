@@ -76,7 +76,7 @@ EXPORT_ROWS = [
     Hostile("force-over-device-state", ["--run", "{root}/runs/r1", "--out", "{root}/bundle", "--force"], 2,
             "--discard-device-state", ["bundle"]),
     Hostile("nan-checkpoint", ["--run", "{root}/runs/nan", "--out", "{root}/out"], 2,
-            "round-0002/global.safetensors: tensor promptformer.text_proj.weight holds 1 NaN/inf", ["runs"]),
+            "round-0002/global.safetensors: tensor promptformer.text_proj.weight holds", ["runs"]),
     Hostile("unequal-phrase-counts", ["--run", "{root}/runs/r1", "--attributes", "{root}/unequal.json",
                                       "--out", "{root}/out"], 2, "'zebra' has 1", ["unequal.json"]),
     Hostile("out-is-the-run-itself", ["--run", "{root}/runs/r1", "--out", "{root}/runs/r1", "--force"], 2,

@@ -166,7 +166,7 @@ def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
         deadline = time.time() + 90
         while True:
             agents = {pid: start for pid, start in descendants(proc.pid).items()
-                      if b"Agent" in Path(f"/proc/{pid}/cmdline").read_bytes()} if proc.poll() is None else {}
+                      if b"Agent" in _cmdline(pid)} if proc.poll() is None else {}
             if len(agents) >= 2:
                 break
             assert proc.poll() is None and time.time() < deadline, "Ray's agents never started"
@@ -180,12 +180,20 @@ def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
             if not alive or time.time() > deadline:
                 break
             time.sleep(0.5)
-        assert not alive, [Path(f"/proc/{pid}/cmdline").read_bytes()[:60] for pid in alive]
+        assert not alive, [_cmdline(pid)[:60] for pid in alive]
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group, if the test failed
         except OSError:
             pass
+
+
+def _cmdline(pid: int) -> bytes:
+    """A process's command line; empty once it is gone (it may exit between listing and reading)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _alive(pid: int, start: int) -> bool:
