@@ -155,3 +155,21 @@ def test_training_reads_the_image_files_the_edge_client_reads(tmp_path):
     for i, ext in enumerate((".jfif", ".gif", ".PNG")):
         png(tmp_path / "train" / "cat" / f"{i}{ext}", i)
     assert len(read_imagefolder(tmp_path / "train").samples) == 3
+
+
+def test_an_empty_class_folder_is_named_not_silently_dropped(tmp_path, caplog):
+    """A test split whose class folder is empty would score without that class, and say nothing."""
+    import logging
+
+    imagefolder(tmp_path / "test", ["ant", "moose"], n=2)
+    (tmp_path / "test" / "zebra").mkdir()
+    domainbed(tmp_path / "db", ["photo"], ["cat", "dog"], n=1)
+    for png_file in (tmp_path / "db" / "photo" / "dog").iterdir():
+        png_file.unlink()
+    with caplog.at_level(logging.WARNING, logger="fedmvp.data"):
+        images = read_imagefolder(tmp_path / "test")
+        read_domainbed(tmp_path / "db", "photo")
+    assert images.class_names == ["ant", "moose", "zebra"] and 2 not in images.counts
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("'zebra' holds no images" in line and str(tmp_path / "test") in line for line in lines)
+    assert any("'dog' holds no images" in line for line in lines)

@@ -33,6 +33,7 @@ CoOp's usual trees (``root`` = the dataset folder, ``split_file`` and ``image_di
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".
                     ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm")
 
 PathLike = str | os.PathLike
+
+
+log = logging.getLogger("fedmvp.data")
 
 
 class LayoutError(ValueError):
@@ -81,6 +85,16 @@ def _images_under(folder: Path) -> list[str]:
         found.extend(os.path.join(dirpath, f) for f in sorted(filenames)
                      if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."))
     return found
+
+
+def _report_empty(root: Path, folders: list[str], samples: list[tuple[str, int]]) -> list[str]:
+    """Class folders of ``root`` that hold no image: each is named in one warning line (the class then
+    has no images in this split, so the split's accuracy silently leaves it out). Returned for tests."""
+    present = {label for _, label in samples}
+    empty = [folder for label, folder in enumerate(folders) if label not in present]
+    for folder in empty:
+        log.warning("%s: class folder %r holds no images; that class is left out of this split", root, folder)
+    return empty
 
 
 def _class_folders(root: Path) -> list[str]:
@@ -156,6 +170,7 @@ def read_imagefolder(root: PathLike, class_names_file: PathLike | None = None,
     folders, names = imagefolder_classes(root, class_names_file)
     samples = [(p, label) for label, folder in enumerate(folders)
                for p in _images_under(root / folder)]
+    _report_empty(root, folders, samples)
     return LabelledImages(samples, names, domain)
 
 
@@ -237,6 +252,7 @@ def read_domainbed(root: PathLike, domain: str) -> LabelledImages:
         raise LayoutError(f"{root}: no domain {domain!r} (has {', '.join(domains) or 'none'})")
     classes = domainbed_classes(root)
     samples = [(p, label) for label, c in enumerate(classes) for p in _images_under(root / domain / c)]
+    _report_empty(root / domain, classes, samples)
     return LabelledImages(samples, classes, domain)
 
 
