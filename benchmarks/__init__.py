@@ -1,0 +1,1 @@
+"""fedmvp's benchmark suite: ``python -m benchmarks --help`` (see benchmarks/suite.py)."""
