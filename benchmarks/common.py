@@ -34,6 +34,7 @@ class Options:
     threads: int | None = None  # intra-op threads for torch and ONNX Runtime (default: all cores)
     repeats: int | None = None  # timing repeats (default: 5, 2 with --quick)
     out: Path | None = None  # where the suite writes; sections may keep files there
+    run: Path | None = None  # a trained run (e.g. `fedmvp demo`'s) for the figures that need real weights
 
     def reps(self) -> int:
         return self.repeats or (2 if self.quick else 5)
@@ -104,7 +105,17 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far (MB)."""
+    """This process's peak resident memory so far (MB).
+
+    ``/proc/self/status`` VmHWM, not ``ru_maxrss``: Linux carries ru_maxrss over fork + exec, so a
+    child of a big process would report its parent's size."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
@@ -139,3 +150,27 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None
     return numerator / denominator
+
+
+def section_main(run: Callable[[Options], Section], doc: str | None, argv: list[str] | None = None) -> int:
+    """A section run alone: ``python -m benchmarks.<section> [--quick] [--json] ...``."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, fewest repeats")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model", default=None, help="CLIP architecture (e.g. ViT-B-16, fedmvp-tiny)")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all usable cores)")
+    parser.add_argument("--repeats", type=int, default=None, help="timing repeats (default 5, 2 with --quick)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    section = run(Options(quick=args.quick, device=args.device, model=args.model, threads=args.threads,
+                          repeats=args.repeats))
+    if args.json:
+        print(json.dumps(section.to_json(), sort_keys=True))
+    else:
+        from benchmarks.report import section_markdown
+
+        print(section_markdown(section))
+    return 0

@@ -1,0 +1,5 @@
+"""``python -m benchmarks``: see benchmarks/suite.py."""
+
+from benchmarks.suite import main
+
+main()

@@ -1,0 +1,193 @@
+"""Edge inference side by side: PyTorch eager vs ONNX Runtime fp32 vs int8, against the machine's limit.
+
+Runtimes (``runtime`` column): ``torch_plain`` (open_clip's image encoder, no prompts),
+``torch_prompted`` (the fedmvp model with cached attribute text features), ``ort_plain_fp32``
+(the plain encoder as ONNX), ``ort_fp32`` (the bundle's model.onnx), ``ort_int8`` (the exporter's
+int8, accuracy guard on), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` (every weight MatMul
+quantised). All runtimes are timed interleaved in one process (medians), at batch 1 and 8 by
+default. FLOPs are counted on the PyTorch model (2 per multiply-add); the GEMM peak is the best
+fp32 MatMul of torch and ONNX Runtime here. Peak memory per runtime: one fresh process each
+(``benchmarks/memory_probe.py``). Agreement: top-1 agreement and max |logit diff| with the
+bundle's fp32 model on the benchmark's images (random weights: near-tied logits, so the figure
+that counts is the trained tiny model's, from ``--run``).
+
+    python -m benchmarks edge --model ViT-B-16 --json
+    python -m benchmarks edge --quick
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import Goal, Options, Section, interleaved_medians, ratio, set_threads
+
+DEFAULT_MODEL = "ViT-B-16"
+QUICK_MODEL = "fedmvp-tiny"
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    for name in ("onnxscript", "onnx_ir", "torch.onnx", "torch._export", "root", ""):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def flops_per_image(models) -> dict[str, float]:
+    """GFLOP per image of the plain and the prompted forward (torch's FLOP counter, batch 1)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from export.onnx_export import no_mha_fastpath
+
+    x = torch.zeros(1, 3, models.image_size, models.image_size)
+    out = {}
+    for key, fn in (("plain", models.clip.model.visual), ("prompted", models.model)):
+        counter = FlopCounterMode(display=False)
+        with no_mha_fastpath(), torch.no_grad(), counter:
+            fn(x)
+        out[key] = counter.get_total_flops() / 1e9
+    return out
+
+
+def runners(models, threads: int, provider: str) -> dict[str, tuple]:
+    """``{runtime: (run(pixels), close)}`` for every runtime the models hold."""
+    import torch
+
+    from edge_client.runtime import make_session
+
+    def torch_run(module):
+        def run(pixels: np.ndarray):
+            with torch.inference_mode():
+                return module(torch.from_numpy(pixels))
+        return run
+
+    out = {"torch_plain": torch_run(models.clip.model.visual), "torch_prompted": torch_run(models.model)}
+    for key, path in models.onnx.items():
+        session, _ = make_session(path, provider=provider, threads=threads)
+        name = session.get_inputs()[0].name
+        out[key] = (lambda s, n: (lambda pixels: s.run(None, {n: pixels})))(session, name)
+    return out
+
+
+def agreement(runs: dict, pixels: np.ndarray) -> dict[str, dict]:
+    """Top-1 agreement and max |logit diff| of every ONNX runtime with the fp32 bundle model."""
+    reference = runs["ort_fp32"](pixels)[0]
+    out = {}
+    for key, run in runs.items():
+        if not key.startswith("ort_") or "plain" in key:
+            continue
+        logits = run(pixels)[0]
+        out[key] = {"agreement": float(np.mean(logits.argmax(-1) == reference.argmax(-1))),
+                    "max_abs_logit_diff": float(np.max(np.abs(logits - reference)))}
+    return out
+
+
+def time_runtimes(runs: dict, image_size: int, batches: list[int], repeats: int) -> list[dict]:
+    from benchmarks.edge_models import random_pixels
+
+    rows = []
+    for batch in batches:
+        pixels = random_pixels(batch, image_size)
+        medians = interleaved_medians({k: (lambda r: lambda: r(pixels))(r) for k, r in runs.items()}, repeats)
+        rows += [{"runtime": k, "batch": batch, "ms_per_batch": round(1000 * s, 2),
+                  "ms_per_image": round(1000 * s / batch, 2)} for k, s in medians.items()]
+    return rows
+
+
+def ratios(rows: list[dict], flops: dict, peak_gflops: float, batches: list[int]) -> dict[str, float | None]:
+    ms = {(r["runtime"], r["batch"]): r["ms_per_image"] for r in rows}
+    small, big = batches[0], batches[-1]
+    out: dict[str, float | None] = {}
+    for b, tag in ((small, "b1" if small == 1 else f"b{small}"), (big, f"b{big}")):
+        out[f"ort_fp32_vs_torch_{tag}"] = ratio(ms.get(("torch_prompted", b)), ms.get(("ort_fp32", b)))
+        out[f"ort_int8_vs_ort_fp32_{tag}"] = ratio(ms.get(("ort_fp32", b)), ms.get(("ort_int8", b)))
+        for variant in ("dynamic_all", "static_all"):
+            out[f"ort_int8_{variant}_vs_ort_fp32_{tag}"] = ratio(ms.get(("ort_fp32", b)),
+                                                                 ms.get((f"ort_int8_{variant}", b)))
+        fp32 = ms.get(("ort_fp32", b))
+        out[f"ort_fp32_gemm_peak_fraction_{tag}"] = (flops["prompted"] / (fp32 / 1000) / peak_gflops
+                                                     if fp32 else None)
+        floor = flops["prompted"] / flops["plain"]
+        for side in ("torch", "ort"):
+            plain = ms.get(("torch_plain" if side == "torch" else "ort_plain_fp32", b))
+            prompted = ms.get(("torch_prompted" if side == "torch" else "ort_fp32", b))
+            key = f"prompts_vs_floor_{tag}" if side == "ort" else f"torch_prompts_vs_floor_{tag}"
+            out[key] = ratio(ratio(prompted, plain), floor)
+    return {k: (round(v, 4) if v is not None else None) for k, v in out.items()}
+
+
+def goals(r: dict, batches: list[int], int8_bytes_fraction: float | None) -> list[Goal]:
+    small = "b1" if batches[0] == 1 else f"b{batches[0]}"
+    big = f"b{batches[-1]}"
+    return [
+        Goal.at_least(f"ORT fp32 share of the fp32 GEMM peak, {big}", r.get(f"ort_fp32_gemm_peak_fraction_{big}"),
+                      0.85, ""),
+        Goal.at_least(f"ORT fp32 vs PyTorch eager, {small}", r.get(f"ort_fp32_vs_torch_{small}"), 1.4),
+        Goal.at_least(f"int8 (bundle) vs ORT fp32, {big}", r.get(f"ort_int8_vs_ort_fp32_{big}"), 1.8),
+        Goal.at_least(f"int8 (bundle) vs ORT fp32, {small}", r.get(f"ort_int8_vs_ort_fp32_{small}"), 1.6),
+        Goal.at_most(f"prompts' cost over their FLOP floor (ORT), {big}", r.get(f"prompts_vs_floor_{big}"), 1.05),
+        Goal.at_most("int8 model file / fp32 model file", int8_bytes_fraction, 0.30, ""),
+    ]
+
+
+def run(options: Options) -> Section:
+    """The edge table (see the module docstring)."""
+    from benchmarks import edge_models, machine, memory_probe
+
+    _quiet()
+    start = time.perf_counter()
+    threads = set_threads(options.threads)
+    name = options.model or (QUICK_MODEL if options.quick else DEFAULT_MODEL)
+    classes, attributes = (16, 3) if options.quick else (100, 10)
+    batches = [1, 2] if options.quick else [1, 8]
+    provider = "cuda" if options.device == "cuda" else "cpu"
+    section = Section("edge", config={"model": name, "pretrained": None if name != QUICK_MODEL else "synthetic",
+                                      "classes": classes, "attributes_per_class": attributes, "batches": batches,
+                                      "threads": threads, "provider": provider, "repeats": options.reps()})
+    with tempfile.TemporaryDirectory(prefix="fedmvp-bench-edge-") as tmp:
+        work = Path(tmp)
+        models = edge_models.build(name, work, classes=classes, attributes=attributes,
+                                   pretrained="synthetic" if name == QUICK_MODEL else None,
+                                   calibration_images=16 if options.quick else 32)
+        flops = flops_per_image(models)
+        peak = machine.gemm_peak(threads, quick=options.quick)
+        runs = runners(models, threads, provider)
+        section.rows = time_runtimes(runs, models.image_size, batches, options.reps())
+        agree = agreement(runs, edge_models.random_pixels(16 if options.quick else 32, models.image_size, seed=3))
+        del runs
+        memory = memory_probe.measure_all(models, work, threads, batches[-1], provider)
+    for row in section.rows:
+        row.update(agree.get(row["runtime"], {}))
+        row["peak_rss_mb"] = memory.get(row["runtime"], {}).get("peak_rss_mb")
+        row["model_mb"] = round(models.file_bytes[row["runtime"]] / 1e6, 2) if row["runtime"] in models.file_bytes \
+            else None
+    int8_fraction = ratio(models.file_bytes.get("ort_int8"), models.file_bytes.get("ort_fp32"))
+    section.config.update({"gflop_per_image": {k: round(v, 3) for k, v in flops.items()},
+                           "gemm_peak_gflops": peak["gflops"], "gemm": peak["shapes"],
+                           "build_seconds": {k: round(v, 2) for k, v in models.build_seconds.items()},
+                           "int8_plan": models.int8_plan, "memory": memory})
+    section.ratios = ratios(section.rows, flops, peak["gflops"], batches)
+    section.ratios["int8_file_fraction"] = round(int8_fraction, 4) if int8_fraction else None
+    section.goals = goals(section.ratios, batches, int8_fraction)
+    section.goals.append(Goal.at_most("int8 accuracy guard, seconds", models.build_seconds.get("export_int8_guard"),
+                                      180, " s"))
+    if name != QUICK_MODEL:
+        section.notes.append("random-init weights: agreement on them is not meaningful (near-tied logits); "
+                             "the agreement goal is measured on the demo's trained tiny model (section `agreement`)")
+    section.seconds = round(time.perf_counter() - start, 1)
+    return section
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import section_main
+
+    return section_main(run, __doc__, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

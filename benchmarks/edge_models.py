@@ -1,0 +1,129 @@
+"""The models the edge benchmark times, built once into a work folder.
+
+PyTorch: open_clip's image encoder alone, and the fedmvp prompted model with cached attribute
+text features (the training core's forward). ONNX: the plain image encoder, the bundle's
+``model.onnx`` in fp32 and in the exporter's int8 (accuracy guard), and two int8 variants with
+every weight MatMul quantised: dynamic (ONNX Runtime's ``quantize_dynamic``) and static
+(calibrated QDQ). A random-init backbone unless a run is given: speed does not depend on the
+weights; agreement on random weights does (near-tied logits), see ``benchmarks/edge.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import REPO  # noqa: F401  (puts the repository on sys.path)
+
+
+@dataclass
+class EdgeModels:
+    """Everything the edge section runs, and what building it cost."""
+
+    name: str
+    image_size: int
+    classes: int
+    attributes: int
+    clip: object
+    model: torch.nn.Module  # FedMVP with text features set
+    onnx: dict[str, Path] = field(default_factory=dict)  # runtime name -> model file
+    build_seconds: dict[str, float] = field(default_factory=dict)
+    int8_plan: dict | None = None
+    file_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def class_set(classes: int, attributes: int):
+    """``classes`` made-up classes with ``attributes`` attribute phrases each."""
+    from export.class_set import ClassSet
+
+    names = [f"class {i:03d}" for i in range(classes)]
+    phrases = ("a round outline", "a bright colour", "small spots", "a long tail", "pointed ears",
+               "a striped pattern", "a glossy surface", "four legs", "a curved beak", "thin wings",
+               "a rough texture", "a dark stripe")
+    return ClassSet(names=names, attributes={n: [f"{phrases[j % len(phrases)]} {i}" for j in range(attributes)]
+                                             for i, n in enumerate(names)}, source="benchmark")
+
+
+def load_backbone(name: str, pretrained: str | None):
+    from fedmvp.clip import load_clip
+
+    torch.manual_seed(0)
+    return load_clip(name, pretrained)
+
+
+def model_bytes(path: Path) -> int:
+    """The ONNX file plus any external data it reads (the fp32 model reads weights.safetensors)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    external = {entry.value for init in proto.graph.initializer for entry in init.external_data
+                if entry.key == "location"}
+    return path.stat().st_size + sum((path.parent / name).stat().st_size for name in external)
+
+
+def export_plain_visual(visual: torch.nn.Module, image_size: int, path: Path) -> Path:
+    """open_clip's image encoder alone as ONNX (dynamic batch; onnxscript's optimiser folds constants)."""
+    from export.onnx_export import OPSET, no_mha_fastpath
+
+    example = torch.zeros(2, 3, image_size, image_size)
+    dims = ({0: torch.export.Dim("batch", min=1, max=1 << 16)},)
+    with no_mha_fastpath(), torch.no_grad():
+        program = torch.onnx.export(visual.eval(), (example,), None, input_names=["pixel_values"],
+                                    output_names=["image_embeds"], dynamic_shapes=dims, opset_version=OPSET,
+                                    dynamo=True, optimize=True, verbose=False)
+    program.save(str(path))
+    return path
+
+
+def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: str | None = None,
+          int8: bool = True, variants: bool = True, calibration_images: int = 32) -> EdgeModels:
+    """Build every model of the edge table into ``work`` (the bundle export's own checks included)."""
+    from export.bundle_writer import write_bundle
+    from export.class_set import text_features
+    from export.run_inputs import synthetic_images
+    from fedmvp.model import FedMVP
+
+    clip = load_backbone(name, pretrained)
+    model = FedMVP(clip).eval()
+    classes_set = class_set(classes, attributes)
+    out = EdgeModels(name=name, image_size=clip.image_size, classes=classes, attributes=attributes,
+                     clip=clip, model=model)
+    images = synthetic_images(max(32, calibration_images), clip.image_size)
+
+    start = time.perf_counter()
+    model.set_text_features(text_features(clip, classes_set))
+    out.build_seconds["text_features"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    fp32 = write_bundle(model, clip, classes_set, work / "fp32", images=images, training=False)
+    out.build_seconds["export_fp32"] = time.perf_counter() - start
+    out.onnx["ort_fp32"] = fp32.path / "model.onnx"
+
+    start = time.perf_counter()
+    out.onnx["ort_plain_fp32"] = export_plain_visual(clip.model.visual, clip.image_size, work / "plain.onnx")
+    out.build_seconds["export_plain"] = time.perf_counter() - start
+
+    if int8:
+        calibration = synthetic_images(calibration_images, clip.image_size, seed=1)
+        start = time.perf_counter()
+        bundle = write_bundle(model, clip, classes_set, work / "int8", images=images, precision="int8",
+                              calibration=calibration, training=False)
+        out.build_seconds["export_int8_guard"] = time.perf_counter() - start
+        out.onnx["ort_int8"] = bundle.path / "model.onnx"
+        out.int8_plan = bundle.int8.to_manifest() if bundle.int8 else None
+    if variants:
+        from benchmarks.int8_variants import write_variants
+
+        calibration = synthetic_images(calibration_images, clip.image_size, seed=1).numpy()
+        for key, (path, seconds) in write_variants(out.onnx["ort_fp32"], calibration, work).items():
+            out.onnx[key], out.build_seconds[f"quantize_{key}"] = path, seconds
+    out.file_bytes = {key: model_bytes(path) for key, path in out.onnx.items()}
+    return out
+
+
+def random_pixels(batch: int, image_size: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((batch, 3, image_size, image_size)).astype(np.float32)
