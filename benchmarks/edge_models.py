@@ -80,7 +80,7 @@ def export_plain_visual(visual: torch.nn.Module, image_size: int, path: Path) ->
 
 
 def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: str | None = None,
-          int8: bool = True, variants: bool = True, calibration_images: int = 32) -> EdgeModels:
+          int8: bool = True, variants: bool = True, calibration_images: int = 32, fp16: bool = False) -> EdgeModels:
     """Build every model of the edge table into ``work`` (the bundle export's own checks included)."""
     from export.bundle_writer import write_bundle
     from export.class_set import text_features
@@ -107,6 +107,11 @@ def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: s
     out.onnx["ort_plain_fp32"] = export_plain_visual(clip.model.visual, clip.image_size, work / "plain.onnx")
     out.build_seconds["export_plain"] = time.perf_counter() - start
 
+    if fp16:  # the GPU table's ONNX Runtime CUDA / TensorRT rows
+        start = time.perf_counter()
+        half = write_bundle(model, clip, classes_set, work / "fp16", images=images, precision="fp16", training=False)
+        out.build_seconds["export_fp16"] = time.perf_counter() - start
+        out.onnx["ort_fp16"] = half.path / "model.onnx"
     if int8:
         calibration = synthetic_images(calibration_images, clip.image_size, seed=1)
         start = time.perf_counter()
