@@ -1,0 +1,100 @@
+"""The benchmark suite's plumbing: ratios and goals from rows, the report files, the CLI's contract.
+
+Timings are never asserted (benchmarks/ measures them); these tests check that what a section
+measured reaches results.json, the markdown and the plots, and that bad usage exits 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from benchmarks import edge, report, suite
+from benchmarks.common import Goal, Options, Section
+
+
+def _rows() -> list[dict]:
+    ms = {("torch_plain", 1): 300.0, ("torch_prompted", 1): 360.0, ("ort_plain_fp32", 1): 200.0,
+          ("ort_fp32", 1): 240.0, ("ort_int8", 1): 150.0, ("ort_int8_dynamic_all", 1): 120.0,
+          ("torch_plain", 8): 250.0, ("torch_prompted", 8): 300.0, ("ort_plain_fp32", 8): 180.0,
+          ("ort_fp32", 8): 220.0, ("ort_int8", 8): 110.0, ("ort_int8_dynamic_all", 8): 100.0}
+    return [{"runtime": k, "batch": b, "ms_per_image": v, "peak_rss_mb": 100.0 + v,
+             **({"agreement": 0.99} if k.startswith("ort_int8") else {})} for (k, b), v in ms.items()]
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("ort_fp32_vs_torch_b1", 360 / 240),
+    ("ort_fp32_vs_torch_b8", 300 / 220),
+    ("ort_int8_vs_ort_fp32_b1", 240 / 150),
+    ("ort_int8_vs_ort_fp32_b8", 2.0),
+    ("ort_int8_dynamic_all_vs_ort_fp32_b8", 2.2),
+    ("ort_fp32_gemm_peak_fraction_b8", 39.5 / 0.220 / 200),
+    ("prompts_vs_floor_b8", (220 / 180) / (39.5 / 35.1)),
+    ("torch_prompts_vs_floor_b1", (360 / 300) / (39.5 / 35.1)),
+    ("ort_int8_static_all_vs_ort_fp32_b8", None),  # not measured: no row
+])
+def test_edge_ratios_come_from_the_rows(key, expected):
+    ratios = edge.ratios(_rows(), {"plain": 35.1, "prompted": 39.5}, 200.0, [1, 8])
+    assert (ratios[key] is None) if expected is None else ratios[key] == pytest.approx(expected, rel=1e-3)
+
+
+def test_goals_are_reported_met_not_met_or_unmeasured():
+    goals = {g.name: g for g in edge.goals(edge.ratios(_rows(), {"plain": 35.1, "prompted": 39.5}, 200.0, [1, 8]),
+                                           [1, 8], 0.25)}
+    assert goals["int8 (bundle) vs ORT fp32, b8"].met is True  # 2.0 >= 1.8
+    assert goals["int8 (bundle) vs ORT fp32, b1"].met is True  # 1.6 >= 1.6
+    assert goals["ORT fp32 vs PyTorch eager, b1"].met is True  # 1.5 >= 1.4
+    assert goals["prompts' cost over their FLOP floor (ORT), b8"].met is False  # 1.086 > 1.05
+    assert goals["int8 model file / fp32 model file"].met is True
+    assert Goal.at_most("x", None, 1.0).met is None
+
+
+def test_report_writes_json_markdown_and_plots(tmp_path):
+    section = Section("edge", config={"model": "fedmvp-tiny", "batches": [1, 8]}, rows=_rows(),
+                      ratios={"ort_int8_vs_ort_fp32_b8": 2.0}, goals=[Goal.at_least("int8 b8", 2.0, 1.8),
+                                                                      Goal.at_least("fp32 peak", 0.7, 0.85, "")],
+                      notes=["a note"], seconds=3.0)
+    train = Section("train", rows=[{"mode": "lora", "batch": 8, "checkpointing": True, "peak_rss_mb": 50.0}])
+    from benchmarks.machine import describe
+
+    results = {"command": "python -m benchmarks --quick", "machine": describe(2), "options": {},
+               "sections": [section.to_json(), train.to_json()], "failed": []}
+    files = report.write(results, tmp_path)
+    assert {f.name for f in files} == {"results.json", "results.md", "latency.png", "memory.png",
+                                       "agreement_speed.png"}
+    assert all(f.stat().st_size > 0 for f in files)
+    assert json.loads((tmp_path / "results.json").read_text())["sections"][0]["ratios"]["ort_int8_vs_ort_fp32_b8"] == 2.0
+    text = (tmp_path / "results.md").read_text()
+    assert "int8 b8: 2 (goal >= 1.8x): **met**" in text
+    assert "fp32 peak: 0.7 (goal >= 0.85): **NOT met**" in text
+    assert "| ort_int8 | 8 |" in text and "python -m benchmarks --quick" in text
+
+
+def test_unknown_section_is_one_line_and_exit_2(tmp_path):
+    result = CliRunner().invoke(suite.cli, ["--only", "edge,gpu", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "unknown section(s) gpu" in result.output
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):
+    import types
+
+    def ok(options: Options) -> Section:
+        return Section("ok", config={"quick": options.quick, "model": options.model}, rows=[{"x": 1}])
+
+    def broken(options: Options) -> Section:
+        raise RuntimeError("no such provider")
+
+    monkeypatch.setitem(suite.SECTIONS, "ok", "fake_ok")
+    monkeypatch.setitem(suite.SECTIONS, "broken", "fake_broken")
+    monkeypatch.setitem(__import__("sys").modules, "fake_ok", types.SimpleNamespace(run=ok))
+    monkeypatch.setitem(__import__("sys").modules, "fake_broken", types.SimpleNamespace(run=broken))
+    result = CliRunner().invoke(suite.cli, ["--quick", "--only", "broken,ok", "--model", "fedmvp-tiny",
+                                            "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 1
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["failed"] == ["broken: RuntimeError: no such provider"]
+    assert data["sections"][1]["config"] == {"quick": True, "model": "fedmvp-tiny"}  # flags reach the sections
+    assert data["options"]["only"] == ["broken", "ok"]
