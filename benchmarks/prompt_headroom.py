@@ -17,7 +17,7 @@ import time
 import torch
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="demo", help="preset name or TOML file")
     parser.add_argument("--steps", type=int, default=400)
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.0, help="consistency weight (the paper: 10)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from fedmvp.federated.evaluation import evaluate_global
     from fedmvp.federated.prepare import method_config
@@ -61,14 +61,15 @@ def main() -> None:
                          **evaluate_global(ctx, model.state("all"))})
     if args.json:
         print(json.dumps(rows, indent=2))
-        return
+        return 0
     print(f"{len(x)} pooled base images, {len(names)}-way; step 0 = zero-shot")
     print(f"{'step':>6} {'Local':>7} {'Base':>7} {'New':>7} {'HM':>7} {'Domain':>7}")
     for row in rows:
         cells = " ".join(f"{100 * row[k]:7.2f}" if row[k] is not None else f"{'-':>7}"
                          for k in ("local", "base", "new", "hm", "domain"))
         print(f"{row['step']:>6} {cells}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
