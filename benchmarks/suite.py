@@ -124,6 +124,7 @@ def _section_command(name: str, module: str) -> click.Command:
                    help=f"The {name} section alone (`--help` for its flags; `--json` prints one object).")
     @click.argument("argv", nargs=-1, type=click.UNPROCESSED)
     def command(argv: tuple[str, ...]) -> None:
+        sys.argv[0] = f"python -m benchmarks {name}"  # argparse's prog in the section's --help
         sys.exit(importlib.import_module(module).main(list(argv)))
 
     return command
