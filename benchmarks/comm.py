@@ -70,16 +70,18 @@ def _row(rows: list[dict], model: str, message: str, dtype: str) -> dict:
 
 
 def run(options: Options) -> Section:
-    """Message sizes for fedmvp-tiny and ViT-B-16 (both even with --quick: seconds either way)."""
+    """Message sizes for fedmvp-tiny and ViT-B-16 (both even with --quick: seconds either way; --quick
+    skips the cross-check against benchmarks/edge_refresh.py, which builds each model again)."""
     began = time.perf_counter()
     section = Section(name="comm", config={"models": list(MODELS), "dtypes": list(DTYPES),
                                            "method": "default FedMVPConfig, random-init backbone"})
     for name in MODELS:
         parts = model_tensors(name)
         section.rows += message_rows(name, parts)
-        check = message_bytes(name)  # benchmarks/edge_refresh.py's fp32 figures: the same tensors
-        if check["refresh_message_bytes"] != _row(section.rows, name, "full", "fp32")["bytes"]:
-            section.notes.append(f"{name}: edge_refresh.message_bytes disagrees with this section's fp32 bytes")
+        if not options.quick:  # benchmarks/edge_refresh.py's fp32 figures (a second model build): the same
+            check = message_bytes(name)
+            if check["refresh_message_bytes"] != _row(section.rows, name, "full", "fp32")["bytes"]:
+                section.notes.append(f"{name}: edge_refresh.message_bytes disagrees with this section's fp32 bytes")
         for dtype in DTYPES:
             full, lora = _row(section.rows, name, "full", dtype), _row(section.rows, name, "lora_only", dtype)
             section.ratios[f"{name} full/lora {dtype}"] = ratio(full["bytes"], lora["bytes"])

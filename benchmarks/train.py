@@ -251,14 +251,32 @@ def plan(options: Options) -> tuple[str, tuple[int, ...], int]:
     return options.model or preset["model"], preset["batches"], options.repeats or preset["repeats"]
 
 
-def run(options: Options) -> Section:
-    """Edge step (checkpointing off / auto) and full PromptFormer step, per batch size."""
+def run_in_process(job: dict, threads: int | None) -> dict:
+    """One configuration in this process (tests: no interpreter start, the program loaded once).
+    glibc keeps its dynamic mmap threshold here (setting it would slow the host process for good),
+    so a freed activation of an earlier configuration may be reused below another's baseline."""
+    import torch
+
+    previous = torch.get_num_threads()
+    try:
+        return edge_job({**job, "threads": threads}) if job["kind"] == "edge" else \
+            promptformer_job({**job, "threads": threads})
+    finally:
+        torch.set_num_threads(previous)
+
+
+def run(options: Options, *, fresh_processes: bool = True) -> Section:
+    """Edge step (checkpointing off / auto) and full PromptFormer step, per batch size.
+
+    ``fresh_processes=False`` runs every configuration in this process: faster (tests), but memory
+    figures then share one process's allocator."""
     began = time.perf_counter()
+    measure = run_worker if fresh_processes else run_in_process
     model, batches, repeats = plan(options)
     section = Section(name="train", config={"model": model, "batches": list(batches), "timed_steps": repeats,
                                             "warmup_steps": 1, "device": options.device,
                                             "threads": options.threads, "edge_precision": "fp32",
-                                            "classes": CLASSES})
+                                            "classes": CLASSES, "fresh_processes": fresh_processes})
     with tempfile.TemporaryDirectory(prefix="fedmvp-bench-train-") as tmp:
         work = Path(tmp)
         export_start = time.perf_counter()
@@ -270,9 +288,9 @@ def run(options: Options) -> Section:
                     "text_cache": str(work / "text-cache"),
                     "device": options.device, "repeats": repeats}
             for label, segments in CHECKPOINTING.items():
-                result = run_worker({**base, "kind": "edge", "segments": segments}, options.threads)
+                result = measure({**base, "kind": "edge", "segments": segments}, options.threads)
                 section.rows.append(make_row("edge LoRA (train.pt2)", batch, f"checkpointing {label}", result))
-            result = run_worker({**base, "kind": "promptformer"}, options.threads)
+            result = measure({**base, "kind": "promptformer"}, options.threads)
             section.rows.append(make_row("PromptFormer (local_train)", batch, "-", result))
     add_summary(section, batches)
     section.seconds = time.perf_counter() - began
