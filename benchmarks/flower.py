@@ -177,7 +177,8 @@ def run(options: Options) -> Section:
     section.rows.append({"runtime": "ray.shutdown alone", "round": None, "kind": "stop",
                          "seconds": ray_alone.get("shutdown_seconds")})
     steady = slice(1, rounds - 1)
-    overhead = ratio(statistics.median(flower["round_seconds"][steady]), statistics.median(bare["round_seconds"][steady]))
+    overhead = ratio(statistics.median(flower["round_seconds"][steady]),
+                     statistics.median(bare["round_seconds"][steady]))
     section.ratios[f"steady rounds 2-{rounds - 1} (median): flower/bare"] = overhead
     section.ratios["round 1: flower/bare"] = ratio(flower["round_seconds"][0], bare["round_seconds"][0])
     section.ratios["whole run: flower/bare"] = ratio(flower["total_seconds"], sum(bare["round_seconds"]))
