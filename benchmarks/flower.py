@@ -74,12 +74,12 @@ def set_key(text: str, key: str, value: str) -> str:
 
 
 # ---- Flower -----------------------------------------------------------------------------------------------
-def flower_rounds(preset: Path, work: Path, rounds: int) -> dict:
+def flower_rounds(preset: Path, work: Path, rounds: int, device: str) -> dict:
     """Seconds of each round of a simulated run (from its checkpoints' times), and the whole run."""
     from fedmvp.federated.prepare import prepare_run
     from fedmvp.federated.simulation import simulate
 
-    run = prepare_run(str(preset), str(work / "run"), rounds, resume=False, device="cpu")
+    run = prepare_run(str(preset), str(work / "run"), rounds, resume=False, device=device)
     config = run.read_config()
     began = time.time()
     simulate(run, eval_every=0, progress=False)
@@ -108,7 +108,7 @@ def ray_start_seconds(cpus: int) -> dict:
 
 
 # ---- the bare loop ----------------------------------------------------------------------------------------
-def bare_rounds(preset: Path, work: Path, rounds: int) -> dict:
+def bare_rounds(preset: Path, work: Path, rounds: int, device: str) -> dict:
     """The same rounds without Flower: every client's `local_train`, the server's average, and its
     checkpoint (fedmvp's own server work, also in the Flower rounds)."""
     from fedmvp.federated.prepare import prepare_run, run_method, run_preset
@@ -116,12 +116,12 @@ def bare_rounds(preset: Path, work: Path, rounds: int) -> dict:
     from fedmvp.federated.task import LocalSettings, local_train, task_context
     from fedmvp.federated.wire import to_numpy_state, to_torch_state
 
-    run = prepare_run(str(preset), str(work / "bare"), rounds, resume=False, device="cpu")
+    run = prepare_run(str(preset), str(work / "bare"), rounds, resume=False, device=device)
     config = run.read_config()
     settings = LocalSettings.from_train(config["train"])
     times, lora_clients = [], set()
     began = time.perf_counter()
-    ctx = task_context(run_preset(run, config), run_method(run), "cpu")  # what each worker builds once
+    ctx = task_context(run_preset(run, config), run_method(run), config["client_device"])  # as each worker
     state = to_numpy_state(ctx.model.state("all"))
     for round_number in range(1, rounds + 1):
         lr = cosine_lr(float(config["lr"]), round_number, rounds)
@@ -156,9 +156,9 @@ def run(options: Options) -> Section:
         work = Path(tmp)
         rounds = rounds_for(options.quick)
         preset = preset_file(work, options.quick)
-        bare = bare_rounds(preset, work, rounds)  # first: builds the synthetic world if it is not cached yet
+        bare = bare_rounds(preset, work, rounds, options.device)  # first: builds the synthetic world if not cached
         forget_contexts()
-        flower = flower_rounds(preset, work, rounds)
+        flower = flower_rounds(preset, work, rounds, options.device)
     cpus = max(1, min(os.cpu_count() or 1, flower["clients"]))
     ray_alone = ray_start_seconds(cpus)
     local = flower["local"]
@@ -187,7 +187,11 @@ def run(options: Options) -> Section:
                          "build and the zero-shot evaluation; the last round the final evaluation (the bare loop "
                          "evaluates nothing); the ratio is on the rounds between (median). Both save a "
                          "checkpoint per round. The bare loop runs first: round 1 of the Flower run may find "
-                         "the text-feature cache and the image files warm.")
+                         "the text-feature cache and the image files warm. The bare loop uses this process's "
+                         "torch threads (--threads; default all cores), the engine 1 per client here. With "
+                         "--quick (one step per client) the steady ratio is mostly warm-up noise.")
+    if options.model:
+        section.notes.append(f"--model {options.model} ignored: the demo preset's backbone is used")
     if "error" in ray_alone:
         section.notes.append(f"ray alone: {ray_alone['error']}")
     section.seconds = time.perf_counter() - began
