@@ -1,0 +1,60 @@
+"""Benchmark sections run for real (comm whole, train --quick in process): their records hold what
+was asked for. Figures are not checked (the machine is shared); structure and settings are."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import comm, train
+from benchmarks.common import Options, Section
+
+
+def _is_flat(row: dict) -> bool:
+    return all(isinstance(v, (str, int, float, bool, type(None))) for v in row.values())
+
+
+@pytest.fixture(scope="module")
+def comm_section() -> Section:
+    return comm.run(Options(quick=True))
+
+
+@pytest.fixture(scope="module")
+def train_section() -> Section:
+    return train.run(Options(quick=True, threads=2), fresh_processes=False)
+
+
+def test_comm_rows_cover_every_model_message_and_dtype(comm_section: Section) -> None:
+    keys = {(r["model"], r["message"], r["dtype"]) for r in comm_section.rows}
+    assert keys == {(m, k, d) for m in ("fedmvp-tiny", "ViT-B-16") for k in ("full", "lora_only")
+                    for d in ("fp32", "fp16")}
+    assert all(_is_flat(r) for r in comm_section.rows)
+    for row in comm_section.rows:  # fp16 halves the tensor bytes; the Flower record adds names and shapes
+        assert row["bytes"] == row["parameters"] * (4 if row["dtype"] == "fp32" else 2)
+        assert row["flower_bytes"] > row["bytes"]
+
+
+def test_comm_ratios_and_the_papers_figure(comm_section: Section) -> None:
+    assert all(value > 1 for value in comm_section.ratios.values())
+    assert round(comm_section.ratios["ViT-B-16 promptformer/lora params"], 2) == 267.08
+    assert comm_section.goals[0].met is True
+    json.dumps(comm_section.to_json())
+
+
+def test_train_quick_rows_follow_the_plan(train_section: Section) -> None:
+    assert train_section.config["model"] == "fedmvp-tiny"
+    rows = [r for r in train_section.rows if "error" not in r]
+    assert len(rows) == len(train_section.rows), [r.get("error") for r in train_section.rows]
+    assert {r["batch"] for r in rows} == {2, 4}
+    for batch in (2, 4):
+        variants = {r["variant"]: r for r in rows if r["batch"] == batch}
+        assert set(variants) == {"checkpointing off", "checkpointing auto", "-"}
+        # the real code path chose the pieces: none without checkpointing, several with it
+        assert variants["checkpointing off"]["segments"] == 1
+        assert variants["checkpointing auto"]["segments"] > 1
+        assert all(r["seconds_per_step"] > 0 and r["steps_timed"] == 1 for r in variants.values())
+        assert all(r["peak_rss_mb"] > 0 for r in variants.values())
+    assert all(_is_flat(r) for r in rows)
+    assert len(train_section.goals) == 2
+    json.dumps(train_section.to_json())
