@@ -19,6 +19,7 @@ the rank-r LoRA delta of the attribute keys/values (C*K x width x r) is computed
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +28,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
+import torch.nn.functional as F
 from onnx import TensorProto, numpy_helper
+from torch import nn
 
 from edge_client.tensor_layout import safetensors_layout
 from export.edge_module import EdgeClassifier
@@ -55,6 +58,42 @@ def no_mha_fastpath() -> Iterator[None]:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(previous)
+
+
+def _self_attention(block: nn.Module, q_x: torch.Tensor, k_x: torch.Tensor | None = None,
+                    v_x: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """open_clip's batch-first self-attention as ``nn.MultiheadAttention`` computes it, written so
+    that the exported graph is the plain Reshape/Transpose/SDPA pattern ORT's fusions recognise
+    (the module's own forward adds seq-first transposes and a packed-QKV unsqueeze/gather split)."""
+    attn = block.attn
+    if k_x is not None or v_x is not None or attn_mask is not None:
+        raise OnnxExportError("only unmasked self-attention is exported")
+    b, s, d = q_x.shape
+    heads = attn.num_heads
+    qkv = F.linear(q_x, attn.in_proj_weight, attn.in_proj_bias)
+    q, k, v = (t.reshape(b, s, heads, d // heads).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    out = F.scaled_dot_product_attention(q, k, v)
+    return attn.out_proj(out.transpose(1, 2).reshape(b, s, d))
+
+
+def _self_attention_blocks(module: nn.Module) -> list[nn.Module]:
+    """open_clip residual blocks whose attention is a plain batch-first ``nn.MultiheadAttention``."""
+    return [m for m in module.modules() if hasattr(m, "attention") and isinstance(getattr(m, "attn", None),
+            nn.MultiheadAttention) and m.attn.batch_first and m.attn._qkv_same_embed_dim
+            and not hasattr(m, "ln_1_kv") and not m.attn.add_zero_attn and m.attn.bias_k is None]
+
+
+@contextlib.contextmanager
+def plain_attention(module: nn.Module) -> Iterator[int]:
+    """Export open_clip's self-attention blocks through `_self_attention` (same weights, same math)."""
+    blocks = _self_attention_blocks(module)
+    for block in blocks:
+        block.attention = types.MethodType(_self_attention, block)
+    try:
+        yield len(blocks)
+    finally:
+        for block in blocks:
+            del block.attention
 
 
 @contextlib.contextmanager
@@ -90,7 +129,7 @@ def export_ir(edge: EdgeClassifier, image_size: int, batch: int = 2) -> ir.Model
         raise ValueError("trace with batch >= 2, or the exporter fixes the batch dimension")
     example = torch.zeros(batch, 3, image_size, image_size)
     dims = ({0: torch.export.Dim("batch", min=1, max=1 << 16)},)
-    with no_mha_fastpath(), torch.no_grad():
+    with no_mha_fastpath(), plain_attention(edge), torch.no_grad():
         program = torch.onnx.export(edge, (example,), None, input_names=[INPUT_NAME],
                                     output_names=list(OUTPUT_NAMES), dynamic_shapes=dims,
                                     opset_version=OPSET, dynamo=True, optimize=False, verbose=False)
@@ -104,6 +143,49 @@ def export_ir(edge: EdgeClassifier, image_size: int, batch: int = 2) -> ir.Model
     # (SessionOptions.add_initializer) or fed per run takes effect, and no tool folds them away.
     model.graph.inputs.extend(model.graph.initializers[n] for n in edge.lora_names)
     return model
+
+
+def fuse_for_ort(model: ir.Model) -> dict[str, int]:
+    """ONNX Runtime's contrib fusions in place: MultiHeadAttention, SkipLayerNormalization, BiasGelu.
+
+    ORT's in-session optimiser does not find these in the exported graph (it keeps the Erf GELU,
+    LayerNorm + residual Add and the Softmax/Transpose attention apart). onnxscript's ORT fusion
+    rules do, on the `plain_attention` pattern. Every initializer is a graph input while they run,
+    so no weight is folded, packed or renamed: the fp32 model still links each weight into
+    weights.safetensors byte for byte, and the LoRA initializers stay overridable. Returns the
+    count of each fusion applied (zeros left out)."""
+    import logging
+
+    from onnxscript.rewriter.ort_fusions._core import fuse_xformers
+
+    quiet = logging.getLogger("onnxscript")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    inputs = {v.name for v in model.graph.inputs}
+    try:
+        with _as_inputs(model, [n for n in model.graph.initializers if n not in inputs]):
+            _, counts = fuse_xformers(model)
+    finally:
+        quiet.setLevel(level)
+    ir.passes.common.RemoveUnusedNodesPass()(model)  # constants the fused nodes no longer read
+    return {name: count for name, count in counts.items() if count}
+
+
+def fused(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` with `fuse_for_ort` applied (the fp32 bundle model); ``model`` is left
+    plain for the fp16 / int8 conversions, whose quantiser needs plain MatMuls."""
+    clone = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    fuse_for_ort(clone)
+    return clone
+
+
+def fused_ops(proto: onnx.ModelProto) -> dict[str, int]:
+    """Count of each ONNX Runtime contrib op (``com.microsoft``) in ``proto``: what `fuse_for_ort` left."""
+    counts: dict[str, int] = {}
+    for node in proto.graph.node:
+        if node.domain == "com.microsoft":
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
