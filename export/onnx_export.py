@@ -8,8 +8,16 @@ weight keeps its PyTorch name (``visual.*``, ``prompt.*``, ``text.*``, ``lora.*`
 model then stores its frozen weights as external data pointing into the bundle's
 ``weights.safetensors`` (safetensors is raw little-endian data at known offsets, which is
 exactly what ONNX external data is), so the ONNX model and the training artifact share one
-copy. fp16 / int8 models fold the weight transposes first and embed their converted
+copy. fp16 / int8 models start from the unfused graph (the int8 quantiser needs plain MatMuls
+with constant weights), fold the weight transposes first and embed their converted
 weights; their LoRA initializers stay fp32 and un-quantized so the edge swaps the same tensors.
+open_clip's attention is traced through `plain_attention` (the same math as
+nn.MultiheadAttention, without its seq-first transposes and packed-QKV gather split), so that
+the fp32 model can be fused for ONNX Runtime (`fuse_for_ort`, onnxscript's ORT rules):
+MultiHeadAttention, SkipLayerNormalization and BiasGelu contrib ops, which ORT's in-session
+optimiser does not find itself. The fusion also runs with every initializer a graph input, so
+it packs, folds or renames no weight and the external-data links stay byte-identical.
+`export_plain_visual` writes the unprompted image encoder the same way (benchmark baseline).
 The LoRA initializers are also graph inputs (overridable initializers): ONNX Runtime then
 never folds them into constants, so a LoRA given by name at session creation
 (``SessionOptions.add_initializer``) or fed with a run really takes effect. The price is that
@@ -123,18 +131,25 @@ def _optimize(model: ir.Model, keep: list[str]) -> None:
         quiet.setLevel(level)
 
 
-def export_ir(edge: EdgeClassifier, image_size: int, batch: int = 2) -> ir.Model:
-    """Trace ``edge`` with a dynamic batch; every named weight survives as an initializer."""
+def _trace(module: nn.Module, image_size: int, batch: int, output_names: list[str]) -> ir.Model:
+    """torch.export-based ONNX of ``module`` (pixel_values -> outputs) with a dynamic batch, every
+    initializer kept by name (onnxscript's optimiser folds shapes and constants, never a weight)."""
     if batch < 2:
         raise ValueError("trace with batch >= 2, or the exporter fixes the batch dimension")
     example = torch.zeros(batch, 3, image_size, image_size)
     dims = ({0: torch.export.Dim("batch", min=1, max=1 << 16)},)
-    with no_mha_fastpath(), plain_attention(edge), torch.no_grad():
-        program = torch.onnx.export(edge, (example,), None, input_names=[INPUT_NAME],
-                                    output_names=list(OUTPUT_NAMES), dynamic_shapes=dims,
+    with no_mha_fastpath(), plain_attention(module), torch.no_grad():
+        program = torch.onnx.export(module, (example,), None, input_names=[INPUT_NAME],
+                                    output_names=output_names, dynamic_shapes=dims,
                                     opset_version=OPSET, dynamo=True, optimize=False, verbose=False)
     model = program.model
     _optimize(model, list(model.graph.initializers))
+    return model
+
+
+def export_ir(edge: EdgeClassifier, image_size: int, batch: int = 2) -> ir.Model:
+    """Trace ``edge`` with a dynamic batch; every named weight survives as an initializer."""
+    model = _trace(edge, image_size, batch, list(OUTPUT_NAMES))
     missing = [n for n in edge.lora_names if n not in model.graph.initializers]
     if missing:
         raise OnnxExportError(f"LoRA tensors missing from the ONNX graph: {', '.join(missing)}")
@@ -143,6 +158,31 @@ def export_ir(edge: EdgeClassifier, image_size: int, batch: int = 2) -> ir.Model
     # (SessionOptions.add_initializer) or fed per run takes effect, and no tool folds them away.
     model.graph.inputs.extend(model.graph.initializers[n] for n in edge.lora_names)
     return model
+
+
+class _PlainVisual(nn.Module):
+    """pixel_values -> open_clip's unprompted image feature (unnormalised), nothing else."""
+
+    def __init__(self, visual: nn.Module):
+        super().__init__()
+        self.visual = visual
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.visual(pixel_values)
+
+
+def export_plain_visual(visual: nn.Module, image_size: int, path: str | Path, fuse: bool = True) -> dict[str, int]:
+    """Write the unprompted CLIP image encoder (``pixel_values`` -> ``image_embeds`` [N, E],
+    unnormalised) to ``path``, weights embedded, traced and fused like the bundle's fp32 model.
+
+    Why: the "plain CLIP on ONNX Runtime" baseline that the prompted bundle model's cost is
+    measured against. Returns `fused_ops` of the written model."""
+    model = _trace(_PlainVisual(visual).eval(), image_size, 2, ["image_embeds"])
+    if fuse:
+        fuse_for_ort(model)
+    proto = to_proto(model)
+    save(proto, Path(path))
+    return fused_ops(proto)
 
 
 def fuse_for_ort(model: ir.Model) -> dict[str, int]:
