@@ -67,3 +67,16 @@ def test_fused_graph_keeps_links_and_lora_override(tiny, tmp_path):
     got_other = swapped.run(["logits"], {"pixel_values": images.numpy()})[0]
     assert np.abs(want_other - want).max() > 1e-3
     np.testing.assert_allclose(got_other, want_other, atol=1e-4)
+
+
+def test_plain_visual_matches_open_clip(tiny, tmp_path):
+    """The unprompted encoder that benchmarks compare against: fused, and open_clip's numbers."""
+    _, _, clip = tiny
+    ops = onnx_export.export_plain_visual(clip.model.visual, clip.image_size, tmp_path / "plain.onnx")
+    assert ops.get("MultiHeadAttention") == len(clip.model.visual.transformer.resblocks), ops
+    images = torch.randn(2, 3, clip.image_size, clip.image_size)
+    with torch.no_grad(), onnx_export.no_mha_fastpath():
+        want = clip.model.visual(images).numpy()
+    session, _ = make_session(tmp_path / "plain.onnx", "cpu", threads=1)
+    got = session.run(["image_embeds"], {"pixel_values": images.numpy()})[0]
+    np.testing.assert_allclose(got, want, atol=1e-4)
