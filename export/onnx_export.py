@@ -18,6 +18,10 @@ MultiHeadAttention, SkipLayerNormalization and BiasGelu contrib ops, which ORT's
 optimiser does not find itself. The fusion also runs with every initializer a graph input, so
 it packs, folds or renames no weight and the external-data links stay byte-identical.
 `export_plain_visual` writes the unprompted image encoder the same way (benchmark baseline).
+There is no need to run onnxruntime.transformers.optimizer on a bundle model: it finds the same
+fusions, and it treats the LoRA initializers as constants and transposes them in place, so its
+output no longer loads (initializer shape != graph input shape) and would take a LoRA given on
+the device in the wrong layout.
 The LoRA initializers are also graph inputs (overridable initializers): ONNX Runtime then
 never folds them into constants, so a LoRA given by name at session creation
 (``SessionOptions.add_initializer``) or fed with a run really takes effect. The price is that
