@@ -78,8 +78,8 @@ def _self_attention(block: nn.Module, q_x: torch.Tensor, k_x: torch.Tensor | Non
     that the exported graph is the plain Reshape/Transpose/SDPA pattern ORT's fusions recognise
     (the module's own forward adds seq-first transposes and a packed-QKV unsqueeze/gather split)."""
     attn = block.attn
-    if k_x is not None or v_x is not None or attn_mask is not None:
-        raise OnnxExportError("only unmasked self-attention is exported")
+    if k_x is not None or v_x is not None or attn_mask is not None:  # cross / masked: the module's own
+        return type(block).attention(block, q_x, k_x, v_x, attn_mask)
     b, s, d = q_x.shape
     heads = attn.num_heads
     qkv = F.linear(q_x, attn.in_proj_weight, attn.in_proj_bias)
