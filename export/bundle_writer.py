@@ -185,7 +185,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
 
         step("onnx export")
         graph = onnx_export.export_ir(edge, clip.image_size)
-        proto = onnx_export.to_proto(graph)
+        proto = onnx_export.to_proto(onnx_export.fused(graph))  # fp32: ORT contrib fusions
         linked = onnx_export.link_external(proto, weights_file)
         external = onnx_export.external_names(proto)
         onnx_export.save(onnx_export.pin_classes(proto, list(classes.names)), tmp / names["onnx"])

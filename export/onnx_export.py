@@ -8,8 +8,20 @@ weight keeps its PyTorch name (``visual.*``, ``prompt.*``, ``text.*``, ``lora.*`
 model then stores its frozen weights as external data pointing into the bundle's
 ``weights.safetensors`` (safetensors is raw little-endian data at known offsets, which is
 exactly what ONNX external data is), so the ONNX model and the training artifact share one
-copy. fp16 / int8 models fold the weight transposes first and embed their converted
+copy. fp16 / int8 models start from the unfused graph (the int8 quantiser needs plain MatMuls
+with constant weights), fold the weight transposes first and embed their converted
 weights; their LoRA initializers stay fp32 and un-quantized so the edge swaps the same tensors.
+open_clip's attention is traced through `plain_attention` (the same math as
+nn.MultiheadAttention, without its seq-first transposes and packed-QKV gather split), so that
+the fp32 model can be fused for ONNX Runtime (`fuse_for_ort`, onnxscript's ORT rules):
+MultiHeadAttention, SkipLayerNormalization and BiasGelu contrib ops, which ORT's in-session
+optimiser does not find itself. The fusion also runs with every initializer a graph input, so
+it packs, folds or renames no weight and the external-data links stay byte-identical.
+`export_plain_visual` writes the unprompted image encoder the same way (benchmark baseline).
+There is no need to run onnxruntime.transformers.optimizer on a bundle model: it finds the same
+fusions, and it treats the LoRA initializers as constants and transposes them in place, so its
+output no longer loads (initializer shape != graph input shape) and would take a LoRA given on
+the device in the wrong layout.
 The LoRA initializers are also graph inputs (overridable initializers): ONNX Runtime then
 never folds them into constants, so a LoRA given by name at session creation
 (``SessionOptions.add_initializer``) or fed with a run really takes effect. The price is that
@@ -19,6 +31,7 @@ the rank-r LoRA delta of the attribute keys/values (C*K x width x r) is computed
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +40,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
+import torch.nn.functional as F
 from onnx import TensorProto, numpy_helper
+from torch import nn
 
 from edge_client.tensor_layout import safetensors_layout
 from export.edge_module import EdgeClassifier
@@ -57,6 +72,42 @@ def no_mha_fastpath() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(previous)
 
 
+def _self_attention(block: nn.Module, q_x: torch.Tensor, k_x: torch.Tensor | None = None,
+                    v_x: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """open_clip's batch-first self-attention as ``nn.MultiheadAttention`` computes it, written so
+    that the exported graph is the plain Reshape/Transpose/SDPA pattern ORT's fusions recognise
+    (the module's own forward adds seq-first transposes and a packed-QKV unsqueeze/gather split)."""
+    attn = block.attn
+    if k_x is not None or v_x is not None or attn_mask is not None:  # cross / masked: the module's own
+        return type(block).attention(block, q_x, k_x, v_x, attn_mask)
+    b, s, d = q_x.shape
+    heads = attn.num_heads
+    qkv = F.linear(q_x, attn.in_proj_weight, attn.in_proj_bias)
+    q, k, v = (t.reshape(b, s, heads, d // heads).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    out = F.scaled_dot_product_attention(q, k, v)
+    return attn.out_proj(out.transpose(1, 2).reshape(b, s, d))
+
+
+def _self_attention_blocks(module: nn.Module) -> list[nn.Module]:
+    """open_clip residual blocks whose attention is a plain batch-first ``nn.MultiheadAttention``."""
+    return [m for m in module.modules() if hasattr(m, "attention") and isinstance(getattr(m, "attn", None),
+            nn.MultiheadAttention) and m.attn.batch_first and m.attn._qkv_same_embed_dim
+            and not hasattr(m, "ln_1_kv") and not m.attn.add_zero_attn and m.attn.bias_k is None]
+
+
+@contextlib.contextmanager
+def plain_attention(module: nn.Module) -> Iterator[int]:
+    """Export open_clip's self-attention blocks through `_self_attention` (same weights, same math)."""
+    blocks = _self_attention_blocks(module)
+    for block in blocks:
+        block.attention = types.MethodType(_self_attention, block)
+    try:
+        yield len(blocks)
+    finally:
+        for block in blocks:
+            del block.attention
+
+
 @contextlib.contextmanager
 def _as_inputs(model: ir.Model, names: list[str]) -> Iterator[None]:
     """Make initializers graph inputs for a while: optimisers never fold graph inputs."""
@@ -84,18 +135,25 @@ def _optimize(model: ir.Model, keep: list[str]) -> None:
         quiet.setLevel(level)
 
 
-def export_ir(edge: EdgeClassifier, image_size: int, batch: int = 2) -> ir.Model:
-    """Trace ``edge`` with a dynamic batch; every named weight survives as an initializer."""
+def _trace(module: nn.Module, image_size: int, batch: int, output_names: list[str]) -> ir.Model:
+    """torch.export-based ONNX of ``module`` (pixel_values -> outputs) with a dynamic batch, every
+    initializer kept by name (onnxscript's optimiser folds shapes and constants, never a weight)."""
     if batch < 2:
         raise ValueError("trace with batch >= 2, or the exporter fixes the batch dimension")
     example = torch.zeros(batch, 3, image_size, image_size)
     dims = ({0: torch.export.Dim("batch", min=1, max=1 << 16)},)
-    with no_mha_fastpath(), torch.no_grad():
-        program = torch.onnx.export(edge, (example,), None, input_names=[INPUT_NAME],
-                                    output_names=list(OUTPUT_NAMES), dynamic_shapes=dims,
+    with no_mha_fastpath(), plain_attention(module), torch.no_grad():
+        program = torch.onnx.export(module, (example,), None, input_names=[INPUT_NAME],
+                                    output_names=output_names, dynamic_shapes=dims,
                                     opset_version=OPSET, dynamo=True, optimize=False, verbose=False)
     model = program.model
     _optimize(model, list(model.graph.initializers))
+    return model
+
+
+def export_ir(edge: EdgeClassifier, image_size: int, batch: int = 2) -> ir.Model:
+    """Trace ``edge`` with a dynamic batch; every named weight survives as an initializer."""
+    model = _trace(edge, image_size, batch, list(OUTPUT_NAMES))
     missing = [n for n in edge.lora_names if n not in model.graph.initializers]
     if missing:
         raise OnnxExportError(f"LoRA tensors missing from the ONNX graph: {', '.join(missing)}")
@@ -104,6 +162,74 @@ def export_ir(edge: EdgeClassifier, image_size: int, batch: int = 2) -> ir.Model
     # (SessionOptions.add_initializer) or fed per run takes effect, and no tool folds them away.
     model.graph.inputs.extend(model.graph.initializers[n] for n in edge.lora_names)
     return model
+
+
+class _PlainVisual(nn.Module):
+    """pixel_values -> open_clip's unprompted image feature (unnormalised), nothing else."""
+
+    def __init__(self, visual: nn.Module):
+        super().__init__()
+        self.visual = visual
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.visual(pixel_values)
+
+
+def export_plain_visual(visual: nn.Module, image_size: int, path: str | Path, fuse: bool = True) -> dict[str, int]:
+    """Write the unprompted CLIP image encoder (``pixel_values`` -> ``image_embeds`` [N, E],
+    unnormalised) to ``path``, weights embedded, traced and fused like the bundle's fp32 model.
+
+    Why: the "plain CLIP on ONNX Runtime" baseline that the prompted bundle model's cost is
+    measured against. Returns `fused_ops` of the written model."""
+    model = _trace(_PlainVisual(visual).eval(), image_size, 2, ["image_embeds"])
+    if fuse:
+        fuse_for_ort(model)
+    proto = to_proto(model)
+    save(proto, Path(path))
+    return fused_ops(proto)
+
+
+def fuse_for_ort(model: ir.Model) -> dict[str, int]:
+    """ONNX Runtime's contrib fusions in place: MultiHeadAttention, SkipLayerNormalization, BiasGelu.
+
+    ORT's in-session optimiser does not find these in the exported graph (it keeps the Erf GELU,
+    LayerNorm + residual Add and the Softmax/Transpose attention apart). onnxscript's ORT fusion
+    rules do, on the `plain_attention` pattern. Every initializer is a graph input while they run,
+    so no weight is folded, packed or renamed: the fp32 model still links each weight into
+    weights.safetensors byte for byte, and the LoRA initializers stay overridable. Returns the
+    count of each fusion applied (zeros left out)."""
+    import logging
+
+    from onnxscript.rewriter.ort_fusions._core import fuse_xformers
+
+    quiet = logging.getLogger("onnxscript")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    inputs = {v.name for v in model.graph.inputs}
+    try:
+        with _as_inputs(model, [n for n in model.graph.initializers if n not in inputs]):
+            _, counts = fuse_xformers(model)
+    finally:
+        quiet.setLevel(level)
+    ir.passes.common.RemoveUnusedNodesPass()(model)  # constants the fused nodes no longer read
+    return {name: count for name, count in counts.items() if count}
+
+
+def fused(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` with `fuse_for_ort` applied (the fp32 bundle model); ``model`` is left
+    plain for the fp16 / int8 conversions, whose quantiser needs plain MatMuls."""
+    clone = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    fuse_for_ort(clone)
+    return clone
+
+
+def fused_ops(proto: onnx.ModelProto) -> dict[str, int]:
+    """Count of each ONNX Runtime contrib op (``com.microsoft``) in ``proto``: what `fuse_for_ort` left."""
+    counts: dict[str, int] = {}
+    for node in proto.graph.node:
+        if node.domain == "com.microsoft":
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:

@@ -32,6 +32,8 @@ def test_vit_b16_export_and_parity(tmp_path):
     assert bundle.preprocess.image_size == 224 and bundle.lora_shapes["lora.block.attn.to_q.lora_A.weight"] == [8, 768]
     graph = onnx.load(str(result.path / "model.onnx"), load_external_data=False)
     assert graph.opset_import[0].version >= 17
+    from export.onnx_export import fused_ops  # ORT's fused transformer ops, one per block
+    assert fused_ops(graph) == {"BiasGelu": 12, "Gelu": 1, "MultiHeadAttention": 12, "SkipLayerNormalization": 24}
     # The frozen weights are stored once: the ONNX file only points into weights.safetensors.
     assert result.sizes["model.onnx"] < 5e6 and result.sizes["train.pt2"] < 10e6
     assert result.sizes["weights.safetensors"] > 300e6
