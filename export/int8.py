@@ -53,6 +53,8 @@ class Int8Plan:
     calibration_expected_agreement: float = 0.0
     calibration_max_abs_logit_diff: float = 0.0
     searched: int = 0  # quantisations run to find the plan
+    sensitivity: str = "first-order"  # how layers were ranked: "first-order" (torch estimate) or "per-layer"
+    predicted_kept: int = -1  # layers the first-order estimate said to keep (-1: not estimated)
 
     def to_manifest(self) -> dict:
         out = asdict(self)
@@ -146,61 +148,119 @@ def expected_agreement(reference: np.ndarray, logits: np.ndarray) -> float:
     return float(np.mean(shifts[:, None] < gaps[None, :]))
 
 
+def predicted_agreement(shifts: np.ndarray, gaps: np.ndarray) -> tuple[float, float]:
+    """Observed and expected (every shift vs every gap) agreement for per-image margin shifts ``shifts``."""
+    shifts = np.abs(shifts)
+    return float(np.mean(shifts < gaps)), float(np.mean(shifts[:, None] < gaps[None, :]))
+
+
+def rank_first_order(layers: list[str], shifts: dict[str, np.ndarray]) -> list[str]:
+    """Most sensitive first: sum over images of |estimated margin shift|; layers without an
+    estimate first of all (nothing says they are safe)."""
+    score = {name: float(np.sum(np.abs(shifts[name]))) if name in shifts else np.inf for name in layers}
+    return sorted(layers, key=lambda n: (-score[n], layers.index(n)))
+
+
+def predict_kept(ranked: list[str], shifts: dict[str, np.ndarray], reference: np.ndarray, target: float) -> int:
+    """Fewest of ``ranked`` to keep fp32 so that the first-order shift of each image's margin
+    (the sum of the quantised layers' estimates) predicts both agreements >= ``target``."""
+    estimated = [name for name in ranked if name in shifts]
+    unknown = len(ranked) - len(estimated)
+    if not estimated:
+        return len(ranked)
+    matrix = np.stack([shifts[name] for name in estimated], axis=1)  # [N, L] in ranked order
+    top = np.sort(reference[:len(matrix)], axis=-1)
+    gaps = top[:, -1] - top[:, -2]
+    # tail[:, k] = summed shift of the layers ranked after the k kept ones
+    tail = np.concatenate([np.cumsum(matrix[:, ::-1], axis=1)[:, ::-1], np.zeros((len(matrix), 1))], axis=1)
+    for kept in range(matrix.shape[1] + 1):
+        observed, expected = predicted_agreement(tail[:, kept], gaps)
+        if observed >= target and expected >= target:
+            return unknown + kept
+    return len(ranked)
+
+
 def plan_int8(proto: onnx.ModelProto, keep_fp32_inputs: list[str], reference: np.ndarray, run: Run,
-              target: float, progress: Callable[[str], None] | None = None) -> tuple[onnx.ModelProto, Int8Plan]:
+              target: float, progress: Callable[[str], None] | None = None,
+              shifts: dict[str, np.ndarray] | None = None) -> tuple[onnx.ModelProto, Int8Plan]:
     """The int8 model that quantises as many layers as it can while agreeing with ``reference``.
 
     ``proto``: the fp32 model (Gemm already rewritten, see ``matmuls_as_matmul``);
-    ``reference``: fp32 logits on the calibration images; ``run``: see ``Run``."""
+    ``reference``: fp32 logits on the calibration images; ``run``: see ``Run``;
+    ``shifts``: layer -> per-image first-order margin shifts of the first calibration images
+    (export/int8_sensitivity.py): rank and predict from them, then verify with real runs.
+    Without them every layer is quantised alone and run once to rank them (slow)."""
     note = progress or (lambda _: None)
     layers = quantizable_layers(proto, keep_fp32_inputs)
     if not layers:
         raise Int8Error("the model has no MatMul with a constant weight to quantise")
-    plan = Int8Plan(target_agreement=target, calibration_images=int(len(reference)))
+    plan = Int8Plan(target_agreement=target, calibration_images=int(len(reference)),
+                    sensitivity="first-order" if shifts is not None else "per-layer")
 
-    def attempt(kept: list[str]) -> tuple[onnx.ModelProto, float, float, float]:
+    def attempt(kept: list[str]) -> Trial:
+        note(f"int8: keeping {len(kept)} most sensitive in fp32")
         model = quantize(proto, [name for name in layers if name not in kept])
         out = run(model, None)
         plan.searched += 1
-        return (model, _agreement(reference, out), expected_agreement(reference, out),
-                float(np.max(np.abs(out - reference))))
+        return Trial(model, _agreement(reference, out), expected_agreement(reference, out),
+                     float(np.max(np.abs(out - reference))))
 
-    def good(trial: tuple[onnx.ModelProto, float, float, float]) -> bool:
-        return trial[1] >= target and trial[2] >= target
-
-    note("int8: all layers")
-    best = attempt([])
-    kept: list[str] = []
-    if not good(best):
-        sensitivity, few = {}, reference[:SENSITIVITY_IMAGES]
-        for i, name in enumerate(layers):
-            note(f"int8: sensitivity {i + 1}/{len(layers)}")
-            only = run(quantize(proto, [name]), SENSITIVITY_IMAGES)
-            plan.searched += 1
-            sensitivity[name] = float(np.mean(np.abs(only - few)))
-        ranked = sorted(layers, key=lambda n: (-sensitivity[n], layers.index(n)))
-        low, high, found = 0, 1, None  # doubling, then bisection, on how many of the ranked to keep
-        while found is None:
-            high = min(high, len(ranked))
-            note(f"int8: keeping {high} most sensitive in fp32")
-            trial = attempt(ranked[:high])
-            if good(trial) or high == len(ranked):
-                found = (high, trial)
-            else:
-                low, high = high, high * 2
-        high, best = found
-        while high - low > 1:
-            middle = (low + high) // 2
-            note(f"int8: keeping {middle} most sensitive in fp32")
-            trial = attempt(ranked[:middle])
-            if good(trial):
-                high, best = middle, trial
-            else:
-                low = middle
-        kept = ranked[:high]
-    model, observed, expected, max_diff = best
-    plan.calibration_agreement, plan.calibration_expected_agreement = observed, expected
-    plan.calibration_max_abs_logit_diff = max_diff
+    good = lambda trial: trial.agreement >= target and trial.expected >= target  # noqa: E731
+    if shifts is not None:
+        ranked = rank_first_order(layers, shifts)
+        plan.predicted_kept = predict_kept(ranked, shifts, reference, target)
+        kept, best = _search(ranked, plan.predicted_kept, attempt, good)
+    else:
+        kept, best = _per_layer_plan(proto, layers, reference, run, plan, note, attempt, good)
+    plan.calibration_agreement, plan.calibration_expected_agreement = best.agreement, best.expected
+    plan.calibration_max_abs_logit_diff = best.max_diff
     plan.kept_fp32 = kept
     plan.quantized = [name for name in layers if name not in kept]
-    return model, plan
+    return best.model, plan
+
+
+@dataclass
+class Trial:
+    """One real ONNX Runtime run of a candidate int8 model on the calibration images."""
+
+    model: onnx.ModelProto
+    agreement: float
+    expected: float
+    max_diff: float
+
+
+def _search(ranked: list[str], start: int, attempt: Callable[[list[str]], Trial],
+            good: Callable[[Trial], bool], low: int = -1) -> tuple[list[str], Trial]:
+    """Verify keeping ``ranked[:start]``; if that fails, keep more in doubling steps, then bisect
+    between the last failure and the first success (``low``: a count known to fail)."""
+    count, step = start, 1
+    trial = attempt(ranked[:count])
+    while not good(trial) and count < len(ranked):
+        low, count, step = count, min(len(ranked), count + step), step * 2
+        trial = attempt(ranked[:count])
+    best = trial
+    while count - low > 1 and low >= 0:
+        middle = (low + count) // 2
+        trial = attempt(ranked[:middle])
+        if good(trial):
+            count, best = middle, trial
+        else:
+            low = middle
+    return ranked[:count], best
+
+
+def _per_layer_plan(proto: onnx.ModelProto, layers: list[str], reference: np.ndarray, run: Run, plan: Int8Plan,
+                    note: Callable[[str], None], attempt: Callable[[list[str]], Trial],
+                    good: Callable[[Trial], bool]) -> tuple[list[str], Trial]:
+    """The fallback without a torch twin: all layers first, else rank by quantising each alone."""
+    best = attempt([])
+    if good(best):
+        return [], best
+    sensitivity, few = {}, reference[:SENSITIVITY_IMAGES]
+    for i, name in enumerate(layers):
+        note(f"int8: sensitivity {i + 1}/{len(layers)}")
+        only = run(quantize(proto, [name]), SENSITIVITY_IMAGES)
+        plan.searched += 1
+        sensitivity[name] = float(np.mean(np.abs(only - few)))
+    ranked = sorted(layers, key=lambda n: (-sensitivity[n], layers.index(n)))
+    return _search(ranked, 1, attempt, good, low=0)
