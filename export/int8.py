@@ -109,6 +109,58 @@ def quantize(proto: onnx.ModelProto, layers: list[str]) -> onnx.ModelProto:
     return out
 
 
+def quantize_dynamic_model(proto: onnx.ModelProto, layers: list[str] | None = None,
+                           keep_fp32_inputs: list[str] = ()) -> onnx.ModelProto:
+    """Dynamic int8 (MatMulInteger, activations quantised per call) of ``layers`` (default: every
+    quantisable MatMul of ``proto`` not reading ``keep_fp32_inputs``, e.g. the LoRA names).
+
+    ``proto``: weight transposes folded and Gemm rewritten (``prepare_fp32``)."""
+    return quantize(proto, quantizable_layers(proto, list(keep_fp32_inputs)) if layers is None else layers)
+
+
+class _Batches:
+    """An onnxruntime CalibrationDataReader (it only needs ``get_next``) over images, ``batch`` at a time."""
+
+    def __init__(self, input_name: str, images: np.ndarray, batch: int):
+        self.feeds = iter([{input_name: images[i:i + batch]} for i in range(0, len(images), batch)])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self.feeds, None)
+
+
+def quantize_static_model(proto: onnx.ModelProto, calibration: np.ndarray, layers: list[str] | None = None,
+                          keep_fp32_inputs: list[str] = (), input_name: str = "pixel_values",
+                          batch: int = 8) -> onnx.ModelProto:
+    """Static int8 (QDQ): weights s8 per output channel (7-bit range, as the dynamic model), activation
+    ranges calibrated once on ``calibration`` (MinMax, u8 per tensor) instead of measured per call.
+
+    Why both: dynamic costs a min/max + quantise of every MatMul input per call, static fixes the
+    ranges, so it can be faster but clips images whose activations leave the calibrated range."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    chosen = quantizable_layers(proto, list(keep_fp32_inputs)) if layers is None else list(layers)
+    reader = _Batches(input_name, calibration, batch)
+    with _quiet(), tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
+        src, dst = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
+        src.write_bytes(proto.SerializeToString(deterministic=True))
+        quantize_static(src, dst, reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=list(QUANTIZED_OPS),
+                        per_channel=True, reduce_range=True, activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8, nodes_to_quantize=chosen,
+                        calibrate_method=CalibrationMethod.MinMax,
+                        extra_options={"WeightSymmetric": True, "ActivationSymmetric": False})
+        return onnx.load(str(dst))
+
+
+def prepare_fp32(proto: onnx.ModelProto, lora_names: list[str]) -> onnx.ModelProto:
+    """An exported fp32 model (e.g. a bundle's model.onnx, external data loaded) made ready for the
+    quantisers: weight transposes folded into initializers, Gemm as MatMul; LoRA left alone."""
+    import onnx_ir as ir
+
+    from export.onnx_export import _folded
+
+    return matmuls_as_matmul(_folded(ir.serde.deserialize_model(proto), lora_names))
+
+
 # run(model, limit) -> the model's logits on the first ``limit`` calibration images (all when None)
 Run = Callable[[onnx.ModelProto, "int | None"], np.ndarray]
 SENSITIVITY_IMAGES = 32
