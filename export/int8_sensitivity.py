@@ -87,7 +87,8 @@ class _Recorder(TorchFunctionMode):
             self.keys[ident] = weight_key(m.detach().cpu().numpy())
         return self.keys[ident]
 
-    def record(self, x: torch.Tensor, m: torch.Tensor, y: torch.Tensor) -> None:
+    def record(self, x: torch.Tensor, m: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """dy = fq(x) @ fq(m) - x @ m, with x @ m = y - bias taken from the forward (one matmul less)."""
         if self.busy or not (self.collect or y.requires_grad):
             return
         key = self.key(m)
@@ -98,10 +99,11 @@ class _Recorder(TorchFunctionMode):
         self.busy = True
         try:
             with torch.no_grad():
-                xd, md = x.detach(), m.detach()
                 if key not in self.quantized:
-                    self.quantized[key] = fake_quant_weight(md)
-                delta = fake_quant_activation(xd, *self.ranges.get(key, (None, None))) @ self.quantized[key] - xd @ md
+                    self.quantized[key] = fake_quant_weight(m.detach())
+                exact = y.detach() if bias is None else y.detach() - bias.detach()
+                delta = fake_quant_activation(x.detach(), *self.ranges.get(key, (None, None))) @ self.quantized[key]
+                delta -= exact
         finally:
             self.busy = False
 
@@ -112,7 +114,7 @@ class _Recorder(TorchFunctionMode):
     def patched_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = self.linear(x, weight, bias)
         if self._is_constant(weight):
-            self.record(x, weight.t(), y)
+            self.record(x, weight.t(), y, bias)
         return y
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

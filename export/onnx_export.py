@@ -233,6 +233,8 @@ def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, ref
         from export.int8_sensitivity import FIRST_ORDER_IMAGES, layer_shifts
 
         images = torch.from_numpy(calibration[:FIRST_ORDER_IMAGES])
+        if progress:
+            progress("int8: first-order sensitivity")
         shifts = layer_shifts(edge, images, proto, quantizable_layers(proto, lora_names))
     out, plan = plan_int8(proto, lora_names, reference, calibration_runner(calibration), target, progress, shifts)
     _check_lora_fp32(out, lora_names, "int8 quantisation")
