@@ -3,23 +3,29 @@
 Why: dynamic int8 (weights s8 per output channel, activations u8 per call) moves every
 logit a little, and a model whose images often have near-tied top classes (small CLIPs, a
 low logit scale, many similar classes) then changes its top-1 on a few percent of images.
-Instead of shipping that, or giving up on int8, the export measures on calibration images
-(the run's *training* images, so the parity check on test images stays an independent
-verdict) how far quantising each MatMul alone moves the logits (on the first 32 of them: a
-ranking needs fewer images than a verdict, and these runs are most of the cost on a big
-model), and keeps the most sensitive ones in fp32 until the top-1 agreement with the fp32
-model reaches the target,
-both as observed and as expected (see ``expected_agreement``: a few dozen images alone
-would let an unlucky or lucky draw decide).
-This is the usual accuracy-driven mixed precision of quantisation toolkits, kept small: one
-quantisation per layer to rank them, then a doubling search over how many to keep (about
-2 log2(layers) more). A model that already agrees keeps every layer quantised and costs one.
-(Ranking by the error each layer adds to its own output, from one run of the fully quantised
-model, costs two runs instead of one per layer, but on the demo model it kept 21 of 22 layers
-in fp32 where the logit ranking keeps 17.)
+Instead of shipping that, or giving up on int8, the export keeps the most sensitive MatMuls
+in fp32 until the top-1 agreement with the fp32 model on calibration images (the run's
+*training* images, so the parity check on test images stays an independent verdict) reaches
+the target, both as observed and as expected (see ``expected_agreement``: a few dozen images
+alone would let an unlucky or lucky draw decide).
+
+Ranking costs one torch forward + backward per calibration image (up to 32), not one ONNX run
+per layer: export/int8_sensitivity.py estimates, for every layer at once, how far its int8
+error moves each image's top-1 margin (first order, the quantisers simulated as ONNX Runtime
+does them; on the tiny model it matches a real single-layer quantisation at correlation 1.00).
+The summed estimates predict how many to keep; a real run verifies that (usually the only
+one), and only a failed verification searches further (doubling from the prediction, then
+bisection). Without a torch twin (``shifts`` None) each layer is quantised alone and run once
+to rank them, as before (one run per layer: 24 minutes on ViT-B-16 on 2 cores).
+Measured: the demo's tiny CLIP keeps 17 of 22 layers fp32 (the minimum for its near-tied
+classes: no single one of the 17 can be quantised without dropping below 99%, and 8-bit
+weights, SmoothQuant-style scaling or per-image activation ranges barely move that), the
+random-init ViT-B-16 5 of 54.
 
 Weights use 7 bits (``reduce_range``): x86 CPUs without VNNI saturate in the u8 x s8
 multiply-add at 8 bits, and the bundle must behave the same on whatever device runs it.
+Static int8 (``quantize_static_model``, QDQ, calibrated activation ranges) is built for
+comparison only: on an AVX2 CPU without VNNI it was slower than dynamic (ViT-B-16, 2 threads).
 """
 
 from __future__ import annotations
@@ -130,12 +136,13 @@ class _Batches:
 
 def quantize_static_model(proto: onnx.ModelProto, calibration: np.ndarray, layers: list[str] | None = None,
                           keep_fp32_inputs: list[str] = (), input_name: str = "pixel_values",
-                          batch: int = 8) -> onnx.ModelProto:
+                          batch: int = 8, activations: str = "QUInt8") -> onnx.ModelProto:
     """Static int8 (QDQ): weights s8 per output channel (7-bit range, as the dynamic model), activation
     ranges calibrated once on ``calibration`` (MinMax, u8 per tensor) instead of measured per call.
 
     Why both: dynamic costs a min/max + quantise of every MatMul input per call, static fixes the
-    ranges, so it can be faster but clips images whose activations leave the calibrated range."""
+    ranges, so it can be faster but clips images whose activations leave the calibrated range.
+    ``activations``: "QUInt8" (u8 x s8, the x86 kernel without VNNI) or "QInt8"."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     chosen = quantizable_layers(proto, list(keep_fp32_inputs)) if layers is None else list(layers)
@@ -144,7 +151,7 @@ def quantize_static_model(proto: onnx.ModelProto, calibration: np.ndarray, layer
         src, dst = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
         src.write_bytes(proto.SerializeToString(deterministic=True))
         quantize_static(src, dst, reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=list(QUANTIZED_OPS),
-                        per_channel=True, reduce_range=True, activation_type=QuantType.QUInt8,
+                        per_channel=True, reduce_range=True, activation_type=QuantType[activations],
                         weight_type=QuantType.QInt8, nodes_to_quantize=chosen,
                         calibrate_method=CalibrationMethod.MinMax,
                         extra_options={"WeightSymmetric": True, "ActivationSymmetric": False})

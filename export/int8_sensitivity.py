@@ -33,7 +33,7 @@ from export.onnx_export import no_mha_fastpath
 
 WEIGHT_QMAX = 64  # ONNX Runtime's s8 reduce_range: [-64, 64], symmetric, scale = max|w| / 64
 RUN_BATCH = 32  # export.parity.onnx_outputs' batch
-FIRST_ORDER_IMAGES = 64  # one forward + backward each: about a second per image for ViT-B-16 on 2 cores
+FIRST_ORDER_IMAGES = 32  # one forward + backward each (about a second per image for ViT-B-16 on 2 cores)
 MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
 
