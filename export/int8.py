@@ -17,7 +17,7 @@ The summed estimates predict how many to keep; a real run verifies that (usually
 one), and only a failed verification searches further (doubling from the prediction, then
 bisection). Without a torch twin (``shifts`` None) each layer is quantised alone and run once
 to rank them, as before (one run per layer: 24 minutes on ViT-B-16 on 2 cores).
-Measured: the demo's tiny CLIP keeps 17 of 22 layers fp32 (the minimum for its near-tied
+Measured: the demo's tiny CLIP keeps 17 of 22 layers fp32 (predicted 14, 4 runs; the minimum for its near-tied
 classes: no single one of the 17 can be quantised without dropping below 99%, and 8-bit
 weights, SmoothQuant-style scaling or per-image activation ranges barely move that), the
 random-init ViT-B-16 5 of 54.

@@ -129,7 +129,8 @@ def _recording(edge: EdgeClassifier) -> Iterator[_Recorder]:
     lora = {id(t) for t in edge.lora_tensors().values()}
     constants = {t.untyped_storage().data_ptr() for t in edge.frozen_tensors().values() if id(t) not in lora}
     recorder = _Recorder(constants)
-    F.linear = recorder.patched_linear  # nn.Linear and MultiheadAttention call it through the module
+    F.linear = recorder.patched_linear  # nn.Linear and MultiheadAttention look it up per call (process-wide
+    # while recording: the export runs one thing at a time)
     try:
         with recorder, no_mha_fastpath():
             yield recorder
@@ -149,8 +150,8 @@ def first_order_shifts(edge: EdgeClassifier, images: torch.Tensor, batch: int = 
     the verifying runs and the parity check do): one no-grad pass per batch records each layer's
     input range, then each image runs forward + backward alone with those ranges."""
     edge.eval()
-    frozen = [p for p in edge.parameters() if p.requires_grad]
-    for p in frozen:
+    trainable = [p for p in edge.parameters() if p.requires_grad]  # LoRA: no weight gradients needed
+    for p in trainable:
         p.requires_grad_(False)
     rows: list[dict[str, float]] = []
     try:
@@ -166,7 +167,7 @@ def first_order_shifts(edge: EdgeClassifier, images: torch.Tensor, batch: int = 
                 _margin(edge(x)[0]).backward()
                 rows.append(recorder.shifts)
     finally:
-        for p in frozen:
+        for p in trainable:
             p.requires_grad_(True)
     keys = sorted({k for row in rows for k in row})
     return {k: np.array([row.get(k, 0.0) for row in rows]) for k in keys}
