@@ -21,7 +21,7 @@ Measured: the demo's tiny CLIP keeps 17 of 22 layers fp32 (predicted 14, 4 runs;
 classes: no single one of the 17 can be quantised without dropping below 99%, and 8-bit
 weights, SmoothQuant-style scaling or per-image activation ranges barely move that); the
 random-init ViT-B-16 5 of 54 with 3 classes, 33 of 54 with 64 near-tied ones (one run per layer
-kept 25 there, in 24 minutes instead of 3.7).
+kept 25 there, in 24 minutes instead of 3.9).
 
 Weights use 7 bits (``reduce_range``): x86 CPUs without VNNI saturate in the u8 x s8
 multiply-add at 8 bits, and the bundle must behave the same on whatever device runs it.
