@@ -209,7 +209,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             calib, calib_reference = (calibration, parity.torch_logits(model, calibration)) if own \
                 else (images, reference)  # no calibration images of its own: the parity ones, logits reused
             variant, int8_plan = onnx_export.to_int8(graph, edge.lora_names, calib.numpy().astype("float32"),
-                                                     calib_reference, parity.MIN_AGREEMENT["int8"], progress=step)
+                                                     calib_reference, parity.MIN_AGREEMENT["int8"], progress=step,
+                                                     edge=edge)
         if precision != "fp32":
             onnx_export.save(onnx_export.pin_classes(variant, list(classes.names)), tmp / names["onnx"])
             onnx_export.check(tmp / names["onnx"])

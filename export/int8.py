@@ -3,23 +3,30 @@
 Why: dynamic int8 (weights s8 per output channel, activations u8 per call) moves every
 logit a little, and a model whose images often have near-tied top classes (small CLIPs, a
 low logit scale, many similar classes) then changes its top-1 on a few percent of images.
-Instead of shipping that, or giving up on int8, the export measures on calibration images
-(the run's *training* images, so the parity check on test images stays an independent
-verdict) how far quantising each MatMul alone moves the logits (on the first 32 of them: a
-ranking needs fewer images than a verdict, and these runs are most of the cost on a big
-model), and keeps the most sensitive ones in fp32 until the top-1 agreement with the fp32
-model reaches the target,
-both as observed and as expected (see ``expected_agreement``: a few dozen images alone
-would let an unlucky or lucky draw decide).
-This is the usual accuracy-driven mixed precision of quantisation toolkits, kept small: one
-quantisation per layer to rank them, then a doubling search over how many to keep (about
-2 log2(layers) more). A model that already agrees keeps every layer quantised and costs one.
-(Ranking by the error each layer adds to its own output, from one run of the fully quantised
-model, costs two runs instead of one per layer, but on the demo model it kept 21 of 22 layers
-in fp32 where the logit ranking keeps 17.)
+Instead of shipping that, or giving up on int8, the export keeps the most sensitive MatMuls
+in fp32 until the top-1 agreement with the fp32 model on calibration images (the run's
+*training* images, so the parity check on test images stays an independent verdict) reaches
+the target, both as observed and as expected (see ``expected_agreement``: a few dozen images
+alone would let an unlucky or lucky draw decide).
+
+Ranking costs one torch forward + backward per calibration image (up to 32), not one ONNX run
+per layer: export/int8_sensitivity.py estimates, for every layer at once, how far its int8
+error moves each image's top-1 margin (first order, the quantisers simulated as ONNX Runtime
+does them; on the tiny model it matches a real single-layer quantisation at correlation 1.00).
+The summed estimates predict how many to keep; a real run verifies that (usually the only
+one), and only a failed verification searches further (doubling from the prediction, then
+bisection). Without a torch twin (``shifts`` None) each layer is quantised alone and run once
+to rank them, as before (one run per layer: 24 minutes on ViT-B-16 on 2 cores).
+Measured: the demo's tiny CLIP keeps 17 of 22 layers fp32 (predicted 14, 4 runs; the minimum for its near-tied
+classes: no single one of the 17 can be quantised without dropping below 99%, and 8-bit
+weights, SmoothQuant-style scaling or per-image activation ranges barely move that); the
+random-init ViT-B-16 5 of 54 with 3 classes, 33 of 54 with 64 near-tied ones (one run per layer
+kept 25 there, in 24 minutes instead of 3.9).
 
 Weights use 7 bits (``reduce_range``): x86 CPUs without VNNI saturate in the u8 x s8
 multiply-add at 8 bits, and the bundle must behave the same on whatever device runs it.
+Static int8 (``quantize_static_model``, QDQ, calibrated activation ranges) is built for
+comparison only: on an AVX2 CPU without VNNI it was slower than dynamic (ViT-B-16, 2 threads).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class Int8Plan:
     calibration_expected_agreement: float = 0.0
     calibration_max_abs_logit_diff: float = 0.0
     searched: int = 0  # quantisations run to find the plan
+    sensitivity: str = "first-order"  # how layers were ranked: "first-order" (torch estimate) or "per-layer"
+    predicted_kept: int = -1  # layers the first-order estimate said to keep (-1: not estimated)
 
     def to_manifest(self) -> dict:
         out = asdict(self)
@@ -107,6 +116,59 @@ def quantize(proto: onnx.ModelProto, layers: list[str]) -> onnx.ModelProto:
     return out
 
 
+def quantize_dynamic_model(proto: onnx.ModelProto, layers: list[str] | None = None,
+                           keep_fp32_inputs: list[str] = ()) -> onnx.ModelProto:
+    """Dynamic int8 (MatMulInteger, activations quantised per call) of ``layers`` (default: every
+    quantisable MatMul of ``proto`` not reading ``keep_fp32_inputs``, e.g. the LoRA names).
+
+    ``proto``: weight transposes folded and Gemm rewritten (``prepare_fp32``)."""
+    return quantize(proto, quantizable_layers(proto, list(keep_fp32_inputs)) if layers is None else layers)
+
+
+class _Batches:
+    """An onnxruntime CalibrationDataReader (it only needs ``get_next``) over images, ``batch`` at a time."""
+
+    def __init__(self, input_name: str, images: np.ndarray, batch: int):
+        self.feeds = iter([{input_name: images[i:i + batch]} for i in range(0, len(images), batch)])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self.feeds, None)
+
+
+def quantize_static_model(proto: onnx.ModelProto, calibration: np.ndarray, layers: list[str] | None = None,
+                          keep_fp32_inputs: list[str] = (), input_name: str = "pixel_values",
+                          batch: int = 8, activations: str = "QUInt8") -> onnx.ModelProto:
+    """Static int8 (QDQ): weights s8 per output channel (7-bit range, as the dynamic model), activation
+    ranges calibrated once on ``calibration`` (MinMax, u8 per tensor) instead of measured per call.
+
+    Why both: dynamic costs a min/max + quantise of every MatMul input per call, static fixes the
+    ranges, so it can be faster but clips images whose activations leave the calibrated range.
+    ``activations``: "QUInt8" (u8 x s8, the x86 kernel without VNNI) or "QInt8"."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    chosen = quantizable_layers(proto, list(keep_fp32_inputs)) if layers is None else list(layers)
+    reader = _Batches(input_name, calibration, batch)
+    with _quiet(), tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
+        src, dst = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
+        src.write_bytes(proto.SerializeToString(deterministic=True))
+        quantize_static(src, dst, reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=list(QUANTIZED_OPS),
+                        per_channel=True, reduce_range=True, activation_type=QuantType[activations],
+                        weight_type=QuantType.QInt8, nodes_to_quantize=chosen,
+                        calibrate_method=CalibrationMethod.MinMax,
+                        extra_options={"WeightSymmetric": True, "ActivationSymmetric": False})
+        return onnx.load(str(dst))
+
+
+def prepare_fp32(proto: onnx.ModelProto, lora_names: list[str]) -> onnx.ModelProto:
+    """An exported fp32 model (e.g. a bundle's model.onnx, external data loaded) made ready for the
+    quantisers: weight transposes folded into initializers, Gemm as MatMul; LoRA left alone."""
+    import onnx_ir as ir
+
+    from export.onnx_export import _folded
+
+    return matmuls_as_matmul(_folded(ir.serde.deserialize_model(proto), lora_names))
+
+
 # run(model, limit) -> the model's logits on the first ``limit`` calibration images (all when None)
 Run = Callable[[onnx.ModelProto, "int | None"], np.ndarray]
 SENSITIVITY_IMAGES = 32
@@ -146,61 +208,119 @@ def expected_agreement(reference: np.ndarray, logits: np.ndarray) -> float:
     return float(np.mean(shifts[:, None] < gaps[None, :]))
 
 
+def predicted_agreement(shifts: np.ndarray, gaps: np.ndarray) -> tuple[float, float]:
+    """Observed and expected (every shift vs every gap) agreement for per-image margin shifts ``shifts``."""
+    shifts = np.abs(shifts)
+    return float(np.mean(shifts < gaps)), float(np.mean(shifts[:, None] < gaps[None, :]))
+
+
+def rank_first_order(layers: list[str], shifts: dict[str, np.ndarray]) -> list[str]:
+    """Most sensitive first: sum over images of |estimated margin shift|; layers without an
+    estimate first of all (nothing says they are safe)."""
+    score = {name: float(np.sum(np.abs(shifts[name]))) if name in shifts else np.inf for name in layers}
+    return sorted(layers, key=lambda n: (-score[n], layers.index(n)))
+
+
+def predict_kept(ranked: list[str], shifts: dict[str, np.ndarray], reference: np.ndarray, target: float) -> int:
+    """Fewest of ``ranked`` to keep fp32 so that the first-order shift of each image's margin
+    (the sum of the quantised layers' estimates) predicts both agreements >= ``target``."""
+    estimated = [name for name in ranked if name in shifts]
+    unknown = len(ranked) - len(estimated)
+    if not estimated:
+        return len(ranked)
+    matrix = np.stack([shifts[name] for name in estimated], axis=1)  # [N, L] in ranked order
+    top = np.sort(reference[:len(matrix)], axis=-1)
+    gaps = top[:, -1] - top[:, -2]
+    # tail[:, k] = summed shift of the layers ranked after the k kept ones
+    tail = np.concatenate([np.cumsum(matrix[:, ::-1], axis=1)[:, ::-1], np.zeros((len(matrix), 1))], axis=1)
+    for kept in range(matrix.shape[1] + 1):
+        observed, expected = predicted_agreement(tail[:, kept], gaps)
+        if observed >= target and expected >= target:
+            return unknown + kept
+    return len(ranked)
+
+
 def plan_int8(proto: onnx.ModelProto, keep_fp32_inputs: list[str], reference: np.ndarray, run: Run,
-              target: float, progress: Callable[[str], None] | None = None) -> tuple[onnx.ModelProto, Int8Plan]:
+              target: float, progress: Callable[[str], None] | None = None,
+              shifts: dict[str, np.ndarray] | None = None) -> tuple[onnx.ModelProto, Int8Plan]:
     """The int8 model that quantises as many layers as it can while agreeing with ``reference``.
 
     ``proto``: the fp32 model (Gemm already rewritten, see ``matmuls_as_matmul``);
-    ``reference``: fp32 logits on the calibration images; ``run``: see ``Run``."""
+    ``reference``: fp32 logits on the calibration images; ``run``: see ``Run``;
+    ``shifts``: layer -> per-image first-order margin shifts of the first calibration images
+    (export/int8_sensitivity.py): rank and predict from them, then verify with real runs.
+    Without them every layer is quantised alone and run once to rank them (slow)."""
     note = progress or (lambda _: None)
     layers = quantizable_layers(proto, keep_fp32_inputs)
     if not layers:
         raise Int8Error("the model has no MatMul with a constant weight to quantise")
-    plan = Int8Plan(target_agreement=target, calibration_images=int(len(reference)))
+    plan = Int8Plan(target_agreement=target, calibration_images=int(len(reference)),
+                    sensitivity="first-order" if shifts is not None else "per-layer")
 
-    def attempt(kept: list[str]) -> tuple[onnx.ModelProto, float, float, float]:
+    def attempt(kept: list[str]) -> Trial:
+        note(f"int8: keeping {len(kept)} most sensitive in fp32")
         model = quantize(proto, [name for name in layers if name not in kept])
         out = run(model, None)
         plan.searched += 1
-        return (model, _agreement(reference, out), expected_agreement(reference, out),
-                float(np.max(np.abs(out - reference))))
+        return Trial(model, _agreement(reference, out), expected_agreement(reference, out),
+                     float(np.max(np.abs(out - reference))))
 
-    def good(trial: tuple[onnx.ModelProto, float, float, float]) -> bool:
-        return trial[1] >= target and trial[2] >= target
-
-    note("int8: all layers")
-    best = attempt([])
-    kept: list[str] = []
-    if not good(best):
-        sensitivity, few = {}, reference[:SENSITIVITY_IMAGES]
-        for i, name in enumerate(layers):
-            note(f"int8: sensitivity {i + 1}/{len(layers)}")
-            only = run(quantize(proto, [name]), SENSITIVITY_IMAGES)
-            plan.searched += 1
-            sensitivity[name] = float(np.mean(np.abs(only - few)))
-        ranked = sorted(layers, key=lambda n: (-sensitivity[n], layers.index(n)))
-        low, high, found = 0, 1, None  # doubling, then bisection, on how many of the ranked to keep
-        while found is None:
-            high = min(high, len(ranked))
-            note(f"int8: keeping {high} most sensitive in fp32")
-            trial = attempt(ranked[:high])
-            if good(trial) or high == len(ranked):
-                found = (high, trial)
-            else:
-                low, high = high, high * 2
-        high, best = found
-        while high - low > 1:
-            middle = (low + high) // 2
-            note(f"int8: keeping {middle} most sensitive in fp32")
-            trial = attempt(ranked[:middle])
-            if good(trial):
-                high, best = middle, trial
-            else:
-                low = middle
-        kept = ranked[:high]
-    model, observed, expected, max_diff = best
-    plan.calibration_agreement, plan.calibration_expected_agreement = observed, expected
-    plan.calibration_max_abs_logit_diff = max_diff
+    good = lambda trial: trial.agreement >= target and trial.expected >= target  # noqa: E731
+    if shifts is not None:
+        ranked = rank_first_order(layers, shifts)
+        plan.predicted_kept = predict_kept(ranked, shifts, reference, target)
+        kept, best = _search(ranked, plan.predicted_kept, attempt, good)
+    else:
+        kept, best = _per_layer_plan(proto, layers, reference, run, plan, note, attempt, good)
+    plan.calibration_agreement, plan.calibration_expected_agreement = best.agreement, best.expected
+    plan.calibration_max_abs_logit_diff = best.max_diff
     plan.kept_fp32 = kept
     plan.quantized = [name for name in layers if name not in kept]
-    return model, plan
+    return best.model, plan
+
+
+@dataclass
+class Trial:
+    """One real ONNX Runtime run of a candidate int8 model on the calibration images."""
+
+    model: onnx.ModelProto
+    agreement: float
+    expected: float
+    max_diff: float
+
+
+def _search(ranked: list[str], start: int, attempt: Callable[[list[str]], Trial],
+            good: Callable[[Trial], bool], low: int = -1) -> tuple[list[str], Trial]:
+    """Verify keeping ``ranked[:start]``; if that fails, keep more in doubling steps, then bisect
+    between the last failure and the first success (``low``: a count known to fail)."""
+    count, step = start, 1
+    trial = attempt(ranked[:count])
+    while not good(trial) and count < len(ranked):
+        low, count, step = count, min(len(ranked), count + step), step * 2
+        trial = attempt(ranked[:count])
+    best = trial
+    while count - low > 1 and low >= 0:
+        middle = (low + count) // 2
+        trial = attempt(ranked[:middle])
+        if good(trial):
+            count, best = middle, trial
+        else:
+            low = middle
+    return ranked[:count], best
+
+
+def _per_layer_plan(proto: onnx.ModelProto, layers: list[str], reference: np.ndarray, run: Run, plan: Int8Plan,
+                    note: Callable[[str], None], attempt: Callable[[list[str]], Trial],
+                    good: Callable[[Trial], bool]) -> tuple[list[str], Trial]:
+    """The fallback without a torch twin: all layers first, else rank by quantising each alone."""
+    best = attempt([])
+    if good(best):
+        return [], best
+    sensitivity, few = {}, reference[:SENSITIVITY_IMAGES]
+    for i, name in enumerate(layers):
+        note(f"int8: sensitivity {i + 1}/{len(layers)}")
+        only = run(quantize(proto, [name]), SENSITIVITY_IMAGES)
+        plan.searched += 1
+        sensitivity[name] = float(np.mean(np.abs(only - few)))
+    ranked = sorted(layers, key=lambda n: (-sensitivity[n], layers.index(n)))
+    return _search(ranked, 1, attempt, good, low=0)

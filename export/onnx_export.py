@@ -344,24 +344,38 @@ def to_fp16(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
 
 
 def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, reference: np.ndarray,
-            target: float, progress=None) -> tuple[onnx.ModelProto, "Int8Plan"]:
+            target: float, progress=None, edge: EdgeClassifier | None = None) -> tuple[onnx.ModelProto, "Int8Plan"]:
     """Dynamic int8 of the MatMul weights, the layers that would flip predictions kept fp32 (export/int8.py).
 
     ``calibration``: images, ``reference``: the fp32 model's logits on them. LoRA MatMuls are
-    never quantised (their weights are graph inputs, and the edge swaps them as fp32)."""
+    never quantised (their weights are graph inputs, and the edge swaps them as fp32).
+    ``edge``: the torch module ``model`` was exported from; with it the layers are ranked by a
+    first-order estimate (export/int8_sensitivity.py) instead of one ONNX run per layer."""
+    from export.int8 import matmuls_as_matmul, plan_int8, quantizable_layers
+
+    proto = matmuls_as_matmul(_folded(model, lora_names))
+    shifts = None
+    if edge is not None:
+        from export.int8_sensitivity import FIRST_ORDER_IMAGES, layer_shifts
+
+        images = torch.from_numpy(calibration[:FIRST_ORDER_IMAGES])
+        if progress:
+            progress("int8: first-order sensitivity")
+        shifts = layer_shifts(edge, images, proto, quantizable_layers(proto, lora_names))
+    out, plan = plan_int8(proto, lora_names, reference, calibration_runner(calibration), target, progress, shifts)
+    _check_lora_fp32(out, lora_names, "int8 quantisation")
+    return _sorted(out), plan
+
+
+def calibration_runner(calibration: np.ndarray):
+    """``export.int8.Run`` over ``calibration``: a candidate's logits on its first ``limit`` images."""
     import tempfile
 
     from export import parity
-    from export.int8 import matmuls_as_matmul, plan_int8
-
-    proto = matmuls_as_matmul(_folded(model, lora_names))
 
     def run(candidate: onnx.ModelProto, limit: int | None) -> np.ndarray:
         with tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
             path = Path(work) / "candidate.onnx"
             save(candidate, path)
             return parity.onnx_outputs(path, calibration[:limit])["logits"]
-
-    out, plan = plan_int8(proto, lora_names, reference, run, target, progress)
-    _check_lora_fp32(out, lora_names, "int8 quantisation")
-    return _sorted(out), plan
+    return run

@@ -83,6 +83,18 @@ def test_plan_reaches_the_target_on_calibration_images(images, margin, target, e
         assert plan.kept_fp32 and plan.searched > 1
 
 
+def test_a_wrong_prediction_is_caught_by_the_verifying_run_and_searched_past(images):
+    proto = matmuls_as_matmul(mlp(1, 0.0))
+    reference = run(proto, images)
+    layers = quantizable_layers(proto, [])
+    blind = {name: np.zeros(IMAGES) for name in layers}  # "nothing moves": predicts keeping none
+    model, plan = plan_int8(proto, [], reference, runner(images), 1.0, shifts=blind)
+    out = run(model, images)
+    assert plan.sensitivity == "first-order" and plan.predicted_kept == 0
+    assert plan.kept_fp32 and plan.searched > 1  # the real run refused the prediction
+    assert np.mean(out.argmax(-1) == reference.argmax(-1)) == 1.0 and plan.calibration_expected_agreement == 1.0
+
+
 def test_a_model_without_constant_matmuls_is_refused(images):
     proto = matmuls_as_matmul(mlp(2, 1.0))
     names = [i.name for i in proto.graph.initializer]

@@ -39,6 +39,7 @@ def test_reduced_precision_bundle(precision, tiny_run, tiny_bundle, tmp_path):
         assert plan["calibration_agreement"] >= 0.99 and plan["calibration_images"] >= 32
         assert sum(n.op_type == "MatMulInteger" for n in model.graph.node) == len(plan["quantized"]) > 0
         assert not set(plan["quantized"]) & set(plan["kept_fp32"])
+        assert plan["sensitivity"] == "first-order" and plan["predicted_kept"] >= 0  # ranked in torch, not per layer
         assert f"int8: {len(plan['quantized'])} of" in result.output
     else:
         assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in inits.values())
