@@ -151,26 +151,3 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
         return None
     return numerator / denominator
 
-
-def section_main(run: Callable[[Options], Section], doc: str | None, argv: list[str] | None = None) -> int:
-    """A section run alone: ``python -m benchmarks.<section> [--quick] [--json] ...``."""
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, fewest repeats")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--model", default=None, help="CLIP architecture (e.g. ViT-B-16, fedmvp-tiny)")
-    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all usable cores)")
-    parser.add_argument("--repeats", type=int, default=None, help="timing repeats (default 5, 2 with --quick)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    section = run(Options(quick=args.quick, device=args.device, model=args.model, threads=args.threads,
-                          repeats=args.repeats))
-    if args.json:
-        print(json.dumps(section.to_json(), sort_keys=True))
-    else:
-        from benchmarks.report import section_markdown
-
-        print(section_markdown(section))
-    return 0

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import REPO  # noqa: F401  (puts the repository on sys.path)
 
 
 @dataclass
@@ -65,25 +64,12 @@ def model_bytes(path: Path) -> int:
     return path.stat().st_size + sum((path.parent / name).stat().st_size for name in external)
 
 
-def export_plain_visual(visual: torch.nn.Module, image_size: int, path: Path) -> Path:
-    """open_clip's image encoder alone as ONNX (dynamic batch; onnxscript's optimiser folds constants)."""
-    from export.onnx_export import OPSET, no_mha_fastpath
-
-    example = torch.zeros(2, 3, image_size, image_size)
-    dims = ({0: torch.export.Dim("batch", min=1, max=1 << 16)},)
-    with no_mha_fastpath(), torch.no_grad():
-        program = torch.onnx.export(visual.eval(), (example,), None, input_names=["pixel_values"],
-                                    output_names=["image_embeds"], dynamic_shapes=dims, opset_version=OPSET,
-                                    dynamo=True, optimize=True, verbose=False)
-    program.save(str(path))
-    return path
-
-
 def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: str | None = None,
           int8: bool = True, variants: bool = True, calibration_images: int = 32, fp16: bool = False) -> EdgeModels:
     """Build every model of the edge table into ``work`` (the bundle export's own checks included)."""
     from export.bundle_writer import write_bundle
     from export.class_set import text_features
+    from export.onnx_export import export_plain_visual
     from export.run_inputs import synthetic_images
     from fedmvp.model import FedMVP
 
@@ -104,7 +90,8 @@ def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: s
     out.onnx["ort_fp32"] = fp32.path / "model.onnx"
 
     start = time.perf_counter()
-    out.onnx["ort_plain_fp32"] = export_plain_visual(clip.model.visual, clip.image_size, work / "plain.onnx")
+    export_plain_visual(clip.model.visual, clip.image_size, work / "plain.onnx")  # fused like the bundle's
+    out.onnx["ort_plain_fp32"] = work / "plain.onnx"
     out.build_seconds["export_plain"] = time.perf_counter() - start
 
     if fp16:  # the GPU table's ONNX Runtime CUDA / TensorRT rows
