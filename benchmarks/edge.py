@@ -38,15 +38,19 @@ def _quiet() -> None:
 
 
 def flops_per_image(models) -> dict[str, float]:
-    """GFLOP per image of the plain and the prompted forward (torch's FLOP counter, batch 1)."""
+    """GFLOP per image (torch's FLOP counter, batch 1) of plain CLIP, the training core's prompted
+    forward, and the exported form the ONNX model computes (attribute keys/values precomputed):
+    the floor of the ONNX prompts is ``edge / plain``."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from export.edge_module import build_edge_classifier
     from export.onnx_export import no_mha_fastpath
 
     x = torch.zeros(1, 3, models.image_size, models.image_size)
+    edge = build_edge_classifier(models.model, models.model.text_features)
     out = {}
-    for key, fn in (("plain", models.clip.model.visual), ("prompted", models.model)):
+    for key, fn in (("plain", models.clip.model.visual), ("prompted", models.model), ("edge", edge)):
         counter = FlopCounterMode(display=False)
         with no_mha_fastpath(), torch.no_grad(), counter:
             fn(x)
@@ -131,14 +135,13 @@ def ratios(rows: list[dict], flops: dict, peak_gflops: float, batches: list[int]
             out[f"ort_int8_{variant}_vs_ort_fp32_{tag}"] = ratio(ms.get(("ort_fp32", b)),
                                                                  ms.get((f"ort_int8_{variant}", b)))
         fp32 = ms.get(("ort_fp32", b))
-        out[f"ort_fp32_gemm_peak_fraction_{tag}"] = (flops["prompted"] / (fp32 / 1000) / peak_gflops
+        out[f"ort_fp32_gemm_peak_fraction_{tag}"] = (flops["edge"] / (fp32 / 1000) / peak_gflops
                                                      if fp32 else None)
-        floor = flops["prompted"] / flops["plain"]
-        for side in ("torch", "ort"):
+        for side, flop in (("torch", "prompted"), ("ort", "edge")):  # each against the FLOPs it computes
             plain = ms.get(("torch_plain" if side == "torch" else "ort_plain_fp32", b))
             prompted = ms.get(("torch_prompted" if side == "torch" else "ort_fp32", b))
             key = f"prompts_vs_floor_{tag}" if side == "ort" else f"torch_prompts_vs_floor_{tag}"
-            out[key] = ratio(ratio(prompted, plain), floor)
+            out[key] = ratio(ratio(prompted, plain), flops[flop] / flops["plain"])
     return {k: (round(v, 4) if v is not None else None) for k, v in out.items()}
 
 
@@ -149,10 +152,15 @@ def goals(r: dict, batches: list[int], int8_bytes_fraction: float | None) -> lis
         Goal.at_least(f"ORT fp32 share of the fp32 GEMM peak, {big}", r.get(f"ort_fp32_gemm_peak_fraction_{big}"),
                       0.85, ""),
         Goal.at_least(f"ORT fp32 vs PyTorch eager, {small}", r.get(f"ort_fp32_vs_torch_{small}"), 1.4),
-        Goal.at_least(f"int8 (bundle) vs ORT fp32, {big}", r.get(f"ort_int8_vs_ort_fp32_{big}"), 1.8),
-        Goal.at_least(f"int8 (bundle) vs ORT fp32, {small}", r.get(f"ort_int8_vs_ort_fp32_{small}"), 1.6),
+        Goal.at_least(f"int8 (bundle, guarded) vs ORT fp32, {big}", r.get(f"ort_int8_vs_ort_fp32_{big}"), 1.8),
+        Goal.at_least(f"int8 (bundle, guarded) vs ORT fp32, {small}", r.get(f"ort_int8_vs_ort_fp32_{small}"), 1.6),
+        Goal.at_least(f"int8 (every MatMul, dynamic) vs ORT fp32, {big}",
+                      r.get(f"ort_int8_dynamic_all_vs_ort_fp32_{big}"), 1.8),
+        Goal.at_least(f"int8 (every MatMul, dynamic) vs ORT fp32, {small}",
+                      r.get(f"ort_int8_dynamic_all_vs_ort_fp32_{small}"), 1.6),
         Goal.at_most(f"prompts' cost over their FLOP floor (ORT), {big}", r.get(f"prompts_vs_floor_{big}"), 1.05),
-        Goal.at_most("int8 model file / fp32 model file", int8_bytes_fraction, 0.30, ""),
+        Goal.at_most("int8 model file / fp32 model file (bundle, guarded)", int8_bytes_fraction, 0.30, ""),
+        Goal.at_most("int8 model file / fp32 model file (every MatMul)", r.get("int8_all_file_fraction"), 0.30, ""),
     ]
 
 
@@ -221,6 +229,8 @@ def run(options: Options) -> Section:
                            "int8_plan": models.int8_plan, "memory": memory})
     section.ratios = ratios(section.rows, flops, peak["gflops"], batches)
     section.ratios["int8_file_fraction"] = round(int8_fraction, 4) if int8_fraction else None
+    all_fraction = ratio(models.file_bytes.get("ort_int8_dynamic_all"), models.file_bytes.get("ort_fp32"))
+    section.ratios["int8_all_file_fraction"] = round(all_fraction, 4) if all_fraction else None
     section.goals = goals(section.ratios, batches, int8_fraction)
     guard = ratio(models.build_seconds.get("export_int8_guard"), 1)
     guard = guard - models.build_seconds["export_fp32"] if guard is not None else None  # its fp32 part aside
@@ -235,8 +245,10 @@ def run(options: Options) -> Section:
         section.notes.append("no trained run (`--run`, or runs/demo-* here): int8 agreement on real weights "
                              "not measured; run `fedmvp demo` first")
     if name != QUICK_MODEL:
-        section.notes.append("random-init weights: agreement on them is not meaningful (near-tied logits); "
-                             "the agreement goal is measured on the demo's trained tiny model (section `agreement`)")
+        section.notes.append("random-init weights: every image's logits are near-tied, so the accuracy guard "
+                             "keeps most layers fp32 and agreement on them means little; the agreement goal is "
+                             "measured on the trained run (`--run`), the int8 speed of the graph by the "
+                             "every-MatMul rows")
     section.seconds = round(time.perf_counter() - start, 1)
     return section
 

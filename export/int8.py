@@ -26,7 +26,7 @@ kept 25 there, in 24 minutes instead of 3.9).
 Weights use 7 bits (``reduce_range``): x86 CPUs without VNNI saturate in the u8 x s8
 multiply-add at 8 bits, and the bundle must behave the same on whatever device runs it.
 Static int8 (``quantize_static_model``, QDQ, calibrated activation ranges) is built for
-comparison only: on an AVX2 CPU without VNNI it was slower than dynamic (ViT-B-16, 2 threads).
+comparison only: on the 2-core Xeon of benchmarks/ (AVX-512 VNNI, AMX) it was slower than dynamic (ViT-B-16, 2 threads).
 """
 
 from __future__ import annotations
