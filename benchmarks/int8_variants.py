@@ -15,7 +15,8 @@ import onnx
 
 def write_variants(fp32: Path, calibration: np.ndarray, work: Path) -> dict[str, tuple[Path, float]]:
     """``{runtime: (model path, seconds to quantise)}`` for the all-layers dynamic and static int8 models."""
-    from export.int8 import prepare_fp32, quantize_dynamic_model, quantize_static_model
+    from export.int8 import quantize_dynamic_model, quantize_static_model
+    from export.onnx_export import prepare_fp32
 
     proto = onnx.load(str(fp32))  # external data read in
     lora = [init.name for init in proto.graph.initializer if init.name.startswith("lora.")]

@@ -11,7 +11,9 @@ swap without re-exporting, and that the training artifact can differentiate.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,17 @@ from fedmvp.model import LORA_PREFIX, PROMPTFORMER_PREFIX, FedMVP
 from fedmvp.prompted_vit import encode_tokens, patch_embeds
 
 TARGETS = ("to_q", "to_k", "to_v")
+
+
+@contextlib.contextmanager
+def no_mha_fastpath() -> Iterator[None]:
+    """nn.MultiheadAttention's fused fast path (taken when nothing needs grad) does not export."""
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
 
 
 def lora_name(target: str, part: str) -> str:

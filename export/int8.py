@@ -121,7 +121,7 @@ def quantize_dynamic_model(proto: onnx.ModelProto, layers: list[str] | None = No
     """Dynamic int8 (MatMulInteger, activations quantised per call) of ``layers`` (default: every
     quantisable MatMul of ``proto`` not reading ``keep_fp32_inputs``, e.g. the LoRA names).
 
-    ``proto``: weight transposes folded and Gemm rewritten (``prepare_fp32``)."""
+    ``proto``: weight transposes folded and Gemm rewritten (``export.onnx_export.prepare_fp32``)."""
     return quantize(proto, quantizable_layers(proto, list(keep_fp32_inputs)) if layers is None else layers)
 
 
@@ -157,16 +157,6 @@ def quantize_static_model(proto: onnx.ModelProto, calibration: np.ndarray, layer
                         calibrate_method=CalibrationMethod.MinMax,
                         extra_options={"WeightSymmetric": True, "ActivationSymmetric": False})
         return onnx.load(str(dst))
-
-
-def prepare_fp32(proto: onnx.ModelProto, lora_names: list[str]) -> onnx.ModelProto:
-    """An exported fp32 model (e.g. a bundle's model.onnx, external data loaded) made ready for the
-    quantisers: weight transposes folded into initializers, Gemm as MatMul; LoRA left alone."""
-    import onnx_ir as ir
-
-    from export.onnx_export import _folded
-
-    return matmuls_as_matmul(_folded(ir.serde.deserialize_model(proto), lora_names))
 
 
 # run(model, limit) -> the model's logits on the first ``limit`` calibration images (all when None)

@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from onnx import numpy_helper
 from torch.overrides import TorchFunctionMode
 
-from export.edge_module import EdgeClassifier
-from export.onnx_export import no_mha_fastpath
+from export.edge_module import EdgeClassifier, no_mha_fastpath
 
 WEIGHT_QMAX = 64  # ONNX Runtime's s8 reduce_range: [-64, 64], symmetric, scale = max|w| / 64
 RUN_BATCH = 32  # export.parity.onnx_outputs' batch

@@ -45,7 +45,7 @@ from onnx import TensorProto, numpy_helper
 from torch import nn
 
 from edge_client.tensor_layout import safetensors_layout
-from export.edge_module import EdgeClassifier
+from export.edge_module import EdgeClassifier, no_mha_fastpath  # noqa: F401 (used here and re-exported)
 
 if TYPE_CHECKING:
     from export.int8 import Int8Plan
@@ -59,17 +59,6 @@ PRECISIONS = ("fp32", "fp16", "int8")
 
 class OnnxExportError(RuntimeError):
     """The ONNX graph could not be produced or does not have the promised shape."""
-
-
-@contextlib.contextmanager
-def no_mha_fastpath() -> Iterator[None]:
-    """nn.MultiheadAttention's fused fast path (taken when nothing needs grad) does not export."""
-    previous = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(previous)
 
 
 def _self_attention(block: nn.Module, q_x: torch.Tensor, k_x: torch.Tensor | None = None,
@@ -325,6 +314,14 @@ def _folded(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
     clone = ir.serde.deserialize_model(ir.serde.serialize_model(model))
     _optimize(clone, lora_names)
     return to_proto(clone)
+
+
+def prepare_fp32(proto: onnx.ModelProto, lora_names: list[str]) -> onnx.ModelProto:
+    """An exported fp32 model (e.g. a bundle's model.onnx, external data loaded) made ready for the
+    quantisers: weight transposes folded into initializers, Gemm as MatMul; LoRA left alone."""
+    from export.int8 import matmuls_as_matmul
+
+    return matmuls_as_matmul(_folded(ir.serde.deserialize_model(proto), lora_names))
 
 
 def _check_lora_fp32(proto: onnx.ModelProto, lora_names: list[str], step: str) -> None:
