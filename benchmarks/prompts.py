@@ -106,18 +106,10 @@ def run(options: Options) -> Section:
     return section
 
 
-def show(section: Section) -> None:
-    """The table and ratios (sections_cli prints the goals and notes under them)."""
-    from benchmarks.report import table
-
-    print(table(section.rows))
-    print("ratios: " + ", ".join(f"{k} {v:.3g}" for k, v in section.ratios.items() if v is not None))
-
-
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.sections_cli import section_main
+    from benchmarks.sections_cli import section_main, show_table
 
-    return section_main(run, show, __doc__, argv)
+    return section_main(run, show_table, __doc__, argv)
 
 
 if __name__ == "__main__":

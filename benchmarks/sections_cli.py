@@ -41,6 +41,14 @@ def show_goals(section: Section) -> None:
     print(f"({section.seconds:.1f} s)")
 
 
+def show_table(section: Section) -> None:
+    """The rows as a markdown table and the ratios (goals and notes follow from ``show_goals``)."""
+    from benchmarks.report import table
+
+    print(table(section.rows))
+    print("ratios: " + ", ".join(f"{k} {v:.3g}" for k, v in section.ratios.items() if v is not None))
+
+
 def section_main(run: Callable[[Options], Section], show: Callable[[Section], None], doc: str | None,
                  argv: list[str] | None = None) -> int:
     """Parse flags, run the section, print JSON or ``show``'s table and the goals."""
