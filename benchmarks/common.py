@@ -9,7 +9,6 @@ one process, interleaved (``interleaved_medians``).
 
 from __future__ import annotations
 
-import gc
 import os
 import resource
 import statistics
@@ -140,10 +139,6 @@ def set_threads(threads: int | None) -> int:
     except ImportError:
         pass
     return count
-
-
-def collect() -> None:
-    gc.collect()
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -33,25 +33,10 @@ from edge_client.infer import Predictor  # noqa: E402
 
 
 def build_tiny_bundle(work: Path, num_classes: int = 16) -> Path:
-    """Export a random-init fedmvp-tiny bundle (needs the training extras: torch, open_clip)."""
-    import torch
+    """Export a fedmvp-tiny bundle over ``num_classes`` made-up classes (needs the training extras)."""
+    from benchmarks.edge_models import random_bundle
 
-    from export.bundle_writer import write_bundle
-    from export.class_set import ClassSet
-    from export.run_inputs import synthetic_images
-    from fedmvp.clip import load_clip
-    from fedmvp.model import FedMVP
-
-    torch.manual_seed(0)
-    clip = load_clip("fedmvp-tiny", None)
-    model = FedMVP(clip)
-    names = [f"class_{i:02d}" for i in range(num_classes)]
-    classes = ClassSet(names=names, attributes={n: [f"a round outline {i}", f"a bright colour {i}",
-                                                     f"small spots {i}"] for i, n in enumerate(names)},
-                       source="benchmark")
-    out = work / "bundle"
-    write_bundle(model, clip, classes, out, images=synthetic_images(32, clip.image_size))
-    return out
+    return random_bundle(work, "fedmvp-tiny", num_classes, 3)
 
 
 def write_images(folder: Path, count: int, size: tuple[int, int] = (320, 240)) -> list[Path]:

@@ -54,6 +54,33 @@ def load_backbone(name: str, pretrained: str | None):
     return load_clip(name, pretrained)
 
 
+def random_bundle(work: Path, name: str, classes: int, attributes: int, *, training: bool = True) -> Path:
+    """A bundle of a random-init ``name`` backbone (shipped weights for fedmvp-tiny) over ``class_set``:
+    what the benchmarks and gpu_check.sh time and train on (speed and memory do not depend on weights)."""
+    from export.bundle_writer import write_bundle
+    from export.parity import MIN_IMAGES
+    from export.run_inputs import synthetic_images
+    from fedmvp.model import FedMVP
+
+    clip = load_backbone(name, "synthetic" if name == "fedmvp-tiny" else None)
+    out = work / f"bundle-{name}"
+    write_bundle(FedMVP(clip), clip, class_set(classes, attributes), out,
+                 images=synthetic_images(MIN_IMAGES, clip.image_size), training=training)
+    return out
+
+
+def write_image_folder(root: Path, names: list[str], count: int, size: tuple[int, int] = (64, 48)) -> Path:
+    """An ImageFolder of ``count`` random PNGs (``size`` = width, height) spread over the classes ``names``."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        folder = root / names[i % len(names)]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(folder / f"{i:04d}.png")
+    return root
+
+
 def model_bytes(path: Path) -> int:
     """The ONNX file plus any external data it reads (the fp32 model reads weights.safetensors)."""
     import onnx

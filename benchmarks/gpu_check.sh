@@ -51,24 +51,13 @@ step "edge + train sections on $DEVICE" 300 "$PY" -m benchmarks "${QUICK_FLAG[@]
 step "edge-client train --batch-size auto --max-memory-gb 1" 80 "$PY" - "$DEST" "$MODEL" "$DEVICE" <<'PY'
 import json, subprocess, sys, tempfile
 from pathlib import Path
-import numpy as np
-from PIL import Image
 dest, model, device = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-from benchmarks.edge_models import class_set, load_backbone
-from export.bundle_writer import write_bundle
-from export.run_inputs import synthetic_images
-from fedmvp.model import FedMVP
-clip = load_backbone(model, "synthetic" if model == "fedmvp-tiny" else None)
+from benchmarks.edge_models import class_set, random_bundle, write_image_folder
 with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
-    write_bundle(FedMVP(clip), clip, class_set(4, 3), tmp / "bundle", images=synthetic_images(32, clip.image_size))
-    rng = np.random.default_rng(0)
-    for c in range(4):
-        folder = tmp / "local" / f"class {c:03d}"
-        folder.mkdir(parents=True)
-        for i in range(16):
-            Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    cmd = ["edge-client", "train", "--bundle", str(tmp / "bundle"), "--data", str(tmp / "local"), "--epochs", "1",
+    bundle = random_bundle(tmp, model, 4, 3)
+    write_image_folder(tmp / "local", class_set(4, 3).names, 64, size=(256, 256))
+    cmd = ["edge-client", "train", "--bundle", str(bundle), "--data", str(tmp / "local"), "--epochs", "1",
            "--batch-size", "auto", "--max-memory-gb", "1", "--device", device, "--out", str(tmp / "update"), "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     print(done.stderr[-2000:])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from benchmarks.common import Goal, Section
@@ -141,7 +140,3 @@ def _save(fig, path: Path) -> Path:
     plt.close(fig)
     tmp.replace(path)
     return path
-
-
-def load(path: Path) -> dict:
-    return json.loads(path.read_text())

@@ -81,7 +81,7 @@ def run_sections(names: list[str], options: Options, echo=click.echo) -> tuple[l
                                             "fedmvp-tiny with --quick).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads (default: all usable cores).")
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timing repeats (default 5; 2 with --quick).")
-@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="A trained run (e.g. runs/demo-...) for the figures that need real weights (int8 agreement); "
                    "default: the newest runs/demo-*.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,

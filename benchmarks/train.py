@@ -50,44 +50,10 @@ MMAP_THRESHOLD = 128 * 1024  # fixed: blocks above it are mmapped and unmapped o
 
 
 # ---- setup (parent process) ------------------------------------------------------------------------------
-def build_bundle(work: Path, model_name: str) -> Path:
-    """Export a random-init, fp32, trainable bundle of ``model_name`` over `CLASSES` classes."""
-    import torch
-
-    from export.bundle_writer import write_bundle
-    from export.class_set import ClassSet
-    from export.parity import MIN_IMAGES
-    from export.run_inputs import synthetic_images
-    from fedmvp.clip import load_clip
-    from fedmvp.model import FedMVP
-
-    torch.manual_seed(0)
-    clip = load_clip(model_name, None)
-    model = FedMVP(clip)
-    names = class_names()
-    classes = ClassSet(names=names, attributes={n: [f"a round outline {i}", f"a bright colour {i}"]
-                                                for i, n in enumerate(names)}, source="benchmark")
-    out = work / f"bundle-{model_name}"
-    write_bundle(model, clip, classes, out, images=synthetic_images(MIN_IMAGES, clip.image_size), training=True)
-    return out
-
-
 def class_names() -> list[str]:
-    return [f"class_{i}" for i in range(CLASSES)]
+    from benchmarks.edge_models import class_set
 
-
-def write_image_folder(root: Path, count: int) -> Path:
-    """An ImageFolder of ``count`` small random PNGs spread over the bundle's classes."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    names = class_names()
-    for i in range(count):
-        folder = root / names[i % len(names)]
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(folder / f"{i:04d}.png")
-    return root
+    return class_set(CLASSES, 2).names
 
 
 def run_worker(job: dict, threads: int | None) -> dict:
@@ -271,6 +237,8 @@ def run(options: Options, *, fresh_processes: bool = True) -> Section:
     ``fresh_processes=False`` runs every configuration in this process: faster (tests), but memory
     figures then share one process's allocator."""
     began = time.perf_counter()
+    from benchmarks.edge_models import random_bundle, write_image_folder
+
     measure = run_worker if fresh_processes else run_in_process
     model, batches, repeats = plan(options)
     section = Section(name="train", config={"model": model, "batches": list(batches), "timed_steps": repeats,
@@ -280,10 +248,10 @@ def run(options: Options, *, fresh_processes: bool = True) -> Section:
     with tempfile.TemporaryDirectory(prefix="fedmvp-bench-train-") as tmp:
         work = Path(tmp)
         export_start = time.perf_counter()
-        bundle = build_bundle(work, model)
+        bundle = random_bundle(work, model, CLASSES, 2)
         section.config["export_seconds"] = round(time.perf_counter() - export_start, 2)
         for batch in batches:
-            data = write_image_folder(work / f"data-{batch}", batch * (repeats + 1))
+            data = write_image_folder(work / f"data-{batch}", class_names(), batch * (repeats + 1))
             base = {"model": model, "bundle": str(bundle), "data": str(data), "batch": batch,
                     "text_cache": str(work / "text-cache"),
                     "device": options.device, "repeats": repeats}

@@ -71,10 +71,15 @@ def test_report_writes_json_markdown_and_plots(tmp_path):
     assert "| ort_int8 | 8 |" in text and "python -m benchmarks --quick" in text
 
 
-def test_unknown_section_is_one_line_and_exit_2(tmp_path):
-    result = CliRunner().invoke(suite.cli, ["--only", "edge,gpu", "--out", str(tmp_path)])
+@pytest.mark.parametrize("args, message", [
+    (["--only", "edge,gpu"], "unknown section(s) gpu"),
+    (["--only", "comm", "--run", "no-such-run"], "'no-such-run' does not exist"),
+    (["--only", "comm", "--threads", "0"], "--threads"),
+])
+def test_bad_usage_is_one_line_and_exit_2(tmp_path, args, message):
+    result = CliRunner().invoke(suite.cli, [*args, "--out", str(tmp_path)])
     assert result.exit_code == 2
-    assert "unknown section(s) gpu" in result.output
+    assert message in result.output and "Traceback" not in result.output
     assert not any(tmp_path.iterdir())
 
 
