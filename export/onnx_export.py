@@ -316,12 +316,17 @@ def _folded(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
     return to_proto(clone)
 
 
-def prepare_fp32(proto: onnx.ModelProto, lora_names: list[str]) -> onnx.ModelProto:
-    """An exported fp32 model (e.g. a bundle's model.onnx, external data loaded) made ready for the
-    quantisers: weight transposes folded into initializers, Gemm as MatMul; LoRA left alone."""
+def _quantisable(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
+    """Weight transposes folded into initializers and Gemm as MatMul (what the quantisers need); LoRA left alone."""
     from export.int8 import matmuls_as_matmul
 
-    return matmuls_as_matmul(_folded(ir.serde.deserialize_model(proto), lora_names))
+    return matmuls_as_matmul(_folded(model, lora_names))
+
+
+def prepare_fp32(proto: onnx.ModelProto, lora_names: list[str]) -> onnx.ModelProto:
+    """An exported fp32 model (e.g. a bundle's model.onnx, external data loaded) made ready for the
+    quantisers, as the exporter's own int8 path prepares its graph (benchmarks build variants on it)."""
+    return _quantisable(ir.serde.deserialize_model(proto), lora_names)
 
 
 def _check_lora_fp32(proto: onnx.ModelProto, lora_names: list[str], step: str) -> None:
@@ -348,9 +353,9 @@ def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, ref
     never quantised (their weights are graph inputs, and the edge swaps them as fp32).
     ``edge``: the torch module ``model`` was exported from; with it the layers are ranked by a
     first-order estimate (export/int8_sensitivity.py) instead of one ONNX run per layer."""
-    from export.int8 import matmuls_as_matmul, plan_int8, quantizable_layers
+    from export.int8 import plan_int8, quantizable_layers
 
-    proto = matmuls_as_matmul(_folded(model, lora_names))
+    proto = _quantisable(model, lora_names)
     shifts = None
     if edge is not None:
         from export.int8_sensitivity import FIRST_ORDER_IMAGES, layer_shifts
