@@ -29,15 +29,22 @@ from fedmvp.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_clip_
               show_default=True, help="Folder with ca.crt, server.pem, server.key (`fedmvp certs`).")
 @click.option("--insecure", is_flag=True, help="No TLS: traffic in the clear, anyone may join. Trials only.")
 @click.option("--node-keys", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Admit only the SuperNodes whose public keys this file lists (one OpenSSH line each).")
+              help="Admit only the SuperNodes whose public keys this file lists (one OpenSSH line each). "
+                   "Required with TLS unless --allow-any-node.")
+@click.option("--allow-any-node", is_flag=True,
+              help="With TLS and no --node-keys: admit any SuperNode that trusts the CA (a warning at start and "
+                   "every round). Anyone holding ca.crt could then join and have replies averaged.")
 @click.option("--address", default="0.0.0.0:9092", show_default=True,
               help="HOST:PORT the SuperLink listens on (SuperNodes and the CLI connect to this one port).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None, fraction: float | None,
           round_timeout: float | None, eval_every: int, certs: Path, insecure: bool, node_keys: Path | None,
-          address: str, as_json: bool) -> None:
+          allow_any_node: bool, address: str, as_json: bool) -> None:
     """Start a Flower SuperLink (TLS by default), submit the FedMVP run of PRESET to it, show
     progress and exit with the run, stopping the SuperLink. Sites join with `fedmvp join`.
+    Only this command controls the SuperLink (its Control API takes an operator token that never
+    leaves this machine; `flwr ls/run/stop` from elsewhere are refused), and with TLS only the
+    SuperNodes whose keys --node-keys lists may join. Ctrl-C stops the run, then the SuperLink.
     Offline: no runtime dependency installation, no telemetry. Exit codes: 0 the run completed,
     1 it failed or stopped (start the same command again to resume), 2 bad arguments."""
     quiet_open_clip_logging()
@@ -54,7 +61,7 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
                    "use it only for a trial", err=True)
     options = ServeOptions(preset=config, run_dir=run_dir, rounds=rounds, min_nodes=min_nodes, fraction=fraction,
                            round_timeout=round_timeout, eval_every=eval_every, certs=certs, insecure=insecure,
-                           node_keys=node_keys, address=address)
+                           node_keys=node_keys, allow_any_node=allow_any_node, address=address)
     bar = None
     if not as_json and sys.stderr.isatty():
         from tqdm import tqdm

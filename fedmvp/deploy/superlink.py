@@ -1,12 +1,16 @@
 """`fedmvp serve`: a Flower SuperLink, the FedMVP run submitted to it, progress, and a clean stop.
 
-The SuperLink is Flower's own (``flower-superlink``), started with TLS from a certificate folder
-(``fedmvp certs``) unless ``--insecure`` is asked for, with SuperNode authentication when a file
-of node public keys is given (each key registered with ``flwr supernode register``), offline (no
-runtime dependency installation, no telemetry). The run is submitted with ``flwr run`` from a
-small app folder that names fedmvp's installed Flower apps (the FAB carries no code), and its
-``run-dir`` is absolute: the ServerApp writes the run there, and resumes it when the same
-command is started again after a crash.
+The SuperLink is Flower's own (``flower-superlink``), started through
+`fedmvp.deploy.superlink_process` so that its Control API admits only this command (an operator
+token, docs/security.md), with TLS from a certificate folder (``fedmvp certs``) unless
+``--insecure`` is asked for. With TLS, SuperNode authentication is on: only the public keys of a
+``--node-keys`` file are admitted, unless ``--allow-any-node`` says otherwise. The ServerApp runs
+under a SuperExec that `serve` starts itself and that signs its Runtime API calls with a shared
+secret (Flower's ``--isolation process`` + ``--superexec-auth-secret-file``), so nobody else who
+reaches the port can claim the run's ServerApp task. Offline (no runtime dependency installation,
+no telemetry). The run is submitted with ``flwr run`` from a small app folder that names fedmvp's
+installed Flower apps (the FAB carries no code), and its ``run-dir`` is absolute: the ServerApp
+writes the run there, and resumes it when the same command is started again after a crash.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ CONNECTION = "fedmvp-serve"
 QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
              "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "HF_HUB_OFFLINE": "1"}
 CERT_FILES = ("ca.crt", "server.pem", "server.key")
+ANY_NODE_WARNING = ("warning: --allow-any-node: any SuperNode that trusts the CA may join and have its replies "
+                    "averaged; give --node-keys to admit only your sites")
 
 
 class ServeError(RuntimeError):
@@ -51,6 +57,7 @@ class ServeOptions:
     certs: Path | None = None
     insecure: bool = False
     node_keys: Path | None = None
+    allow_any_node: bool = False
     address: str = "0.0.0.0:9092"
     start_timeout: float = 60.0
 
@@ -137,40 +144,67 @@ class Server:
         self.certs = None if options.insecure else check_certs((options.certs or Path("certs")).resolve())
         if options.node_keys and options.insecure:
             raise ServeInputError("--node-keys needs TLS: SuperNode authentication runs over TLS only (drop --insecure)")
+        if options.allow_any_node and (options.insecure or options.node_keys):
+            raise ServeInputError("--allow-any-node goes with TLS and without --node-keys "
+                                  "(--insecure already admits any node; --node-keys admits only those keys)")
+        if self.certs is not None and not options.node_keys and not options.allow_any_node:
+            raise ServeInputError("with TLS, give --node-keys FILE (the sites' public keys: `fedmvp certs --nodes N` "
+                                  "writes node-keys.txt); --allow-any-node admits any SuperNode that trusts the CA")
+        self.superexec: subprocess.Popen | None = None
+        self.link = f"{'127.0.0.1' if self.host in ('0.0.0.0', '::', '') else self.host}:{self.port}"
 
     def env(self) -> dict[str, str]:
         return {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home)}
 
     def start(self) -> None:
+        """The SuperLink (operator-only Control API), then the SuperExec that runs the ServerApp."""
+        from fedmvp.deploy.control_auth import TOKEN_FILE_ENV, store_cli_credentials, write_operator_token
+
         self.home.mkdir(parents=True, exist_ok=True)
+        # A fresh operator token and SuperExec secret per start: nothing from an earlier start stays valid.
+        token_file, secret_file = self.home / "operator.token", self.home / "superexec.secret"
+        store_cli_credentials(self.home, self.link, write_operator_token(token_file))
+        write_operator_token(secret_file)
         # The SuperLink's state (nodes, runs) in a file beside the run: restarted after a crash, it still
         # knows the SuperNodes, which then carry on instead of failing to reconnect.
-        args = [executable("flower-superlink"), "--host", self.host, "--port", str(self.port),
-                "--database", str(self.home / "superlink.db"), "--disable-runtime-dependency-installation"]
-        if self.certs is None:
-            args.append("--insecure")
-        else:
-            args += ["--ssl-ca-certfile", str(self.certs["ca.crt"]), "--ssl-certfile", str(self.certs["server.pem"]),
-                     "--ssl-keyfile", str(self.certs["server.key"])]
+        args = [sys.executable, "-m", "fedmvp.deploy.superlink_process", "--host", self.host, "--port", str(self.port),
+                "--database", str(self.home / "superlink.db"), "--disable-runtime-dependency-installation",
+                "--isolation", "process", "--superexec-auth-secret-file", str(secret_file)]
+        args += self.tls_args("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile")
         if self.options.node_keys:
             args.append("--enable-supernode-auth")
-        link = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         tls = 'insecure = true' if self.certs is None else \
             f'root-certificates = {_toml_string(str(self.certs["ca.crt"].resolve()))}'
         (self.home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-                                               f'address = "{link}:{self.port}"\n{tls}\n')
+                                               f'address = "{self.link}"\n{tls}\n')
         with open(self.log_path, "ab") as log:  # in our process group: Ctrl-C or a kill of the group ends it too
-            self.proc = subprocess.Popen(args, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(args, env={**self.env(), TOKEN_FILE_ENV: str(token_file)}, stdout=log,
+                                         stderr=subprocess.STDOUT)
+        self._wait_listening()
+        superexec = [executable("flower-superexec"), "--runtime-api-address", self.link,
+                     "--superexec-auth-secret-file", str(secret_file), "--parent-pid", str(self.proc.pid)]
+        superexec += ["--root-certificates", str(self.certs["ca.crt"])] if self.certs else ["--insecure"]
+        with open(self.log_path, "ab") as log:
+            self.superexec = subprocess.Popen(superexec, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def tls_args(self, ca: str, cert: str, key: str) -> list[str]:
+        if self.certs is None:
+            return ["--insecure"]
+        return [ca, str(self.certs["ca.crt"]), cert, str(self.certs["server.pem"]), key, str(self.certs["server.key"])]
+
+    def _wait_listening(self) -> None:
+        assert self.proc is not None
+        host, port = split_address(self.link)
         deadline = time.monotonic() + self.options.start_timeout
         while True:
             if self.proc.poll() is not None:
                 raise ServeError(f"the SuperLink exited at start (code {self.proc.returncode}); see {self.log_path}")
             with socket.socket() as sock:
                 sock.settimeout(0.5)
-                if sock.connect_ex((link, self.port)) == 0:
-                    break
+                if sock.connect_ex((host, port)) == 0:
+                    return
             if time.monotonic() > deadline:
-                raise ServeError(f"the SuperLink did not listen on {link}:{self.port} within "
+                raise ServeError(f"the SuperLink did not listen on {self.link} within "
                                  f"{self.options.start_timeout:g} s; see {self.log_path}")
             time.sleep(0.3)
 
@@ -225,19 +259,27 @@ class Server:
         except (ValueError, KeyError, IndexError, TypeError):
             return "unknown"
 
+    def stop_run(self, run_id: int) -> bool:
+        """Ask the SuperLink to stop run ``run_id`` (the operator's `flwr stop`); True if it did."""
+        try:
+            return self.flwr("stop", str(run_id), CONNECTION, "--format", "json", timeout=30).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+
     def stop(self) -> None:
-        """SIGTERM (the SuperLink stops its own app processes), then SIGKILL if it does not."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-            try:
-                self.proc.send_signal(sig)
-                self.proc.wait(timeout=wait)
-                return
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
+        """SIGTERM (each stops its own app processes), then SIGKILL: the SuperExec first, then the SuperLink."""
+        for proc in (self.superexec, self.proc):
+            if proc is None or proc.poll() is not None:
                 continue
+            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+                try:
+                    proc.send_signal(sig)
+                    proc.wait(timeout=wait)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
 
 
 def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None = None,
@@ -245,7 +287,8 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
     """Start the SuperLink, submit the run, wait for it to end, stop the SuperLink; the run's final status.
 
     ``on_event`` hears each milestone as one line (listening, SuperNode keys admitted, run submitted):
-    sites should join once the keys are admitted, as Flower refuses a node it does not know yet."""
+    sites should join once the keys are admitted, as Flower refuses a node it does not know yet.
+    Interrupted (Ctrl-C), `serve` stops its run on the SuperLink before it stops the SuperLink."""
     say = on_event or (lambda line: None)
     from fedmvp.deploy.certs import read_node_keys
     from fedmvp.runs import RunDir
@@ -253,23 +296,36 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
     keys = read_node_keys(options.node_keys) if options.node_keys else []
     server = Server(options)
     run = RunDir(options.run_dir)
+    run_id = None
     try:
         server.start()
         say(f"SuperLink listening on {options.address} ({'TLS' if server.certs else 'INSECURE, no TLS'}); "
-            f"log: {server.log_path}")
+            f"Control API: this command only; log: {server.log_path}")
+        if options.allow_any_node:
+            say(ANY_NODE_WARNING)
         if keys:
             server.register_nodes(keys)
             say(f"{len(keys)} SuperNode keys admitted: sites may join now")
         run_id = server.submit()
         say(f"run {run_id} submitted: {options.preset} -> {options.run_dir}")
+        warned = run.last_round() or 0
         while True:
             status = server.status(run_id)
+            done = run.last_round() or 0
             if on_progress:
-                on_progress(run.last_round() or 0, status)
+                on_progress(done, status)
+            if options.allow_any_node and done > warned:
+                warned = done
+                say(f"round {done}: {ANY_NODE_WARNING}")
             if status.startswith("finished"):
                 return status
             if server.proc is not None and server.proc.poll() is not None:
                 raise ServeError(f"the SuperLink stopped during the run; see {server.log_path}")
             time.sleep(1.0)
+    except KeyboardInterrupt:
+        if run_id is not None:
+            say(f"interrupted: run {run_id} {'stopped' if server.stop_run(run_id) else 'could not be stopped'}; "
+                "the same command resumes it")
+        raise
     finally:
         server.stop()

@@ -119,8 +119,8 @@ def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_worl
     edge_client = str(Path(sys.executable).parent / "edge-client")
     try:
         procs.start("serve", ["serve", "--config", str(preset), "--run-dir", str(run), "--certs", str(certs),
-                              "--address", f"127.0.0.1:{port}", "--min-nodes", "2", "--round-timeout", "60",
-                              "--json"])
+                              "--allow-any-node", "--address", f"127.0.0.1:{port}", "--min-nodes", "2",
+                              "--round-timeout", "60", "--json"])
         procs.wait_for("SuperLink", lambda: "SuperLink listening" in procs.log("serve"), 60)
         procs.start("site-0", ["join", "--superlink", f"127.0.0.1:{port}", "--config", str(preset),
                                "--root-certificates", str(certs / "ca.crt"), "--site", "0"])

@@ -36,7 +36,7 @@ def test_a_site_and_the_server_killed_mid_run(tmp_path, world6):
     subprocess.run([*FEDMVP, "certs", "--out", str(certs)], check=True, capture_output=True, env=ENV)
     port = free_port()
     serve = ["serve", "--config", str(preset), "--run-dir", "runs/faults", "--certs", str(certs),
-             "--address", f"127.0.0.1:{port}", "--min-nodes", "2", "--round-timeout", "45", "--json"]
+             "--allow-any-node", "--address", f"127.0.0.1:{port}", "--min-nodes", "2", "--round-timeout", "45", "--json"]
     join = ["join", "--superlink", f"127.0.0.1:{port}", "--config", str(preset),
             "--root-certificates", str(certs / "ca.crt"), "--site"]
     run = tmp_path / "runs" / "faults"
@@ -61,5 +61,8 @@ def test_a_site_and_the_server_killed_mid_run(tmp_path, world6):
         procs.stop()
     result = json.loads(procs.log("serve")[procs.log("serve").rindex("{\n"):])
     assert result["status"] == "finished:completed" and result["rounds"] == list(range(1, ROUNDS + 1))
+    # Admitting any node is said at each start and at every round the server saw close.
+    assert procs.log("serve").count("serve: warning: --allow-any-node") == 2
+    assert "serve: round 1: warning: --allow-any-node" in procs.log("serve")
     assert sorted(p.name for p in run.glob("round-*")) == [f"round-{n:04d}" for n in range(1, ROUNDS + 1)]
     assert all(s["complete"] for s in states(run).values())
