@@ -2,7 +2,8 @@
 
 Exit codes: 0 ok; 1 some files failed (infer), training failed, nothing to roll back;
 2 bad input (unreadable or tampered bundle, unknown class, unavailable provider, bad
-options); 130 interrupted. `infer` and `rollback` never import torch; `train` imports it
+options), or the bundle is locked by another command (`train`, `rollback`: one line naming it;
+--wait waits instead); 130 interrupted. `infer` and `rollback` never import torch; `train` imports it
 when it starts training, `info` only to report on it. `train`'s defaults and most of its
 help come from `TrainOptions`, the one place they are defined.
 """
@@ -10,6 +11,7 @@ help come from `TrainOptions`, the one place they are defined.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from edge_client.train_options import DEVICES, OPTIMIZERS, TrainOptions
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 _BUNDLE_HELP = "Bundle directory (default: $FEDMVP_BUNDLE, then ./bundle)."
+_WAIT_HELP = ("When another command holds the bundle's lock (BUNDLE/.lock: a train, a refresh, a rollback), "
+              "wait for it to finish instead of exiting 2.")
 
 
 def _bundle_option(f: Any) -> Any:
@@ -29,6 +33,15 @@ def _bundle_option(f: Any) -> Any:
 
 def _json_option(f: Any) -> Any:
     return click.option("--json", "as_json", is_flag=True, help="Machine-readable output (JSON).")(f)
+
+
+def _wait_option(f: Any) -> Any:
+    return click.option("--wait", is_flag=True, help=_WAIT_HELP)(f)
+
+
+def _patience(wait: bool) -> float:
+    """Seconds to wait for the bundle's lock: as long as it takes with --wait, else none."""
+    return math.inf if wait else 0.0
 
 
 def _fail(as_json: bool, code: int, message: str, **extra: Any) -> None:
@@ -175,10 +188,11 @@ def _train_option(*decls: str, name: str, **kwargs: Any) -> Any:
               help="Start from the bundle's exported LoRA instead of this device's active (personalised) one.")
 @click.option("--no-apply", is_flag=True, help="Only write the update file; keep the device's active LoRA.")
 @_train_option("--threads", name="threads", type=click.IntRange(min=1))
+@_wait_option
 @_json_option
 def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, max_memory_gb: float | None,
           out: Path, lr: float, optimizer: str, alpha: float | None, device: str, seed: int, from_bundle: bool,
-          no_apply: bool, threads: int | None, as_json: bool) -> None:
+          no_apply: bool, threads: int | None, wait: bool, as_json: bool) -> None:
     """Train only the LoRA tensors on local labelled images (needs torch: fedmvp[edge-train]).
 
     Loss: cross-entropy over the bundle's classes + alpha * (1 - cos(prompted, frozen CLIP
@@ -186,6 +200,8 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
     metadata: bundle id and round, number of examples, mean loss, time), then makes the
     new LoRA the device's own for `infer` (the previous one is kept: `edge-client rollback`).
     Nothing is written until training has finished: an interrupted run changes nothing.
+    One command at a time changes a bundle: while another holds it, train exits 2 naming it
+    (pid, host, since), or with --wait starts from what that one left.
     """
     from edge_client.bundle import BundleError
     from edge_client.train import train_local
@@ -196,7 +212,7 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
         options = TrainOptions(epochs=epochs, batch_size=batch_size, max_memory_gb=max_memory_gb, out=out, lr=lr,
                                optimizer=optimizer.lower(), alpha=alpha, device=device.lower(), seed=seed,
                                apply=not no_apply, start="bundle" if from_bundle else "active", threads=threads)
-        result = train_local(data, bundle, options, progress=not as_json)
+        result = train_local(data, bundle, options, progress=not as_json, wait=_patience(wait))
     except KeyboardInterrupt:
         _fail(as_json, EXIT_INTERRUPTED, "interrupted: nothing was written, the bundle is unchanged")
     except (TrainInputError, BundleError, UpdateError) as err:
@@ -231,21 +247,24 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
 @click.option("--refresh", "refresh", is_flag=True,
               help="Undo the last bundle refresh: the previous round's files and the personalisation trained "
                    "on them come back (kept in BUNDLE/previous/).")
+@_wait_option
 @_json_option
-def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, as_json: bool) -> None:
+def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, wait: bool, as_json: bool) -> None:
     """Undo the last `edge-client train` personalisation: infer runs the previous LoRA again."""
     from edge_client.bundle import Bundle, BundleError
+    from edge_client.bundle_lock import bundle_lock
     from edge_client.lora_store import NothingToRollBack
     from edge_client.lora_store import rollback as do_rollback
 
     if refresh:
         if to_bundle:
             _fail(as_json, EXIT_INPUT, "--refresh and --all cannot be combined")
-        _rollback_refresh(Bundle.resolve_dir(bundle), as_json)
+        _rollback_refresh(Bundle.resolve_dir(bundle), as_json, _patience(wait))
         return
     try:
-        verified = Bundle.open(bundle, verify=True)
-        active = do_rollback(verified, to_bundle=to_bundle)
+        with bundle_lock(Bundle.resolve_dir(bundle), _patience(wait)):
+            verified = Bundle.open(bundle, verify=True)
+            active = do_rollback(verified, to_bundle=to_bundle)
     except NothingToRollBack as err:
         _fail(as_json, EXIT_FAILED, str(err))
     except BundleError as err:
@@ -259,13 +278,13 @@ def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, as_json: bool)
         click.echo(f"rolled back: {verified.path} now runs the {active.describe()}")
 
 
-def _rollback_refresh(path: Path, as_json: bool) -> None:
+def _rollback_refresh(path: Path, as_json: bool, wait: float) -> None:
     """`rollback --refresh`: the bundle as it was before its last refresh."""
     from edge_client.bundle import BundleError
     from edge_client.refresh import NoPreviousBundle, restore_previous
 
     try:
-        restored = restore_previous(path)
+        restored = restore_previous(path, wait)
     except NoPreviousBundle as err:
         _fail(as_json, EXIT_FAILED, str(err))
     except BundleError as err:

@@ -30,6 +30,7 @@ from edge_client.update import check_lora
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_TOP_K = 5
+LOAD_ATTEMPTS = 5  # loads of a bundle directory that keeps being replaced before giving up
 
 
 @dataclass
@@ -112,7 +113,25 @@ class Predictor:
                  threads: int | None = None, personalised: bool = True,
                  lora: ActiveLora | None = None) -> None:
         """``lora``: run these LoRA tensors (e.g. a federation round's global LoRA) instead of the
-        device's own; their names and shapes must be the bundle's."""
+        device's own; their names and shapes must be the bundle's. A bundle directory replaced while
+        it loads (`fedmvp-export --force`, ./bundle pointed elsewhere) is loaded again, whole: the
+        session never mixes the old bundle's files with the new one's, nor fails on their hashes."""
+        where = None if isinstance(bundle, Bundle) else Bundle.resolve_dir(bundle)
+        for attempt in range(1, LOAD_ATTEMPTS + 1):
+            before = _identity(where)
+            try:
+                self._load(bundle, provider, threads, personalised, lora)
+            except Exception:
+                if _identity(where) == before or attempt == LOAD_ATTEMPTS:
+                    raise
+                continue
+            if _identity(where) == before:
+                return
+        raise BundleError(f"{where}: replaced {LOAD_ATTEMPTS} times while it loaded; try again")
+
+    def _load(self, bundle: str | os.PathLike | Bundle | None, provider: str, threads: int | None,
+              personalised: bool, lora: ActiveLora | None) -> None:
+        """Verify the bundle, choose the LoRA, create the session."""
         self.bundle = Bundle.open(bundle, verify=True)
         if lora is None:
             lora = active_lora(self.bundle) if personalised else bundle_lora(self.bundle)
@@ -240,6 +259,15 @@ def infer_paths(paths: Iterable[str | os.PathLike], bundle: str | os.PathLike | 
     predictor = Predictor(bundle, provider=provider, threads=threads, personalised=personalised)
     return predictor.infer(list(paths), top_k=top_k, batch_size=batch_size, max_pixels=max_pixels,
                            progress=progress, on_result=on_result)
+
+
+def _identity(path: Path | None) -> tuple[int, int] | None:
+    """The directory ``path`` names now (device, inode; links followed); None when there is none."""
+    try:
+        found = os.stat(path) if path is not None else None
+    except OSError:
+        return None
+    return None if found is None else (found.st_dev, found.st_ino)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

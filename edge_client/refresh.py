@@ -12,7 +12,8 @@ initializers of model.onnx. Before anything is committed, ONNX Runtime and the t
 must agree on the new model. The replaced files and the device's ``personalised/`` LoRAs (trained
 over the old PromptFormer) go to ``previous/``; `restore_previous` (``edge-client rollback
 --refresh``) brings them back. Every change is staged and then committed by journaled renames
-(``edge_client.journal``): `recover_refresh` completes one a crash interrupted.
+(``edge_client.journal``): `recover_refresh` completes one a crash interrupted. A refresh and its
+rollback hold the bundle's lock (``edge_client.bundle_lock``): never under a running train.
 
 numpy, safetensors and the standard library; torch only for the parity check (lazily).
 """
@@ -32,6 +33,7 @@ import numpy as np
 from edge_client import journal
 from edge_client.atomic import copy_file, copy_patched
 from edge_client.bundle import MANIFEST, PREVIOUS, Bundle, BundleError, file_entries, read_bundle, write_manifest
+from edge_client.bundle_lock import BundleBusy, bundle_lock
 from edge_client.lora_store import DIRECTORY as PERSONALISED
 from edge_client.lora_store import personalisation_lock
 from edge_client.refresh_check import check_refreshed
@@ -100,8 +102,14 @@ def derive_text(features: np.ndarray, tensors: Mapping[str, np.ndarray], eps: fl
 def recover_refresh(bundle_dir: str | Path) -> str | None:
     """Complete a refresh or rollback a crash interrupted ("refresh" / "restore"); None if there was none.
 
-    Call it when the device starts: afterwards the bundle verifies as either the old or the new one."""
-    return journal.recover(Path(bundle_dir))
+    Call it when the device starts: afterwards the bundle verifies as either the old or the new one.
+    A bundle whose lock is held is left alone (None): its holder is alive and finishes its own change
+    (recovering under it would delete the files it is staging)."""
+    try:
+        with bundle_lock(bundle_dir):
+            return journal.recover(Path(bundle_dir))
+    except BundleBusy:
+        return None
 
 
 def refresh_bundle(bundle: Bundle, tensors: Mapping[str, np.ndarray], *, digest: str, round_number: int,
@@ -111,11 +119,18 @@ def refresh_bundle(bundle: Bundle, tensors: Mapping[str, np.ndarray], *, digest:
     ``digest``: what the server announced for these tensors (`promptformer_digest`). Anything
     refused (a bundle that cannot be refreshed, tensors that are not what the server said, wrong
     names or shapes, non-finite values, a failed parity check on up to 4 ``check_images``) raises
-    `BundleError` with the bundle as it was. ``bundle`` describes the old bundle afterwards:
+    `BundleError` with the bundle as it was; `BundleBusy` when another process holds the bundle's
+    lock (a train, a rollback). ``bundle`` describes the old bundle afterwards:
     ``read_bundle(bundle.path)`` reads the refreshed one (id ``RefreshResult.new_id``)."""
+    with bundle_lock(bundle.path):
+        return _refresh_locked(Path(bundle.path), tensors, digest, round_number, check_images)
+
+
+def _refresh_locked(root: Path, tensors: Mapping[str, np.ndarray], digest: str, round_number: int,
+                    check_images: Sequence[Path]) -> RefreshResult:
+    """`refresh_bundle` with the bundle's lock held."""
     began = time.perf_counter()
-    root = Path(bundle.path)
-    recover_refresh(root)
+    journal.recover(root)
     bundle = read_bundle(root)  # verified: a tampered weights file is never patched into a "new" bundle
     bundle.require_refreshable()
     if not isinstance(round_number, int) or isinstance(round_number, bool) or round_number < 0:
@@ -169,10 +184,16 @@ def _replace(name: str) -> list[tuple[str, str]]:
     return [(name, f"{journal.PREVIOUS_NEW}/{name}"), (f"{journal.NEW}/{name}", name)]
 
 
-def restore_previous(bundle_dir: str | Path) -> Bundle:
-    """Undo the last refresh: the previous files and personalisation come back, the refreshed ones go."""
-    root = Path(bundle_dir)
-    recover_refresh(root)
+def restore_previous(bundle_dir: str | Path, wait: float = 0.0) -> Bundle:
+    """Undo the last refresh: the previous files and personalisation come back, the refreshed ones go.
+    Under the bundle's lock (``wait``: seconds to wait for another holder, else `BundleBusy`)."""
+    with bundle_lock(bundle_dir, wait):
+        return _restore_locked(Path(bundle_dir))
+
+
+def _restore_locked(root: Path) -> Bundle:
+    """`restore_previous` with the bundle's lock held."""
+    journal.recover(root)
     previous = root / PREVIOUS
     try:
         manifest = json.loads((previous / MANIFEST).read_text(encoding="utf-8"))

@@ -21,7 +21,9 @@ largest batch under ``max_memory_gb`` (``edge_client.batch_fit``). On CPU it run
 Nothing is written until training has finished: the update file is written atomically
 (``edge_client.update``); personalisation is committed by one rename of
 ``personalised/state.json`` (``edge_client.lora_store``). An interrupted run (Ctrl-C, kill)
-leaves the bundle and the output directory as they were.
+leaves the bundle and the output directory as they were. The bundle's lock
+(``edge_client.bundle_lock``) is held from reading the active LoRA to applying the new one, so
+a second train, a refresh or a rollback meanwhile is refused (or waits), never interleaved.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 
 from edge_client.batch_fit import auto_batch, probe_step
 from edge_client.bundle import Bundle
+from edge_client.bundle_lock import bundle_lock
 from edge_client.local_data import LocalDataset, decode_dataset, scan_folder
 from edge_client.lora_store import ActiveLora, active_lora, apply_update, bundle_lora, state_dir
 from edge_client.program import GraphRunner, load_program
@@ -129,7 +132,7 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
                 options: TrainOptions | None = None, *, progress: bool = False,
                 on_step: Callable[[int, float], None] | None = None,
                 start_lora: Mapping[str, np.ndarray] | None = None, allow_run_dir: bool = False,
-                **overrides: Any) -> TrainResult:
+                wait: float = 0.0, **overrides: Any) -> TrainResult:
     """Train the bundle's LoRA on ``data`` (ImageFolder of bundle classes); write an update file.
 
     ``data``: the folder, or an already scanned `LocalDataset` (e.g. a node's training share).
@@ -139,11 +142,22 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
     ``on_step(step, loss)`` is called after every step. ``start_lora``: start from these LoRA
     tensors (a federation round's global LoRA) instead of ``options.start``'s. The update file
     may not land inside a bundle or (unless ``allow_run_dir``) a run directory, nor replace a file.
-    Raises `TrainInputError` (bad data/options), `BundleError` (bad bundle) or `TrainingError`.
+    The bundle's lock is held throughout (``edge_client.bundle_lock``): the LoRA it starts from is
+    still the active one when the result is applied; ``wait``: seconds to wait for another holder.
+    Raises `TrainInputError` (bad data/options), `BundleError` (bad bundle; `BundleBusy`: locked) or
+    `TrainingError`.
     """
     began = time.perf_counter()
     options = dataclasses.replace(options or TrainOptions(), **overrides)  # checks them (TrainInputError)
-    bundle = Bundle.open(bundle, verify=True)
+    with bundle_lock(bundle.path if isinstance(bundle, Bundle) else Bundle.resolve_dir(bundle), wait):
+        return _train_locked(data, Bundle.open(bundle, verify=True), options, began, progress, on_step, start_lora,
+                             allow_run_dir)
+
+
+def _train_locked(data: str | os.PathLike | LocalDataset, bundle: Bundle, options: TrainOptions, began: float,
+                  progress: bool, on_step: Callable[[int, float], None] | None,
+                  start_lora: Mapping[str, np.ndarray] | None, allow_run_dir: bool) -> TrainResult:
+    """`train_local` with the bundle's lock held and the bundle verified."""
     bundle.require_trainable()
     dataset = data if isinstance(data, LocalDataset) else scan_folder(data, bundle.class_names)
     initial = None

@@ -4,7 +4,8 @@
 ``export_bundle`` finds those in a run directory (what ``fedmvp-export`` and ``fedmvp demo``
 call). Everything is written into ``OUT.tmp-xxxx`` and renamed to ``OUT`` once complete and
 verified; with ``force`` an existing ``OUT`` is replaced only then, and only if it is a bundle
-(or empty) without device state (``device_state``; ``discard_device_state`` allows that too). Nothing in the files
+(or empty) without device state (``discard_device_state`` allows that too) that no device command
+is changing (``export.publish``). Nothing in the files
 depends on time or on the output path, so the same round exported twice is byte-identical.
 """
 
@@ -23,16 +24,15 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from edge_client.bundle import (FORMAT, FORMAT_VERSION, MANIFEST, PREVIOUS, REFRESH_DERIVE, REFRESH_JOURNAL, ROLES,
+from edge_client.bundle import (FORMAT, FORMAT_VERSION, MANIFEST, REFRESH_DERIVE, ROLES,
                                  file_entries, read_bundle, verify_program_archive, write_manifest)
-from edge_client.journal import SCRATCH as REFRESH_SCRATCH
-from edge_client.lora_store import DIRECTORY as PERSONALISED
 from edge_client.refresh import CONTEXT_SOURCES, TEXT_CONSTANTS, TEXT_FEATURES, promptformer_digest
 from export import onnx_export, parity, training_artifact
 from export.class_set import ClassSet, file_class_set, run_class_set, text_features
 from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
 from export.errors import ExportError
 from export.int8 import Int8Plan
+from export.publish import check_out, publish
 from export.run_inputs import (check_finite, find_run, load_checkpoint, method_config, preprocess_spec, read_config,
                                rebuild_model, run_federation, run_images, run_training_images, synthetic_images)
 from fedmvp.clip import LoadedClip
@@ -41,7 +41,6 @@ from fedmvp.model import FedMVP
 # 256: with 64 images "99% top-1 agreement" means all of them, and one near-tie decides; 256 lets the
 # fp16/int8 criterion mean what it says. The same count of training images calibrates int8.
 DEFAULT_PARITY_IMAGES = 256
-DEVICE_STATE = (PERSONALISED, PREVIOUS, REFRESH_JOURNAL, *REFRESH_SCRATCH)  # what `--force` must not delete silently
 NUMERICS = {"fp32": "fp32 weights and compute",
             "fp16": "fp16 weights and compute; pixel_values, outputs and LoRA initializers fp32",
             "int8": "dynamic int8: MatMul weights s8 per output channel (7-bit range), activations u8 per "
@@ -85,56 +84,6 @@ class BundleResult:
         return out
 
 
-def device_state(out: Path) -> list[str]:
-    """What a device made in an existing bundle directory: its personalised/ LoRAs (with their
-    rollback history), the previous/ bundle a refresh kept, a refresh under way. Replacing the
-    directory would delete them and nothing else holds a copy (other stray files just go)."""
-    if not out.is_dir():
-        return []
-    return sorted(name + ("/" if (out / name).is_dir() else "") for name in DEVICE_STATE if (out / name).exists())
-
-
-def _check_out(out: Path, force: bool, discard_device_state: bool = False) -> list[str]:
-    """Refuse an ``out`` that exists (unless ``force``) or holds device state (unless
-    ``discard_device_state``); returns the device state that replacing ``out`` will delete."""
-    if out.exists() and not force:
-        raise ExportError(f"{out}: already exists (pass --force to replace it)")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: exists and is not a directory")
-    if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
-        # --out pointing at the run itself, or at any folder of someone's, would be deleted whole
-        raise ExportError(f"{out}: is not a bundle (no {MANIFEST}) and not empty; --force replaces only "
-                          f"bundles: choose another --out")
-    state = device_state(out)
-    if state and not discard_device_state:
-        raise ExportError(f"{out}: --force would delete device state ({', '.join(state)}); export to another "
-                          f"--out, or pass --discard-device-state as well to delete it")
-    return state
-
-
-def _publish(tmp: Path, out: Path, force: bool, discard_device_state: bool = False) -> list[str]:
-    """Rename the finished temp dir onto ``out`` (an old ``out`` goes only after that succeeded);
-    returns the device state that went with the old ``out``."""
-    discarded = _check_out(out, force, discard_device_state)
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; a bundle is meant to be copied around
-    for child in tmp.iterdir():
-        child.chmod(0o666 & ~umask)
-    if not out.exists():
-        os.replace(tmp, out)
-        return discarded
-    old = out.with_name(f"{out.name}.old-{uuid.uuid4().hex[:8]}")
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return discarded
-
-
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """One metadata key only: safetensors writes its metadata map in hash order (not reproducible)."""
     save_file({k: v.detach().float().contiguous().cpu() for k, v in tensors.items()}, str(path),
@@ -153,11 +102,11 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     ``training=False``: an inference-only bundle, without the training program, and without the
     fp32 frozen weights when the ONNX model embeds its own (fp16, int8).
     ``discard_device_state``: with ``force``, also replace an ``out`` holding device state
-    (``device_state``); refused otherwise, since the device's training would be lost."""
+    (``export.publish.device_state``); refused otherwise, since the device's training would be lost."""
     out = Path(out)
     if precision not in onnx_export.PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(onnx_export.PRECISIONS)}")
-    _check_out(out, force, discard_device_state)
+    check_out(out, force, discard_device_state)
     classes.validate()
     if len(images) < parity.MIN_IMAGES:
         raise ExportError(f"parity needs at least {parity.MIN_IMAGES} images, got {len(images)}")
@@ -235,7 +184,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         write_manifest(tmp, manifest)
         read_bundle(tmp)
         bar.update()
-        discarded = _publish(tmp, out, force, discard_device_state)
+        discarded = publish(tmp, out, force, discard_device_state)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -365,7 +314,7 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     checkpoint = load_checkpoint(run_dir, round_number)
     check_finite(checkpoint, run_dir.round_path(checkpoint.round) / "global.safetensors")
     target = Path(out) if out is not None else default_out(run_dir.path, checkpoint.round, precision)
-    _check_out(target, force, discard_device_state)
+    check_out(target, force, discard_device_state)
     classes = file_class_set(Path(attributes), domain) if attributes else None
     try:
         federation = run_federation(config, run_dir)

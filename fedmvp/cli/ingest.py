@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
 
-from fedmvp.cli.common import EXIT_FAILED, BadInput, emit_json
+from fedmvp.cli.common import EXIT_FAILED, BadInput, FiniteFloat, emit_json
 
 
 @click.command()
@@ -15,8 +16,14 @@ from fedmvp.cli.common import EXIT_FAILED, BadInput, emit_json
 @click.option("--max-staleness", type=click.IntRange(min=0), default=None,
               help="Rounds an update's bundle may be behind the run's last round "
                    "(default: the run's [server] max_staleness, else 5).")
+@click.option("--wait", is_flag=True,
+              help="When another command holds the run's lock (RUN/.lock, e.g. another ingest), wait for it "
+                   "and then build on the round it wrote, instead of exiting 2.")
+@click.option("--wait-timeout", type=FiniteFloat(min=0), default=None, metavar="SECONDS",
+              help="Wait at most this long for the run's lock, then exit 2 (implies --wait).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, as_json: bool) -> None:
+def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, wait: bool,
+           wait_timeout: float | None, as_json: bool) -> None:
     """Average edge update files into the run's next round.
 
     For devices that trained with `edge-client train --data local/` and sync their update
@@ -26,16 +33,19 @@ def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, as
     it names, [server] max_update_norm, and not a file accepted before. Round R+1 gets
     the example-weighted mean of the accepted files' LoRA and round R's other tensors
     unchanged; a rejected file changes nothing. Run it while the run is not training.
+    Two ingests of one run never overlap: the second exits 2 naming the first (pid, host,
+    since), or with --wait builds round R+2 on the first one's R+1.
 
     Exit codes: 0 a round was written, 1 no file was accepted (nothing written),
-    2 bad input (no run, no complete round, no files)."""
+    2 bad input (no run, no complete round, no files) or the run is locked by another command."""
     from fedmvp.federated.ingest import ingest as ingest_files
     from fedmvp.runs import RunError
 
     if not updates:
         raise BadInput(f"{run_dir}: no update files given (UPDATE...: the files `edge-client train` wrote)")
     try:
-        result = ingest_files(run_dir, updates, max_staleness=max_staleness)
+        patience = wait_timeout if wait_timeout is not None else math.inf if wait else 0.0
+        result = ingest_files(run_dir, updates, max_staleness=max_staleness, wait=patience)
     except RunError as err:
         raise BadInput(str(err)) from None
     except OSError as err:

@@ -7,7 +7,9 @@ reused here): it is checked, and a rejected file gets a reason and changes nothi
 ones are averaged, weighted by their examples (FedAvg over the devices that reported,
 ``strategy.weighted_average``), into the LoRA of round R+1, R being the run's last round; every
 other tensor is round R's, bit for bit. The round is published whole (``RunDir.save_checkpoint``),
-then its metrics row; nothing is written when no file is accepted.
+then its metrics row; nothing is written when no file is accepted. The run's lock
+(``fedmvp.run_lock``) is held from reading round R to writing R+1, so two ingests of one run
+never both build on R: the second is refused, or waits and builds on R+1.
 
 The update format is read here, not through ``edge_client`` (``fedmvp`` imports neither of the other
 packages): safetensors and its string metadata, nothing unpickled. ``FORMAT``, ``FORMAT_VERSION``
@@ -32,6 +34,7 @@ from fedmvp.federated.replies import bound_update, tensor_problem
 from fedmvp.federated.strategy import weighted_average
 from fedmvp.federated.wire import to_numpy_state, to_torch_state
 from fedmvp.presets.schema import ServerSpec
+from fedmvp.run_lock import run_lock
 from fedmvp.runs import RunDir, RunError
 
 FORMAT = "fedmvp-edge-update"
@@ -132,15 +135,25 @@ class _Rejected(Exception):
     """Internal: the reason a file is left out."""
 
 
-def ingest(run: RunDir | str | Path, files: Sequence[str | Path], *, max_staleness: int | None = None) -> IngestResult:
+def ingest(run: RunDir | str | Path, files: Sequence[str | Path], *, max_staleness: int | None = None,
+           wait: float = 0.0) -> IngestResult:
     """Check ``files`` against the run's last round R and write round R+1 from the accepted ones.
 
-    ``RunError`` (nothing written): no run, no complete round, a round without LoRA, no files.
-    ``max_staleness`` overrides config.json's ``server.max_staleness``."""
+    ``RunError`` (nothing written): no run, no complete round, a round without LoRA, no files;
+    `RunBusy` when another process holds the run's lock (``RUN/.lock``) for longer than ``wait``
+    seconds (``math.inf``: as long as it takes). ``max_staleness`` overrides config.json's
+    ``server.max_staleness``."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     config = run.read_config()
     if not files:
         raise RunError(f"{run.path}: no update files given")
+    with run_lock(run.path, "fedmvp ingest", wait):
+        return _ingest_locked(run, config, files, max_staleness)
+
+
+def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Path],
+                   max_staleness: int | None) -> IngestResult:
+    """`ingest` with the run's lock held: no one else writes a round between reading R and writing R+1."""
     base = run.last_round()
     if base is None:
         raise RunError(f"{run.path}: no complete round to add updates to")
