@@ -40,8 +40,11 @@ and the model's ``onnx.num_classes`` outputs), and that the class list is the on
 was exported with: model.onnx (which the manifest hashes) carries the class list's sha256 in its
 metadata (``fedmvp.classes_sha256``, `classes_digest`), so relabelled classes are refused.
 Only numpy, safetensors and the standard library are used here: the smallest install can
-read and verify a bundle. ``read_bundle`` verifies every hash before anything is loaded, so
-a tampered training program (``torch.export.load`` may unpickle) is refused first.
+read and verify a bundle. ``read_bundle`` verifies every hash before anything is loaded, then checks
+every file a library will parse as an attacker who also wrote the manifest could have shaped it
+(``edge_client.bundle_files``: names, links, the ONNX model's external data, the training program's
+archive, which ``torch.export.load`` would unpickle from; ``edge_client.safetensors_check``: the
+safetensors headers), so none of it reaches onnxruntime, safetensors or torch unchecked.
 """
 
 from __future__ import annotations
@@ -49,13 +52,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edge_client.atomic import write_bytes
+# BundleError, PREVIOUS and verify_program_archive are the bundle format's: the rest of the package
+# imports them from here.
+from edge_client.bundle_files import (PREVIOUS, BundleError, check_device_dirs, check_onnx_external,  # noqa: F401
+                                      file_problem, plain_name, verify_program_archive)
+from edge_client.bundle_files import fail as _fail
 from edge_client.preprocess import PreprocessSpec
+from edge_client.safetensors_check import check_safetensors, load_safetensors
 
 FORMAT = "fedmvp-edge-bundle"
 FORMAT_VERSION = 2  # 2: the manifest records the method config (``method``)
@@ -69,11 +77,6 @@ CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class li
 PRECISIONS = ("fp32", "fp16", "int8")
 REFRESH_DERIVE = "fedmvp-context-v1"  # how a refresh derives the text constants (docs/method.md §10)
 REFRESH_JOURNAL = "refresh.json"  # present only while a refresh or its rollback is under way
-PREVIOUS = "previous"  # what the last refresh replaced, for `edge-client rollback --refresh`
-
-
-class BundleError(ValueError):
-    """A bundle that cannot be used; one line naming the path."""
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -228,10 +231,8 @@ class Bundle:
         return {k: list(v) for k, v in self.manifest["lora"]["tensors"].items()}
 
     def lora(self) -> dict[str, Any]:
-        """The LoRA tensors as numpy arrays (no torch needed)."""
-        from safetensors.numpy import load_file
-
-        return load_file(str(self.file("lora")))
+        """The LoRA tensors as numpy arrays (no torch needed), the file's header checked first."""
+        return load_safetensors(self.file("lora"))
 
 
 def not_found(given: str | os.PathLike | None, path: Path) -> str:
@@ -246,11 +247,6 @@ def not_found(given: str | os.PathLike | None, path: Path) -> str:
     looked = f"${BUNDLE_ENV}={env}" if env else f"${BUNDLE_ENV} (unset), ./{DEFAULT_BUNDLE}"
     return (f"{path}: not a bundle directory ({what}no bundle found; looked at {looked}); export one with "
             f"`fedmvp-export --round N` (it points ./{DEFAULT_BUNDLE} at it) or pass --bundle DIR")
-
-
-def _fail(path: Path, reason: str) -> BundleError:
-    """One-line error naming the path at fault."""
-    return BundleError(f"{path}: {reason}")
 
 
 def read_bundle(directory: str | os.PathLike, verify: bool = True) -> Bundle:
@@ -292,9 +288,11 @@ def _read(root: Path, verify: bool) -> Bundle:
         raise _fail(manifest_path, f"the {where} lacks {', '.join(missing)} (the model's method config); "
                                    f"re-export the bundle with this version of fedmvp-export")
     _check_sections(manifest_path, manifest)
+    check_device_dirs(root)
     _check_files(root, manifest_path, files, verify)
     if verify:
         _check_class_pin(root, manifest_path, manifest)
+        _check_contents(root, manifest)
     return Bundle(path=root, manifest=manifest)
 
 
@@ -359,13 +357,16 @@ def _check_class_pin(root: Path, manifest_path: Path, m: dict[str, Any]) -> None
 
 
 def _check_files(root: Path, manifest_path: Path, files: dict[str, Any], verify: bool) -> None:
-    """Every listed file is there, inside the bundle and (with ``verify``) of its size and sha256."""
+    """Every listed file is a regular file inside the bundle, not a link, and (with ``verify``) of its size
+    and sha256."""
     for name, entry in sorted(files.items()):
+        if not plain_name(name):
+            raise _fail(manifest_path, f"file name {name!r} leaves the bundle directory (a bundle lists plain "
+                                       f"file names only)")
         path = root / name
-        if Path(name).name != name:
-            raise _fail(manifest_path, f"file name {name!r} leaves the bundle directory")
-        if not path.is_file():
-            raise _fail(path, "missing from the bundle")
+        problem = file_problem(path)
+        if problem:
+            raise _fail(path, problem)
         if not verify:
             continue
         size = path.stat().st_size
@@ -375,24 +376,14 @@ def _check_files(root: Path, manifest_path: Path, files: dict[str, Any], verify:
             raise _fail(path, "sha256 does not match the manifest (file changed)")
 
 
-# Entries a training program written by fedmvp-export may hold. Anything else (pickled
-# weights, constants, custom objects) would be unpickled by torch.export.load: refuse it.
-_PROGRAM_ENTRIES = {"data/weights/model_weights_config.json", "data/constants/model_constants_config.json",
-                    "models/model.json", "data/sample_inputs/model.pt", "archive_format", "archive_version",
-                    ".data/version", "byteorder", ".data/serialization_id"}
-_EMPTY_ENTRIES = {"data/sample_inputs/model.pt"}
-
-
-def verify_program_archive(path: str | os.PathLike) -> None:
-    """Refuse a training program that carries anything torch would unpickle (call before loading)."""
-    path = Path(path)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                name = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
-                if name not in _PROGRAM_ENTRIES:
-                    raise _fail(path, f"unexpected archive entry {info.filename!r}; refusing to load it")
-                if name in _EMPTY_ENTRIES and info.file_size:
-                    raise _fail(path, f"archive entry {info.filename!r} must be empty; refusing to load it")
-    except zipfile.BadZipFile:
-        raise _fail(path, "not a torch.export archive (bad zip)") from None
+def _check_contents(root: Path, m: dict[str, Any]) -> None:
+    """What a library will parse, checked first: safetensors headers, the ONNX model's external data
+    (listed files only), the training program's archive (nothing torch would unpickle)."""
+    files, roles = m["files"], m["files_by_role"]
+    tensors = {n for n in files if n.endswith(".safetensors")} | {roles[r] for r in ("weights", "lora", "text")
+                                                                   if r in roles}
+    for name in sorted(tensors):
+        check_safetensors(root / name)
+    check_onnx_external(root / roles["onnx"], {n: e.get("bytes") for n, e in files.items()})
+    if "training" in roles:
+        verify_program_archive(root / roles["training"])

@@ -80,14 +80,18 @@ def _read(path: Path) -> dict[str, Any]:
             or not isinstance(journal.get("done"), int):
         raise BundleError(f"{path}: not a {FORMAT} file")
     for step in moves:
-        if not (isinstance(step, list) and len(step) == 2 and all(_inside(p) for p in step)):
-            raise BundleError(f"{path}: malformed step {step!r}")
+        if not (isinstance(step, list) and len(step) == 2 and all(_inside(path.parent, p) for p in step)):
+            raise BundleError(f"{path}: malformed step {step!r} (it leaves the bundle or passes through a link)")
     return journal
 
 
-def _inside(relative: Any) -> bool:
-    return isinstance(relative, str) and bool(relative) and not Path(relative).is_absolute() \
-        and ".." not in Path(relative).parts
+def _inside(root: Path, relative: Any) -> bool:
+    """Whether ``relative`` names a path in the bundle reached through no symbolic link (a journal comes with
+    the bundle, so a step through a linked directory would move files outside it)."""
+    if not isinstance(relative, str) or not relative or Path(relative).is_absolute():
+        return False
+    parts = Path(relative).parts
+    return ".." not in parts and not any((root.joinpath(*parts[:i])).is_symlink() for i in range(1, len(parts)))
 
 
 def _finish(root: Path, journal: dict[str, Any]) -> None:

@@ -54,9 +54,10 @@ import numpy as np
 
 from edge_client.atomic import copy_file, temp_is_removable, write_bytes
 from edge_client.bundle import Bundle, BundleError, sha256_file
+from edge_client.bundle_files import PERSONALISED, plain_name
 from edge_client.update import UpdateError, read_update, utc_now
 
-DIRECTORY = "personalised"
+DIRECTORY = PERSONALISED
 STATE = "state.json"
 FORMAT = "fedmvp-edge-personalisation"
 FORMAT_VERSION = 1
@@ -172,7 +173,7 @@ def _entry_problem(entry: Any) -> str | None:
     if not isinstance(entry, dict):
         return f"not a mapping: {str(entry)[:40]!r}"
     name = entry.get("file")
-    if not isinstance(name, str) or not name or Path(name).name != name:
+    if not plain_name(name):
         return f"bad file name {name!r}"
     if not isinstance(entry.get("sha256"), str):
         return "no sha256"
@@ -185,7 +186,7 @@ def _entry_problem(entry: Any) -> str | None:
 
 def _entry_path(bundle: Bundle, entry: dict[str, Any]) -> Path:
     name = str(entry.get("file", ""))
-    if not name or Path(name).name != name:
+    if not plain_name(name):
         raise PersonalisationError(f"{state_dir(bundle) / STATE}: bad file name {name!r}")
     return state_dir(bundle) / name
 

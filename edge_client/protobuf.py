@@ -1,17 +1,25 @@
 """Protobuf wire format, read by hand: the few fields of an ONNX file the device needs, without onnx.
 
-Why: the bundle reader (the class list model.onnx pins) and the in-place refresh (where tensor bytes
-lie) must not need onnx or onnxruntime. Standard library only; errors are ValueError.
+Why: the bundle reader (the class list model.onnx pins, the files its external data is read from) and
+the in-place refresh (where tensor bytes lie) must not need onnx or onnxruntime. Standard library
+only; errors are ValueError.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 MODEL_METADATA = 14  # ModelProto.metadata_props: StringStringEntryProto (key 1, value 2)
+# Where a TensorProto can sit (onnx.proto): message -> {field number: the message kind in it}.
+_HOLDS = {"model": {7: "graph", 20: "training", 25: "function"}, "training": {1: "graph", 2: "graph"},
+          "graph": {1: "node", 5: "tensor", 15: "sparse"}, "node": {5: "attribute"},
+          "function": {7: "node", 11: "attribute"}, "sparse": {1: "tensor", 2: "tensor"},
+          "attribute": {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse", 23: "sparse"}}
+_TENSOR_NAME, _TENSOR_EXTERNAL, _TENSOR_LOCATION, _EXTERNAL = 8, 13, 14, 1  # TensorProto fields; EXTERNAL
 
 
 def onnx_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -46,6 +54,43 @@ def onnx_metadata(path: str | os.PathLike) -> dict[str, str]:
     return out
 
 
+def onnx_external_data(path: str | os.PathLike) -> list[tuple[str, dict[str, str]]]:
+    """(tensor name, its ``external_data`` entries: location, offset, length...) of every tensor of an
+    ONNX file kept outside it: initializers, sparse ones, node attributes (Constant), in every subgraph,
+    function and training graph. The file is mapped, not read: embedded weights are skipped unread."""
+    out: list[tuple[str, dict[str, str]]] = []
+    try:
+        with open(path, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size == 0:
+                raise ValueError("empty file")
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                todo = [("model", 0, len(data))]  # a stack, not recursion: nesting is the file's to choose
+                while todo:
+                    kind, start, end = todo.pop()
+                    if kind == "tensor":
+                        out.extend(_external(data, start, end))
+                        continue
+                    holds = _HOLDS[kind]
+                    todo.extend((holds[n], a, b) for n, w, a, b in fields(data, start, end) if w == 2 and n in holds)
+    except OSError as err:
+        raise ValueError(err.strerror or str(err)) from None
+    return out
+
+
+def _external(data: bytes | mmap.mmap, start: int, end: int) -> list[tuple[str, dict[str, str]]]:
+    """[(name, external_data entries)] of one TensorProto stored as external data, else []."""
+    name, entries, location = "", {}, 0
+    for number, wire, a, b in fields(data, start, end):
+        if number == _TENSOR_NAME and wire == 2:
+            name = data[a:b].decode("utf-8")
+        elif number == _TENSOR_EXTERNAL and wire == 2:
+            pair = {n: data[x:y].decode("utf-8") for n, w, x, y in fields(data, a, b) if w == 2}
+            entries[pair.get(1, "")] = pair.get(2, "")
+        elif number == _TENSOR_LOCATION and wire == 0:
+            location = varint(data, a)[0]
+    return [(name, entries)] if entries or location == _EXTERNAL else []
+
+
 def _read_varint(handle: BinaryIO) -> int:
     """The protobuf varint at the handle's position (the handle is left just after it)."""
     start = handle.tell()
@@ -54,7 +99,7 @@ def _read_varint(handle: BinaryIO) -> int:
     return value
 
 
-def varint(data: bytes, pos: int) -> tuple[int, int]:
+def varint(data: bytes | mmap.mmap, pos: int) -> tuple[int, int]:
     """(value, position after it) of the protobuf varint at ``pos``."""
     value, shift = 0, 0
     while True:
@@ -68,7 +113,7 @@ def varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+def fields(data: bytes | mmap.mmap, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
     """(field number, wire type, value start, value end) of each protobuf field in data[start:end]."""
     pos = start
     while pos < end:

@@ -33,10 +33,12 @@ import numpy as np
 from edge_client import journal
 from edge_client.atomic import copy_file, copy_patched
 from edge_client.bundle import MANIFEST, PREVIOUS, Bundle, BundleError, file_entries, read_bundle, write_manifest
+from edge_client.bundle_files import check_device_dirs, file_problem, plain_name
 from edge_client.bundle_lock import BundleBusy, bundle_lock
 from edge_client.lora_store import DIRECTORY as PERSONALISED
 from edge_client.lora_store import personalisation_lock
 from edge_client.refresh_check import check_refreshed
+from edge_client.safetensors_check import load_safetensors
 from edge_client.tensor_layout import Span, onnx_initializer_spans, safetensors_layout
 
 PROMPTFORMER_PREFIX, LORA_PREFIX = "promptformer.", "lora."
@@ -193,6 +195,7 @@ def restore_previous(bundle_dir: str | Path, wait: float = 0.0) -> Bundle:
 
 def _restore_locked(root: Path) -> Bundle:
     """`restore_previous` with the bundle's lock held."""
+    check_device_dirs(root)  # previous/ is no link out of the bundle: what it holds is moved in
     journal.recover(root)
     previous = root / PREVIOUS
     try:
@@ -202,7 +205,11 @@ def _restore_locked(root: Path) -> Bundle:
         raise NoPreviousBundle(f"{root}: nothing to roll back (no refresh kept a previous bundle)") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise BundleError(f"{previous / MANIFEST}: unreadable ({_one_line(err)})") from None
-    kept = sorted(name for name in files if Path(name).name == name and (previous / name).is_file())
+    strays = sorted(repr(name) for name in files if not plain_name(name))
+    if strays:
+        raise BundleError(f"{previous / MANIFEST}: file name {strays[0]} leaves the bundle directory; cannot roll "
+                          f"back the refresh")
+    kept = sorted(name for name in files if (previous / name).is_file())
     for name, entry in sorted(files.items()):  # the bundle it restores must verify, before anything moves
         path = previous / name if name in kept else root / name
         if not _matches(path, entry):
@@ -231,7 +238,7 @@ def _one_line(err: BaseException) -> str:
 
 def _matches(path: Path, entry: Any) -> bool:
     """Whether ``path`` is a file of the size and sha256 a manifest entry records."""
-    if not path.is_file() or not isinstance(entry, dict) or path.stat().st_size != entry.get("bytes"):
+    if file_problem(path) or not isinstance(entry, dict) or path.stat().st_size != entry.get("bytes"):
         return False
     return file_entries(path.parent, [path.name])[path.name]["sha256"] == entry.get("sha256")
 
@@ -287,9 +294,7 @@ def _checked_tensors(bundle: Bundle, arrays: dict[str, np.ndarray]) -> tuple[dic
 
 def _weights_patches(bundle: Bundle, promptformer: dict[str, np.ndarray], section: dict[str, Any]) -> dict[int, bytes]:
     """{offset: bytes} for weights.safetensors: the copied query side and the derived text constants."""
-    from safetensors.numpy import load_file
-
-    features = load_file(str(bundle.file("text")))[TEXT_FEATURES]
+    features = load_safetensors(bundle.file("text"))[TEXT_FEATURES]
     new = {target: promptformer[source] for source, target in section["copy"].items()}
     new.update(derive_text(features, promptformer, float(section["norm_context_eps"])))
     return _patches(safetensors_layout(bundle.file("weights")), new, bundle.file("weights"))

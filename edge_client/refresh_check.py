@@ -20,6 +20,7 @@ from edge_client.bundle import Bundle, BundleError
 from edge_client.images import ImageReadError, load_image
 from edge_client.preprocess import preprocess
 from edge_client.runtime import make_session
+from edge_client.safetensors_check import load_safetensors
 
 MAX_IMAGES = 4
 TOLERANCE = 1e-3
@@ -70,14 +71,13 @@ def _program_logits(bundle: Bundle, pixels: np.ndarray, weights_path: Path,
     """Logits of the bundle's training program fed the staged weights and ``lora``."""
     try:
         import torch
-        from safetensors.torch import load_file
     except ImportError as err:
         raise BundleError(f"{bundle.path}: the parity check of a refresh needs torch ({err}); install "
                           f"fedmvp[edge-train] or pass no check images") from None
     from edge_client.program import load_program
 
     runner = load_program(bundle)
-    weights: dict[str, Any] = dict(sorted(load_file(str(weights_path)).items()))
+    weights: dict[str, Any] = dict(sorted(load_safetensors(weights_path, framework="pt").items()))
     tensors = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in sorted(lora.items())}
     x = torch.from_numpy(pixels)
     with torch.no_grad():

@@ -9,15 +9,13 @@ overwritten where they lie (same length: no protobuf length prefix moves). Stand
 
 from __future__ import annotations
 
-import json
 import os
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 from edge_client.bundle import BundleError
 from edge_client.protobuf import fields as _fields
 from edge_client.protobuf import varint as _varint
+from edge_client.safetensors_check import Span, check_safetensors
 
 _ONNX_FLOAT = 1  # TensorProto.FLOAT
 # Field numbers of onnx.proto: ModelProto.graph, GraphProto.initializer, TensorProto.{dims, data_type, name, raw_data}
@@ -25,29 +23,9 @@ _MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
 _TENSOR_DIMS, _TENSOR_TYPE, _TENSOR_NAME, _TENSOR_RAW = 1, 2, 8, 9
 
 
-@dataclass(frozen=True)
-class Span:
-    """One tensor's bytes in a file: dtype ("F32", ...), shape, absolute offset and length."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    length: int
-
-
 def safetensors_layout(path: str | os.PathLike) -> dict[str, Span]:
-    """Every tensor of a safetensors file by name, from its header alone."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as handle:
-            (size,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(size))
-        start = 8 + size
-        return {name: Span(meta["dtype"], tuple(int(d) for d in meta["shape"]), start + meta["data_offsets"][0],
-                           meta["data_offsets"][1] - meta["data_offsets"][0])
-                for name, meta in header.items() if name != "__metadata__"}
-    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as err:
-        raise BundleError(f"{path}: not a readable safetensors file ({' '.join(str(err).split())[:200]})") from None
+    """Every tensor of a safetensors file by name, from its header alone (checked: `check_safetensors`)."""
+    return check_safetensors(path)
 
 
 def onnx_initializer_spans(path: str | os.PathLike) -> dict[str, Span]:

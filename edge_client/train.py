@@ -47,6 +47,7 @@ from edge_client.bundle_lock import bundle_lock
 from edge_client.local_data import LocalDataset, decode_dataset, scan_folder
 from edge_client.lora_store import ActiveLora, active_lora, apply_update, bundle_lora, state_dir
 from edge_client.program import GraphRunner, load_program
+from edge_client.safetensors_check import load_safetensors
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
 from edge_client.update import check_lora, write_update
 from edge_client.write_guard import WriteTargetError, check_output_file, probe_writable
@@ -193,9 +194,7 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
 
     pixels_u8, labels_np = decode_dataset(dataset, bundle.preprocess, max_pixels=o.max_pixels, progress=progress)
     n = len(labels_np)
-    from safetensors.torch import load_file
-
-    weights = {k: v.to(dev) for k, v in sorted(load_file(str(bundle.file("weights"))).items())}
+    weights = {k: v.to(dev) for k, v in sorted(load_safetensors(bundle.file("weights"), framework="pt").items())}
     if initial is None:
         initial = active_lora(bundle) if o.start == "active" else bundle_lora(bundle)
     lora = {k: torch.tensor(np.asarray(v, np.float32), device=dev).requires_grad_(True)

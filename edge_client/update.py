@@ -43,6 +43,7 @@ import numpy as np
 
 from edge_client.atomic import write_bytes
 from edge_client.bundle import Bundle
+from edge_client.safetensors_check import check_safetensors
 
 FORMAT = "fedmvp-edge-update"
 FORMAT_VERSION = 1
@@ -182,6 +183,7 @@ def read_update(path: str | os.PathLike, bundle: Bundle | None = None, *, check_
     from safetensors.numpy import load
 
     path = Path(path)
+    check_safetensors(path, UpdateError)  # the header, before the file is read or parsed
     try:
         data = path.read_bytes()
     except OSError as err:

@@ -22,21 +22,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "edge_client"))
 from disk import Hostile, assert_one_line_error, run, tree_digest  # noqa: E402
-from edge_helpers import class_image, write_dataset, write_local_data, write_preset, write_run  # noqa: E402
+from edge_helpers import class_image, write_local_data  # noqa: E402
 
 ROOT_IGNORES_PERMISSIONS = hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> Path:
-    """One fp32 bundle of a tiny run's round 2 (read-only: each row copies it)."""
-    from export.bundle_writer import export_bundle
-
-    root = tmp_path_factory.mktemp("hostile-edge")
-    write_dataset(root / "data", per_class=4)
-    write_preset(root / "preset.toml", root / "data")
-    write_run(root / "runs" / "edgetest-1", root / "preset.toml")
-    return export_bundle(root / "runs" / "edgetest-1", 2, root / "bundle", parity_images=32).path
 
 
 # ---- setups: what a row adds to its directory before the command runs ----------------------------------
@@ -258,9 +246,9 @@ NEEDS_PERMISSIONS = {"out-read-only"}
         r.id in NEEDS_PERMISSIONS and ROOT_IGNORES_PERMISSIONS,
         reason="running as root: chmod does not stop root writing (out-below-a-file simulates it)"))
     for r in ROWS])
-def test_edge_client_hostile(row: Hostile, exported: Path, tmp_path: Path, monkeypatch) -> None:
+def test_edge_client_hostile(row: Hostile, pristine_bundle: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("FEDMVP_BUNDLE", raising=False)
-    shutil.copytree(exported, tmp_path / "bundle")
+    shutil.copytree(pristine_bundle, tmp_path / "bundle")
     class_image(0, np.random.default_rng(3)).save(tmp_path / "img.jpg")
     write_local_data(tmp_path / "local", ["red_circle", "blue_square"], per_class=2)
     SETUPS[row.id](tmp_path)
