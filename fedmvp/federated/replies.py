@@ -17,12 +17,33 @@ tensors of its mode, at most its training set's images) and an **edge** device (
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 NORM_ACTIONS = ("reject", "clip")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,120}")
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``value`` as a one-line reason may show it: ``repr`` (newlines, ANSI escapes and every other
+    unprintable character escaped), at most ``limit`` characters. What a sender wrote never reaches
+    a terminal, a log or state.json raw, nor megabytes of it."""
+    if isinstance(value, (str, bytes)):
+        text = repr(value[:limit])
+        return text if len(value) <= limit and len(text) <= limit + 3 else text[:limit] + "..."
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return "a huge integer"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
+def name_shown(name: str) -> str:
+    """A tensor or record key as a reason shows it: as is when it looks like a name, else `shown`."""
+    return name if _PLAIN_NAME.fullmatch(name) else shown(name)
 
 
 @dataclass(frozen=True)
@@ -106,8 +127,8 @@ def tensor_problem(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarra
     names = set(arrays)
     if names != wanted:
         missing, extra = sorted(wanted - names), sorted(names - wanted)
-        parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
-                ([f"unexpected {', '.join(extra[:3])}"] if extra else [])
+        parts = ([f"missing {_listed(missing)}"] if missing else []) + \
+                ([f"unexpected {_listed(extra)}"] if extra else [])
         return f"tensor names do not match the round ({'; '.join(parts)})"
     for name in sorted(names):
         value, ref = arrays[name], reference.get(name)
@@ -119,6 +140,12 @@ def tensor_problem(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarra
         if not np.all(np.isfinite(value)):
             return f"{name}: holds NaN or infinite values"
     return None
+
+
+def _listed(names: list[str], first: int = 3) -> str:
+    """The first names (escaped) and how many more: a reason stays one bounded line."""
+    more = f" and {len(names) - first} more" if len(names) > first else ""
+    return ", ".join(name_shown(n) for n in names[:first]) + more
 
 
 def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], max_norm: float | None,
