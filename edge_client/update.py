@@ -25,7 +25,11 @@ safetensors and the standard library are used: the server and the smallest insta
 `fedmvp ingest` reads the format on its own (fedmvp/federated/ingest.py: ``fedmvp`` does not import
 this package), so a change here is a change there: a new format_version for both.
 Files are written with ``edge_client.atomic`` (temp file, fsync, rename), so a reader never
-sees half a file.
+sees half a file. A file read is untrusted: refused on its size before it is read (the bundle's
+LoRA as float32 plus a header of at most ``MAX_HEADER_BYTES``), its header checked before
+safetensors parses it (length, JSON without repeated keys, str -> str metadata, float32 only),
+numbers in one spelling (``str(int)``), and every value it holds shown escaped and cut short in
+an error (`_shown`). Unknown metadata keys are allowed (a newer writer's) and never echoed.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -51,6 +57,8 @@ LORA_PREFIX = "lora."
 _INT_FIELDS = ("format_version", "bundle_round", "num_examples", "epochs")
 _FLOAT_FIELDS = ("mean_loss", "final_loss", "train_seconds")
 REQUIRED = ("format", "format_version", "bundle_id", "bundle_round", "num_examples", "mean_loss", "created")
+MAX_HEADER_BYTES = 1 << 20  # names, shapes and metadata (a class list) are KBs; fedmvp's ingest reads the same
+MAX_UPDATE_BYTES = 64 << 20  # without a bundle to size it by
 
 
 class UpdateError(ValueError):
@@ -109,19 +117,24 @@ def _encode(metadata: Mapping[str, Any]) -> dict[str, str]:
 def _decode(raw: Mapping[str, str], path: Path) -> dict[str, Any]:
     """The inverse of `_encode` for the known numeric and list fields; a bad number is an `UpdateError`."""
     out: dict[str, Any] = dict(raw)
-    try:
-        for key in _INT_FIELDS:
-            if key in out and out[key] not in ("", "None"):
-                out[key] = int(out[key])
-            elif key in out:
-                out[key] = None
-        for key in _FLOAT_FIELDS:
-            if key in out:
+    for key in _INT_FIELDS:
+        if key in out and out[key] not in ("", "None"):
+            if not re.fullmatch(r"0|-?[1-9][0-9]{0,17}", out[key]):  # str(int)'s spelling only
+                raise UpdateError(f"{path}: malformed metadata ({key} {_shown(out[key])} is not an integer)")
+            out[key] = int(out[key])
+        elif key in out:
+            out[key] = None
+    for key in _FLOAT_FIELDS:
+        if key in out:
+            try:
                 out[key] = float(out[key])
-        if "classes" in out:
+            except ValueError:
+                raise UpdateError(f"{path}: malformed metadata ({key} {_shown(out[key])} is not a number)") from None
+    if "classes" in out:
+        try:
             out["classes"] = json.loads(out["classes"])
-    except (ValueError, json.JSONDecodeError) as err:
-        raise UpdateError(f"{path}: malformed metadata ({err})") from None
+        except (ValueError, RecursionError):
+            raise UpdateError(f"{path}: malformed metadata (classes is not a JSON list)") from None
     return out
 
 
@@ -157,10 +170,10 @@ def check_lora(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, list[int]
     names, expected = set(tensors), set(shapes)
     if names != expected:
         parts = []
-        if expected - names:
-            parts.append(f"missing {', '.join(sorted(expected - names))}")
-        if names - expected:
-            parts.append(f"unexpected {', '.join(sorted(names - expected))}")
+        for what, which in (("missing", sorted(expected - names)), ("unexpected", sorted(names - expected))):
+            if which:
+                more = f" and {len(which) - 3} more" if len(which) > 3 else ""
+                parts.append(f"{what} {', '.join(_shown(n, plain=True) for n in which[:3])}{more}")
         raise error(f"{path}: LoRA tensor names do not match the bundle ({'; '.join(parts)})")
     for name in sorted(names):
         value = tensors[name]
@@ -183,18 +196,20 @@ def read_update(path: str | os.PathLike, bundle: Bundle | None = None, *, check_
     from safetensors.numpy import load
 
     path = Path(path)
-    check_safetensors(path, UpdateError)  # the header, before the file is read or parsed
+    limit = MAX_UPDATE_BYTES if bundle is None else \
+        8 + MAX_HEADER_BYTES + sum(4 * math.prod(shape) for shape in bundle.lora_shapes.values())
+    data = _read_bounded(path, limit)  # a size cap first (and no FIFO): nothing huge is read
     try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise UpdateError(f"{path}: cannot read ({err.strerror or err})") from None
+        raw = _read_metadata(data)  # the header's JSON, metadata and dtypes
+    except ValueError as err:
+        raise UpdateError(f"{path}: not a safetensors file ({err})") from None
+    check_safetensors(path, UpdateError)  # every tensor's span, before safetensors parses the data
     try:
         tensors = load(data)
-        raw = _read_metadata(data)
-    except (SafetensorError, ValueError, json.JSONDecodeError) as err:
-        raise UpdateError(f"{path}: not a safetensors file ({' '.join(str(err).split())})") from None
+    except (SafetensorError, ValueError) as err:
+        raise UpdateError(f"{path}: not a safetensors file ({_shown(' '.join(str(err).split()), 120)})") from None
     if raw.get("format") != FORMAT:
-        raise UpdateError(f"{path}: not a {FORMAT} file (format {raw.get('format')!r})")
+        raise UpdateError(f"{path}: not a {FORMAT} file (format {_shown(raw.get('format'))})")
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
         raise UpdateError(f"{path}: metadata lacks {', '.join(missing)}")
@@ -205,12 +220,13 @@ def read_update(path: str | os.PathLike, bundle: Bundle | None = None, *, check_
     _check_weight(metadata, path)
     stray = [n for n in tensors if not n.startswith(LORA_PREFIX)]
     if stray:
-        raise UpdateError(f"{path}: holds non-LoRA tensors ({', '.join(sorted(stray)[:5])})")
+        shown = ", ".join(_shown(n, plain=True) for n in sorted(stray)[:3])
+        raise UpdateError(f"{path}: holds non-LoRA tensors ({shown})")
     update = Update(path=path, tensors=dict(sorted(tensors.items())), metadata=metadata)
     if bundle is not None:
         check_lora(tensors, bundle.lora_shapes, path, UpdateError)
         if check_bundle_id and update.bundle_id != bundle.id:
-            raise UpdateError(f"{path}: trained on bundle {update.bundle_id[:12]}, not on this bundle "
+            raise UpdateError(f"{path}: trained on bundle {_shown(update.bundle_id[:12], plain=True)}, not on this bundle "
                               f"({bundle.id[:12]}, {bundle.path})")
     else:
         check_lora(tensors, {k: list(v.shape) for k, v in tensors.items()}, path, UpdateError)
@@ -228,15 +244,66 @@ def _check_weight(metadata: Mapping[str, Any], path: Path) -> None:
             raise UpdateError(f"{path}: {key} is {metadata[key]!r}; an update's loss must be finite")
 
 
+def _read_bounded(path: Path, limit: int) -> bytes:
+    """The file's bytes, refused on its size before any is read; opened without blocking, so a FIFO
+    is refused, not waited on."""
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise UpdateError(f"{path}: not a regular file")
+            data = file.read(limit + 1) if info.st_size <= limit else b""
+    except OSError as err:
+        raise UpdateError(f"{path}: cannot read ({err.strerror or err})") from None
+    if info.st_size > limit or len(data) > limit:
+        raise UpdateError(f"{path}: {max(info.st_size, len(data))} bytes, more than the {limit} an update of this "
+                          f"bundle can be (its LoRA as float32 and a header of at most {MAX_HEADER_BYTES} bytes)")
+    return data
+
+
 def _read_metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` map of a safetensors blob."""
+    """The ``__metadata__`` map of a safetensors blob, its header checked before safetensors parses it:
+    the length within the blob and ``MAX_HEADER_BYTES``, JSON without a repeated key (two readers
+    could see two files), str -> str metadata, every tensor F32. ``ValueError`` says what is wrong."""
     if len(data) < 8:
-        raise ValueError("file too short")
+        raise ValueError(f"{len(data)} bytes: too short")
     size = int.from_bytes(data[:8], "little")
-    if size <= 0 or 8 + size > len(data):
-        raise ValueError("bad header length")
-    header = json.loads(data[8:8 + size])
-    meta = header.get("__metadata__") or {}
+    if not 0 < size <= min(MAX_HEADER_BYTES, len(data) - 8):
+        raise ValueError(f"header length {size}: more than the {len(data) - 8} bytes that follow it "
+                         f"or the {MAX_HEADER_BYTES}-byte cap")
+    try:
+        header = json.loads(data[8:8 + size], object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError("header is not valid JSON: nested too deeply") from None
+    except ValueError as err:
+        raise ValueError(f"header is not valid JSON: {str(err)[:120]}") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
-        raise ValueError("bad metadata")
-    return {str(k): str(v) for k, v in meta.items()}
+        raise ValueError("__metadata__ is not an object")
+    for key, value in meta.items():
+        if not isinstance(value, str):
+            raise ValueError(f"metadata {_shown(key, plain=True)} is not a string ({type(value).__name__})")
+    for name, entry in header.items():
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if dtype != "F32":
+            raise ValueError(f"tensor {_shown(name, plain=True)} has dtype {_shown(dtype)}, not float32 (F32)")
+    return meta
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {_shown(next(k for k in keys if keys.count(k) > 1))}")
+    return dict(pairs)
+
+
+def _shown(value: Any, limit: int = 60, plain: bool = False) -> str:
+    """Untrusted text as an error shows it: escaped (``repr``), at most ``limit`` characters; with
+    ``plain`` a name made of name characters only is shown as is."""
+    text = str(value)
+    if plain and re.fullmatch(r"[A-Za-z0-9_.:/-]{1,120}", text):
+        return text
+    out = repr(text[:limit])
+    return out if len(text) <= limit and len(out) <= limit + 3 else out[:limit] + "..."

@@ -21,7 +21,8 @@ class Reply:
     """One scripted reply: ``kind`` is good | status | bad_json_content | bad_body | drop | trickle.
 
     ``delay``: seconds before answering; ``trickle``: a good answer sent one byte every ``delay``
-    seconds, status line and headers included (a server that never lets a per-read timeout fire)."""
+    seconds, status line and headers included (a server that never lets a per-read timeout fire).
+    ``content``: the answer's text as given (any JSON or none); ``refusal``: the message's refusal."""
 
     kind: str = "good"
     phrases: list[str] | None = None
@@ -29,6 +30,8 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     message: str = "scripted error"
     delay: float = 0.0
+    content: str | None = None
+    refusal: str | None = None
 
 
 def good(phrases: list[str] | None = None) -> Reply:
@@ -90,8 +93,9 @@ class StubOpenAI:
         except (KeyError, StopIteration, TypeError):
             return None
         names = sorted(self.script, key=len, reverse=True)
-        for name in names:
-            if f'"{name.replace("_", " ")}"' in text:
+        for name in names:  # as written, or JSON-escaped (a name holding quotes or newlines)
+            shown = name.replace("_", " ")
+            if f'"{shown}"' in text or json.dumps(shown, ensure_ascii=False) in text:
                 return name
         start = text.find('"')
         return text[start + 1:text.find('"', start + 1)] if start >= 0 else None
@@ -149,10 +153,12 @@ class StubOpenAI:
                 k = _schema_k(body)
                 if reply.kind == "bad_json_content":
                     content = '{"attributes": ["striped coat", '
+                elif reply.content is not None:
+                    content = reply.content
                 else:
                     content = json.dumps({"attributes": reply.phrases if reply.phrases is not None
                                           else default_phrases(class_name or "thing", k)})
-                self._send(200, _completion(body, content))
+                self._send(200, _completion(body, content, reply.refusal))
 
             def _trickle(self, reply: Reply, body: Any, class_name: str | None) -> None:
                 content = json.dumps({"attributes": default_phrases(class_name or "thing", _schema_k(body))})
@@ -189,11 +195,11 @@ def _schema_k(body: Any) -> int:
         return 10
 
 
-def _completion(body: Any, content: str) -> dict[str, Any]:
+def _completion(body: Any, content: str, refusal: str | None = None) -> dict[str, Any]:
     return {
         "id": "chatcmpl-stub", "object": "chat.completion", "created": int(time.time()),
         "model": (body or {}).get("model", "stub"),
         "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": content, "refusal": None}}],
+                     "message": {"role": "assistant", "content": content, "refusal": refusal}}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30},
     }

@@ -10,7 +10,8 @@ Why it is built this way:
 - the output file is rewritten atomically after every class, so an interrupted or failed
   run keeps everything answered so far and a rerun asks only for what is missing;
 - the API key is read from the environment only and redacted from every message we emit; an
-  answer that contains it (a server echoing the request) is dropped and re-asked, never stored.
+  answer that contains it (a server echoing the request) is dropped and re-asked, never stored;
+  names and server texts are logged escaped, cut short (``prompt.shown``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tqdm import tqdm
 from fedmvp.attributes import prompt
 from fedmvp.attributes.files import (META_KEY, AttributeFileError, read_attribute_file,
                                      save_attributes)
-from fedmvp.attributes.prompt import OFFLINE_VERSION, offline_attributes
+from fedmvp.attributes.prompt import OFFLINE_VERSION, offline_attributes, shown
 
 log = logging.getLogger("fedmvp.attributes")
 
@@ -193,8 +194,8 @@ class AttributeClient:
             except prompt.InvalidAnswer as exc:
                 reason = self.redact(str(exc))
                 more = ", asking again" if attempt + 1 < tries else ""
-                log.warning("%s: invalid answer (%s)%s", class_name, reason, more)
-                if content:
+                log.warning("%s: invalid answer (%s)%s", shown(class_name), reason, more)
+                if content and len(content) <= prompt.MAX_ANSWER_CHARS:
                     messages = [*messages, {"role": "assistant", "content": content}]
                 messages = [*messages, prompt.reask_message(reason, k)]
         raise _ClassFailed(f"invalid answer after {tries} tries: {reason}")
@@ -275,7 +276,7 @@ class AttributeClient:
                 break
             delay = self._backoff(attempt) if delay is None else min(delay, cfg.retry_after_max)
             log.warning("%s: %s, retrying in %.1fs (attempt %d/%d)",
-                        class_name, what, delay, attempt + 2, attempts)
+                        shown(class_name), what, delay, attempt + 2, attempts)
             if self.stop.wait(delay):
                 raise _Stopped()
         if unreachable:
@@ -295,7 +296,7 @@ def _answer_text(response: Any) -> str | None:
     except (AttributeError, IndexError, TypeError):
         raise prompt.InvalidAnswer("the server's reply had no choices") from None
     if getattr(message, "refusal", None):
-        raise prompt.InvalidAnswer(f"the model refused: {message.refusal}")
+        raise prompt.InvalidAnswer(f"the model refused: {shown(str(message.refusal), quote=True)}")
     if getattr(choice, "finish_reason", None) == "length":
         raise prompt.InvalidAnswer("the answer was cut off at the token limit")
     return message.content
@@ -332,7 +333,7 @@ def _plan(class_names: list[str], attrs: dict[str, list[str]], offline_set: set[
             todo.append(name)
         elif len(phrases) < k or any(not p.strip() for p in phrases):
             log.warning("%s: stored phrases are unusable (%d, need %d non-empty), replacing them",
-                        name, len(phrases), k)
+                        shown(name), len(phrases), k)
             todo.append(name)
         else:
             kept.append(name)
@@ -408,9 +409,10 @@ def generate_attributes(class_names: list[str], out: str | os.PathLike,
                         for other in futures:
                             other.cancel()
                 except Exception as exc:  # noqa: BLE001 - one class failing must not lose the others
-                    reason = str(exc) if isinstance(exc, _ClassFailed) else f"{type(exc).__name__}: {exc}"
+                    detail = shown(client.redact(str(exc)), 200)  # an SDK error may quote the server's bytes
+                    reason = str(exc) if isinstance(exc, _ClassFailed) else f"{type(exc).__name__}: {detail}"
                     report.failed[name] = client.redact(reason)
-                    log.error("%s: %s", name, report.failed[name])
+                    log.error("%s: %s", shown(name), report.failed[name])
                 else:
                     attrs[name] = phrases
                     offline_set.discard(name)

@@ -16,6 +16,7 @@ import click
 from fedmvp.cli.common import FiniteFloat
 from fedmvp.attributes.files import (META_KEY, AttributeFileError, read_attribute_file,
                                      read_class_names)
+from fedmvp.attributes.prompt import listed, shown
 
 
 class BadInput(click.ClickException):
@@ -158,7 +159,7 @@ def generate(classes: Path | None, preset: str | None, out: Path | None, model: 
                    f"{len(report.skipped)} not asked")
     for name, reason in report.failed.items():
         if reason != report.aborted:
-            click.echo(f"error: {name}: {reason}", err=True)
+            click.echo(f"error: {shown(name)}: {reason}", err=True)
     if not report.ok:
         click.echo(f"error: {out}: answers so far are saved; rerun to ask for the "
                    f"{len(report.failed) + len(report.skipped)} missing ones", err=True)
@@ -200,16 +201,16 @@ def check(file: Path, classes: Path | None, preset: str | None, k: int, as_json:
                                "missing": missing, "problems": problems,
                                "offline_classes": offline, META_KEY: meta}, indent=2))
     else:
-        source = (", ".join(str(meta[key]) for key in ("model", "prompt_version", "updated")
+        source = (", ".join(shown(str(meta[key])) for key in ("model", "prompt_version", "updated")
                             if meta.get(key)) or "metadata without a model (offline templates)"
                   if meta else "no metadata (plain {class: [phrases]} file)")
         click.echo(f"{file}: {len(names)} classes, {source}")
         if offline:
             click.echo(f"note: {len(offline)} classes hold offline template phrases", err=True)
         if missing:
-            click.echo(f"error: {len(missing)} classes missing: {', '.join(missing)}", err=True)
+            click.echo(f"error: {len(missing)} classes missing: {listed(missing)}", err=True)
         for name, found in problems.items():
-            click.echo(f"error: {name}: {'; '.join(found)}", err=True)
+            click.echo(f"error: {shown(name)}: {'; '.join(found[:5])}", err=True)
         if ok:
             click.echo("ok")
     if not ok:

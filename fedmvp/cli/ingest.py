@@ -59,8 +59,9 @@ def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, wa
 
 
 def format_table(result) -> str:
-    """file | accepted/rejected | reason, then one line saying what was written."""
-    rows = [(v.file, "accepted" if v.accepted else "rejected",
+    """file | accepted/rejected | reason, then one line saying what was written. A device names its
+    file: a name with a newline or an escape sequence is shown escaped, so each file stays one row."""
+    rows = [(v.file if v.file.isprintable() else repr(v.file), "accepted" if v.accepted else "rejected",
              v.reason or (f"update norm {v.clipped_from:.4g} clipped" if v.clipped_from is not None else ""))
             for v in result.files]
     width = max([len("file")] + [len(r[0]) for r in rows])

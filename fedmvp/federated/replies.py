@@ -5,7 +5,16 @@ a stale reply of an earlier round, a NaN, a wrong shape or an oversized update m
 the global model. ``check_reply`` applies the rules in order and either returns the tensors to
 average (possibly clipped) or the reason the reply was left out. The server logs every
 rejection (node, site, reason) and records it in the round's state.json; the round goes on
-with the other replies. Its tensor checks (``tensor_problem``) and the update-norm bound
+with the other replies. A reason is one line: whatever the sender wrote in it is escaped and cut
+short (``shown``).
+
+Before those rules, ``reply_fields`` checks the records themselves: an ``ArrayRecord``, a
+``MetricRecord`` and a ``ConfigRecord`` identity, no key told twice with two values, every value
+the server later uses of the type it uses it as (a NaN loss or a string byte count would stop
+the round, not just this reply). ``wire_arrays`` converts the arrays only after their declared
+serialisation, dtype (float32 only, as every client sends), shape and byte count, and the .npy
+header inside the bytes, all match the round: ``np.load`` allocates whatever shape a header
+declares. Its tensor checks (``tensor_problem``) and the update-norm bound
 (``bound_update``) also judge the update files of `fedmvp ingest` (``ingest.py``).
 
 Two kinds of sender: a **site** (identified by the ``partition-id`` it serves; it sends the
@@ -16,13 +25,41 @@ tensors of its mode, at most its training set's images) and an **edge** device (
 
 from __future__ import annotations
 
+import io
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 NORM_ACTIONS = ("reject", "clip")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,120}")
+MAX_NPY_HEADER = 4096  # np.save writes 128 bytes for these shapes
+MAX_TEXT = 128  # a run id, a bundle id, a digest, a role
+FLAGS = ("lora-active", "switch-next", "refreshed")  # 0 or 1
+LOSSES = ("train-loss", "train-ce", "train-consistency", "refresh-seconds")  # finite numbers; train-loss required
+TEXTS = ("run-id", "role", "bundle-id", "promptformer-digest")
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``value`` as a one-line reason may show it: ``repr`` (newlines, ANSI escapes and every other
+    unprintable character escaped), at most ``limit`` characters. What a sender wrote never reaches
+    a terminal, a log or state.json raw, nor megabytes of it."""
+    if isinstance(value, (str, bytes)):
+        text = repr(value[:limit])
+        return text if len(value) <= limit and len(text) <= limit + 3 else text[:limit] + "..."
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return "a huge integer"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
+def name_shown(name: str) -> str:
+    """A tensor or record key as a reason shows it: as is when it looks like a name, else `shown`."""
+    return name if _PLAIN_NAME.fullmatch(name) else shown(name)
 
 
 @dataclass(frozen=True)
@@ -55,47 +92,130 @@ class Verdict:
 
 
 def _int(metrics: Any, key: str) -> int | None:
+    """``metrics[key]`` when it is an int (not a bool, not a float that happens to be whole)."""
+    value = metrics.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def reply_fields(content: RecordDict) -> tuple[ArrayRecord, dict[str, Any]] | str:
+    """A train reply's ``arrays`` record and its ``metrics`` and ``identity`` merged, or why the
+    records cannot be used. A key in both must have one value: the rules would otherwise check one
+    and the average use the other."""
     try:
-        value = metrics[key]
-    except KeyError:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        return None
-    return int(value) if float(value) == int(value) else None
+        arrays, metrics = content["arrays"], content["metrics"]
+        identity = content["identity"] if "identity" in content else ConfigRecord()
+    except KeyError as err:
+        return f"malformed reply (no {name_shown(str(err.args[0]))} record)"
+    if not (isinstance(arrays, ArrayRecord) and isinstance(metrics, MetricRecord)
+            and isinstance(identity, ConfigRecord)):
+        return "malformed reply (arrays, metrics, identity are not an ArrayRecord, a MetricRecord, a ConfigRecord)"
+    fields = dict(metrics)
+    for key, value in identity.items():
+        if key in fields and (type(fields[key]) is not type(value) or fields[key] != value):
+            return f"metrics and identity disagree on {name_shown(key)}"
+        fields[key] = value
+    for key in FLAGS:
+        if key in fields and _int(fields, key) not in (0, 1):
+            return f"{key} {shown(fields[key])} is not 0 or 1"
+    count = _int(fields, "refresh-bytes")
+    if "refresh-bytes" in fields and (count is None or count < 0):
+        return f"refresh-bytes {shown(fields['refresh-bytes'])} is not a byte count"
+    for key in LOSSES:
+        value = fields.get(key, 0.0 if key != "train-loss" else None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{key} {shown(value)} is not a finite number"
+    for key in TEXTS:
+        if key in fields and (not isinstance(fields[key], str) or len(fields[key]) > MAX_TEXT):
+            return f"{key} {shown(fields[key])} is not a string of at most {MAX_TEXT} characters"
+    return arrays, fields
 
 
-def check_reply(arrays: dict[str, np.ndarray], metrics: Any, *, rules: ReplyRules,
+def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, rules: ReplyRules,
                 global_state: dict[str, np.ndarray], expected_names: dict[int, set[str]],
                 declared_examples: dict[int, int]) -> Verdict:
     """Check one train reply. ``expected_names[site]``: the tensors that site was asked to send
     (LoRA only after its switch, else the PromptFormer); ``declared_examples[site]``: the most
     training images that site can hold (from the run record). An edge device (``role`` ``edge``)
-    must send exactly the round's LoRA tensors and at most ``rules.edge_max_examples`` images."""
+    must send exactly the round's LoRA tensors and at most ``rules.edge_max_examples`` images.
+    ``arrays`` as they came (an ArrayRecord: converted by `wire_arrays` once the names are right)."""
     edge = metrics.get("role") == "edge"
     site = None if edge else _int(metrics, "partition-id")
     role = "edge" if edge else "site"
     if not edge and (site is None or site not in expected_names):
-        return Verdict(site, reason=f"unknown site {metrics.get('partition-id')!r}")
+        return Verdict(site, reason=f"unknown site {shown(metrics.get('partition-id'))}")
     if metrics.get("run-id") != rules.run_id:
-        return Verdict(site, role=role, reason=f"reply of another run ({metrics.get('run-id')!r})")
+        return Verdict(site, role=role, reason=f"reply of another run ({shown(metrics.get('run-id'))})")
     if _int(metrics, "round") != rules.round:
-        return Verdict(site, role=role, reason=f"reply of round {metrics.get('round')!r}, not of round {rules.round}")
+        return Verdict(site, role=role,
+                       reason=f"reply of round {shown(metrics.get('round'))}, not of round {rules.round}")
     examples = _int(metrics, "num-examples")
     if examples is None or examples <= 0:
         return Verdict(site, role=role,
-                       reason=f"num-examples {metrics.get('num-examples')!r} is not a positive integer")
+                       reason=f"num-examples {shown(metrics.get('num-examples'))} is not a positive integer")
     bound = rules.edge_max_examples if edge else declared_examples.get(site, 0)
     if examples > bound:
         whose = f"an edge device's bound ([server] edge_max_examples {bound})" if edge \
             else f"the site's {bound} training images"
         return Verdict(site, role=role, reason=f"num-examples {examples} exceeds {whose}")
     wanted = {k for k in global_state if k.startswith("lora.")} if edge else expected_names[site]
-    problem = tensor_problem(arrays, global_state, wanted)
+    if isinstance(arrays, ArrayRecord):
+        arrays = wire_arrays(arrays, global_state, wanted)
+        if isinstance(arrays, str):
+            return Verdict(site, role=role, reason=arrays)
+    problem = tensor_problem(arrays, global_state, wanted, dtype=np.dtype(np.float32))
     if problem is not None:
         return Verdict(site, role=role, reason=problem)
     as_float32 = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(arrays)}
     kept, reason, clipped_from = bound_update(as_float32, global_state, rules.max_update_norm, rules.norm_action)
     return Verdict(site, arrays=kept, reason=reason, clipped_from=clipped_from, role=role)
+
+
+def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: set[str]
+                ) -> dict[str, np.ndarray] | str:
+    """A reply's arrays as float32 numpy, or why not, each judged before a byte of it is converted:
+    names exactly ``wanted``; the declared serialisation, dtype and shape the round's; the bytes a
+    .npy of exactly that (its header read with a bounded size, its data exactly the shape's)."""
+    problem = _names_problem(set(record.keys()), wanted)
+    if problem is not None:
+        return problem
+    out = {}
+    for name in sorted(wanted):
+        array, ref = record[name], reference[name]
+        if array.stype != "numpy.ndarray":
+            return f"{name}: serialisation {shown(array.stype)} is not numpy.ndarray"
+        if tuple(array.shape) != ref.shape:
+            return f"{name}: shape {_shape(array.shape)}, the round's is {list(ref.shape)}"
+        if array.dtype != "float32":
+            return f"{name}: dtype {shown(array.dtype)} is not float32"
+        stream, size = io.BytesIO(array.data), 4 * int(ref.size)
+        try:
+            if len(array.data) > size + MAX_NPY_HEADER:
+                raise ValueError(f"{len(array.data)} bytes")
+            read = {(1, 0): np.lib.format.read_array_header_1_0,
+                    (2, 0): np.lib.format.read_array_header_2_0}[np.lib.format.read_magic(stream)]
+            shape, fortran, dtype = read(stream, max_header_size=MAX_NPY_HEADER)
+            if tuple(shape) != ref.shape or dtype != np.float32 or len(array.data) - stream.tell() != size:
+                raise ValueError(f"they hold {dtype} {_shape(shape)} in {len(array.data) - stream.tell()} bytes")
+        except (ValueError, KeyError, TypeError, SyntaxError) as err:
+            text = " ".join(str(err).split())
+            return f"{name}: the bytes are not a .npy of float32 {list(ref.shape)} " \
+                   f"({text[:100] if text[:100].isprintable() else shown(text, 100)})"
+        out[name] = np.frombuffer(array.data, np.float32, int(ref.size), stream.tell()).reshape(
+            ref.shape, order="F" if fortran else "C").copy()
+    return out
+
+
+def _shape(shape: Any) -> str:
+    return str(list(shape)) if len(shape) <= 8 else f"of {len(shape)} dimensions"
+
+
+def _names_problem(names: set[str], wanted: set[str]) -> str | None:
+    if names == wanted:
+        return None
+    missing, extra = sorted(wanted - names), sorted(names - wanted)
+    parts = ([f"missing {_listed(missing)}"] if missing else []) + \
+            ([f"unexpected {_listed(extra)}"] if extra else [])
+    return f"tensor names do not match the round ({'; '.join(parts)})"
 
 
 def tensor_problem(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], wanted: set[str],
@@ -104,11 +224,9 @@ def tensor_problem(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarra
     reference's shapes, floating point (exactly ``dtype`` when given), all finite. Shared by the
     server's replies and `fedmvp ingest`'s update files."""
     names = set(arrays)
-    if names != wanted:
-        missing, extra = sorted(wanted - names), sorted(names - wanted)
-        parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
-                ([f"unexpected {', '.join(extra[:3])}"] if extra else [])
-        return f"tensor names do not match the round ({'; '.join(parts)})"
+    problem = _names_problem(names, wanted)
+    if problem is not None:
+        return problem
     for name in sorted(names):
         value, ref = arrays[name], reference.get(name)
         if ref is None or tuple(value.shape) != tuple(ref.shape):
@@ -119,6 +237,12 @@ def tensor_problem(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarra
         if not np.all(np.isfinite(value)):
             return f"{name}: holds NaN or infinite values"
     return None
+
+
+def _listed(names: list[str], first: int = 3) -> str:
+    """The first names (escaped) and how many more: a reason stays one bounded line."""
+    more = f" and {len(names) - first} more" if len(names) > first else ""
+    return ", ".join(name_shown(n) for n in names[:first]) + more
 
 
 def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], max_norm: float | None,

@@ -39,7 +39,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
-from fedmvp.federated.replies import ReplyRules, check_reply
+from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
 from fedmvp.federated.wire import array_record, numpy_state, promptformer_digest
 
 
@@ -255,15 +255,15 @@ class FedMVPStrategy:
             if msg.has_error():
                 self._reject(round_number, node, None, f"the client failed: {msg.error.reason}")
                 continue
-            try:
-                metrics, arrays = dict(msg.content["metrics"]), numpy_state(msg.content["arrays"])
-                identity = dict(msg.content["identity"]) if "identity" in msg.content else {}
-            except (KeyError, TypeError, ValueError) as err:
-                self._reject(round_number, node, None, f"malformed reply ({err})")
+            fields = reply_fields(msg.content)  # the records checked; arrays converted only once checked
+            if isinstance(fields, str):
+                self._reject(round_number, node, None, fields)
                 continue
+            arrays, metrics = fields
+            identity = metrics  # one merged record: a key told in both had one value
             if self.policy.sampling == "sites" and metrics.get("num-examples") == 0 and not arrays:
                 continue  # a site not selected this round
-            verdict = check_reply(arrays, {**metrics, **identity}, rules=rules, global_state=self.global_state,
+            verdict = check_reply(arrays, metrics, rules=rules, global_state=self.global_state,
                                   expected_names=expected, declared_examples=self.declared_examples)
             if not verdict.accepted:
                 self.known.pop(node, None)  # next round it gets the whole global state again

@@ -32,7 +32,7 @@ def check(arrays=None, rules=None, **identity):
     ({"arrays": {"lora.a": GOOD["lora.a"]}}, "tensor names do not match the round (missing lora.b)"),
     ({"arrays": {**GOOD, "promptformer.x": GOOD["lora.b"]}}, "unexpected promptformer.x"),
     ({"arrays": {**GOOD, "lora.b": np.zeros(5, np.float32)}}, "lora.b: shape [5], the round's is [4]"),
-    ({"arrays": {**GOOD, "lora.b": np.zeros(4, np.int32)}}, "lora.b: dtype int32 is not floating point"),
+    ({"arrays": {**GOOD, "lora.b": np.zeros(4, np.int32)}}, "lora.b: dtype int32 is not float32"),
     ({"arrays": {**GOOD, "lora.b": np.array([0, np.nan, 0, 0], np.float32)}}, "lora.b: holds NaN or infinite"),
     ({"arrays": {**GOOD, "lora.a": np.full((2, 3), np.inf, np.float32)}}, "lora.a: holds NaN or infinite"),
     ({"rules": ReplyRules(run_id="r1", round=5, max_update_norm=0.1)}, "update norm 0.3162 exceeds the bound 0.1"),

@@ -1,0 +1,193 @@
+"""Flower replies as a hostile SuperNode sends them: each is left out with a logged reason, nothing averaged.
+
+Rows are real Flower records (``ArrayRecord`` of ``Array`` built from raw dtype/shape/stype/bytes as
+they arrive off the wire, ``MetricRecord``, ``ConfigRecord``) in a real ``Message``, handed to the
+strategy's ``aggregate_train`` beside one good reply: the round must average exactly the good one,
+record the hostile one's reason (one printable line, bounded) and raise nothing. Arrays must be
+refused by their declared shape and bytes before anything is converted (tracemalloc: no copy).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import tracemalloc
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
+
+RUN = "run-1"
+SHAPE = (2, 3)
+ANSI = "\x1b[31m\nFAKE accepted\x1b[0m\r"
+MAX_REASON = 300
+
+
+@pytest.fixture(autouse=True)
+def _flower_run_identity():
+    """Messages are built inside a Flower run; outside one, give them a run id."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+
+
+def npy(array: np.ndarray | None = None, *, descr: str = "<f4", shape: tuple = SHAPE, payload: bytes | None = None,
+        fortran: bool = False) -> bytes:
+    """.npy bytes; with ``payload`` the header says ``descr``/``shape`` whatever the bytes are."""
+    if array is not None:
+        stream = io.BytesIO()
+        np.save(stream, array, allow_pickle=False)
+        return stream.getvalue()
+    header = repr({"descr": descr, "fortran_order": fortran, "shape": shape}).encode()
+    header += b" " * (63 - (10 + len(header)) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + (payload or b"")
+
+
+def wire(dtype: str = "float32", shape: tuple = SHAPE, data: bytes | None = None, stype: str = "numpy.ndarray"
+         ) -> Array:
+    """An Array as it arrives: its declared fields and bytes, each the sender's to choose."""
+    return Array(dtype=dtype, shape=tuple(shape), stype=stype,
+                 data=npy(np.ones(SHAPE, np.float32)) if data is None else data)
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """A reply from site 1 (node 101): what it changes of a good reply, and the reason fragment."""
+
+    id: str
+    reason: str
+    arrays: dict[str, Array] | None = None  # replaces the ArrayRecord's entries
+    metrics: dict[str, Any] = field(default_factory=dict)  # merged into the good MetricRecord (None: drop key)
+    identity: dict[str, Any] = field(default_factory=dict)  # merged into the good ConfigRecord (None: drop key)
+    records: dict[str, Any] = field(default_factory=dict)  # replaces whole records (None: drop the record)
+    edge: bool = False
+
+
+def _many() -> dict[str, Array]:
+    return {"lora.a": wire(), **{f"lora.z{i:05d}": wire(shape=(1,), data=npy(np.ones(1, np.float32)))
+                                 for i in range(2000)}}
+
+
+ROWS = [
+    # arrays, before they are converted
+    Hostile("4-TiB-declared", "shape", {"lora.a": wire(shape=(2 ** 40,), data=npy(shape=(2 ** 40,), payload=b"x" * 24))}),
+    Hostile("npy-header-lies-4-TiB", ".npy", {"lora.a": wire(data=npy(shape=(2 ** 40,), payload=b"x" * 24))}),
+    Hostile("16-MB-array", "shape", {"lora.a": wire(shape=(4_000_000,), data=npy(np.ones(4_000_000, np.float32)))}),
+    Hostile("float64", "not float32", {"lora.a": wire("float64", data=npy(np.ones(SHAPE, np.float64)))}),
+    Hostile("float16", "not float32", {"lora.a": wire("float16", data=npy(np.ones(SHAPE, np.float16)))}),
+    Hostile("float64-declared-float32", ".npy", {"lora.a": wire(data=npy(np.ones(SHAPE, np.float64)))}),
+    Hostile("big-endian-float32", ".npy", {"lora.a": wire(data=npy(np.ones(SHAPE, ">f4")))}),
+    Hostile("int32", "not float32", {"lora.a": wire("int32", data=npy(np.ones(SHAPE, np.int32)))}),
+    Hostile("int64", "not float32", {"lora.a": wire("int64", data=npy(np.ones(SHAPE, np.int64)))}),
+    Hostile("bool", "not float32", {"lora.a": wire("bool", data=npy(np.ones(SHAPE, bool)))}),
+    Hostile("complex64", "not float32", {"lora.a": wire("complex64", data=npy(np.ones(SHAPE, np.complex64)))}),
+    Hostile("object-pickle", "not float32", {"lora.a": wire("object", data=npy(descr="|O", payload=b"\x80\x04N."))}),
+    Hostile("object-declared-float32", ".npy", {"lora.a": wire(data=npy(descr="|O", payload=b"\x80\x04N."))}),
+    Hostile("wrong-shape", "shape [3, 2]", {"lora.a": wire(shape=(3, 2), data=npy(np.ones((3, 2), np.float32)))}),
+    Hostile("scalar", "shape []", {"lora.a": wire(shape=(), data=npy(np.float32(1.0).reshape(())))}),
+    Hostile("1000-dimensions", "shape", {"lora.a": wire(shape=(1,) * 1000, data=npy(shape=(1,) * 1000, payload=b""))}),
+    Hostile("truncated-bytes", ".npy", {"lora.a": wire(data=npy(np.ones(SHAPE, np.float32))[:-5])}),
+    Hostile("not-npy", ".npy", {"lora.a": wire(data=b"\x80\x04\x95" + b"x" * 40)}),
+    Hostile("torch-serialisation", "serialisation", {"lora.a": wire(stype="torch.Tensor")}),
+    Hostile("2000-names", "and 1997 more", _many()),
+    Hostile("ansi-name", "unexpected", {"lora.a": wire(), f"lora.{ANSI}": wire()}),
+    # metrics and identity
+    Hostile("no-metrics", "malformed reply", records={"metrics": None}),
+    Hostile("metrics-as-config-record", "malformed reply", records={"metrics": ConfigRecord(
+        {"num-examples": "8", "partition-id": 1, "train-loss": 0.5})}),
+    Hostile("num-examples-only-in-identity", "train-loss", metrics={"num-examples": None, "train-loss": None},
+            identity={"num-examples": 8}),
+    Hostile("identity-and-metrics-disagree", "disagree on num-examples", metrics={"num-examples": 10 ** 9},
+            identity={"num-examples": 8}),
+    Hostile("num-examples-float", "not a positive integer", metrics={"num-examples": 8.0}),
+    Hostile("num-examples-2.5", "not a positive integer", metrics={"num-examples": 2.5}),
+    Hostile("num-examples-negative", "not a positive integer", metrics={"num-examples": -3}),
+    Hostile("num-examples-nan", "not a positive integer", metrics={"num-examples": float("nan")}),
+    Hostile("num-examples-inf", "not a positive integer", metrics={"num-examples": float("inf")}),
+    Hostile("num-examples-list", "not a positive integer", metrics={"num-examples": [8]}),
+    Hostile("num-examples-2**70", "exceeds the site's 10", metrics={"num-examples": 2 ** 70}),
+    Hostile("train-loss-nan", "train-loss", metrics={"train-loss": float("nan")}),
+    Hostile("train-loss-inf", "train-loss", metrics={"train-loss": float("-inf")}),
+    Hostile("train-loss-list", "train-loss", metrics={"train-loss": [0.1, 0.2]}),
+    Hostile("train-loss-absent", "train-loss", metrics={"train-loss": None}),
+    Hostile("lora-active-nan", "lora-active", metrics={"lora-active": float("nan")}),
+    Hostile("switch-next-7", "switch-next", metrics={"switch-next": 7}),
+    Hostile("run-id-1MB", "run-id 'rrr", identity={"run-id": "r" * (1 << 20)}),
+    Hostile("run-id-ansi", "reply of another run", identity={"run-id": ANSI}),
+    Hostile("run-id-bytes", "run-id b'run-1' is not a string", identity={"run-id": RUN.encode()}),
+    Hostile("partition-id-1MB", "unknown site", identity={"partition-id": "1" * (1 << 20)},
+            metrics={"partition-id": None}),
+    Hostile("partition-id-float", "unknown site", identity={"partition-id": 1.0}, metrics={"partition-id": None}),
+    Hostile("round-string", "reply of round '1'", identity={"round": "1"}),
+    Hostile("round-float", "reply of round 1.0", identity={"round": 1.0}),
+    Hostile("edge-refresh-bytes-string", "refresh-bytes", identity={"refresh-bytes": "x"}, edge=True),
+    Hostile("edge-refresh-bytes-negative", "refresh-bytes", identity={"refresh-bytes": -5}, edge=True),
+    Hostile("edge-bundle-id-1MB", "bundle-id", identity={"bundle-id": "b" * (1 << 20)}, edge=True),
+    Hostile("edge-digest-list", "promptformer-digest", identity={"promptformer-digest": ["d1"]}, edge=True),
+    Hostile("edge-role-ansi", "unknown site", identity={"role": ANSI}, edge=True),
+]
+
+
+def message(node: int, site: int, arrays: dict[str, Array], row: Hostile | None = None) -> Message:
+    """A train reply of ``site`` (or an edge device) from ``node``, changed as ``row`` says."""
+    row = row or Hostile("good", "")
+    metrics = {"num-examples": 8, "train-loss": 0.5, "train-ce": 0.4, "train-consistency": 0.1,
+               "lora-active": 1, "switch-next": 0, **({} if row.edge else {"partition-id": site})}
+    identity = {"round": 1, "run-id": RUN, **({"role": "edge", "bundle-id": "b" * 64, "promptformer-digest": "d1",
+                                                "refreshed": 0, "refresh-bytes": 0} if row.edge
+                                               else {"partition-id": site})}
+    metrics = {k: v for k, v in (metrics | row.metrics).items() if v is not None}
+    identity = {k: v for k, v in (identity | row.identity).items() if v is not None}
+    records = {"arrays": ArrayRecord(row.arrays or arrays), "metrics": MetricRecord(metrics),
+               "identity": ConfigRecord(identity)} | row.records
+    msg = Message(content=RecordDict({k: v for k, v in records.items() if v is not None}), dst_node_id=1,
+                  message_type="train")
+    msg.metadata._src_node_id = node
+    return msg
+
+
+def strategy() -> FedMVPStrategy:
+    made = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=2, run_id=RUN,
+                          declared_examples={0: 10, 1: 10}, lora_clients=[0, 1],
+                          policy=RoundPolicy(sampling="nodes", min_nodes=1))
+    made.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(SHAPE, np.float32)}
+    return made
+
+
+GOOD = np.full(SHAPE, 0.25, np.float32)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
+def test_a_hostile_reply_is_left_out_and_nothing_of_it_averaged(row: Hostile, caplog) -> None:
+    server = strategy()
+    replies = [message(100, 0, {"lora.a": Array(GOOD)}), message(101, 1, {"lora.a": wire()}, row)]
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            arrays, metrics = server.aggregate_train(1, replies)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # nothing the hostile reply declared was materialised
+    assert np.array_equal(arrays["lora.a"].numpy(), GOOD) and metrics["clients"] == 1
+    assert metrics["train-loss"] == 0.5
+    [rejected] = server.rejected
+    reason = rejected["reason"]
+    assert rejected["node"] == 101 and row.reason in reason, reason[:2000]
+    assert reason.isprintable() and len(reason) <= MAX_REASON, repr(reason[:2000])
+    assert any("node 101" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+    assert 101 not in server.known
+
+
+def test_the_good_reply_alone_is_accepted() -> None:
+    """The rows' baseline: the same reply unchanged from site 1 counts."""
+    server = strategy()
+    arrays, metrics = server.aggregate_train(1, [message(100, 0, {"lora.a": Array(GOOD)}),
+                                                 message(101, 1, {"lora.a": wire()})])
+    assert server.rejected == [] and metrics["clients"] == 2
+    np.testing.assert_allclose(arrays["lora.a"].numpy(), (GOOD + 1) / 2)
