@@ -130,6 +130,29 @@ def reply_fields(content: RecordDict) -> tuple[ArrayRecord, dict[str, Any]] | st
     return arrays, fields
 
 
+def _count_pair(metrics: dict, name: str) -> tuple[int, int] | None:
+    """(correct, total) of ``name`` when both are ints (not bools, not floats) with 0 <= correct <= total."""
+    correct, total = _int(metrics, f"{name}:correct"), _int(metrics, f"{name}:total")
+    return (correct, total) if correct is not None and total is not None and 0 <= correct <= total else None
+
+
+def edge_counts(identity: dict, metrics: dict, run_id: str, round_number: int) -> tuple[int, int] | None:
+    """(correct, total) of an edge device's evaluation reply, None if it is not one of this round's
+    or its counts make no sense."""
+    if identity.get("run-id") != run_id or identity.get("round") != round_number:
+        return None
+    return _count_pair(metrics, "edge")
+
+
+def site_counts(metrics: dict, assignment: dict[str, int], site: int) -> dict[str, tuple[int, int]]:
+    """A site's evaluation counts by set: its ``local`` set and the sets ``assignment`` gives it, each
+    kept only when its counts are integers that make sense (a NaN, a float or a negative count, or
+    more correct than total, leaves that set out rather than stopping the server)."""
+    names = {key.rpartition(":")[0] for key in metrics if key.endswith(":correct")}
+    kept = {name: _count_pair(metrics, name) for name in names if name == "local" or assignment.get(name) == site}
+    return {name: pair for name, pair in kept.items() if pair is not None}
+
+
 def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, rules: ReplyRules,
                 global_state: dict[str, np.ndarray], expected_names: dict[int, set[str]],
                 declared_examples: dict[int, int]) -> Verdict:

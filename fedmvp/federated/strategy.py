@@ -39,7 +39,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
-from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
+from fedmvp.federated.replies import ReplyRules, check_reply, edge_counts, reply_fields, shown, site_counts
 from fedmvp.federated.wire import array_record, numpy_state, promptformer_digest
 
 
@@ -125,17 +125,6 @@ def _reply_record(node: int, verdict, metrics: dict, identity: dict) -> dict:
     if verdict.clipped_from is not None:
         record["clipped_from"] = verdict.clipped_from
     return record
-
-
-def _edge_counts(identity: dict, metrics: dict, run_id: str, round_number: int) -> tuple[int, int] | None:
-    """(correct, total) of an edge device's evaluation reply, None if it is not one of this round's
-    or its counts make no sense."""
-    if identity.get("run-id") != run_id or identity.get("round") != round_number:
-        return None
-    correct, total = metrics.get("edge:correct"), metrics.get("edge:total")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (correct, total)):
-        return None
-    return (correct, total) if 0 <= correct <= total else None
 
 
 class RoundFailed(RuntimeError):
@@ -335,37 +324,30 @@ class FedMVPStrategy:
         messages = [Message(content=RecordDict({"arrays": arrays, "config": config}),
                             message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
         counts: dict[int, dict[str, tuple[int, int]]] = {}
-        edge_counts: dict[int, tuple[int, int]] = {}
+        edge_counts_by_node: dict[int, tuple[int, int]] = {}
         for msg in grid.send_and_receive(messages, timeout=self.policy.round_timeout):
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
                 log(WARNING, "evaluation of round %s: node %s failed: %s", round_number, node, msg.error.reason)
                 continue
             identity = dict(msg.content["identity"]) if "identity" in msg.content else {}
+            metrics = dict(msg.content["metrics"]) if "metrics" in msg.content else {}
             if identity.get("role") == "edge":
-                pair = _edge_counts(identity, dict(msg.content["metrics"]), self.run_id, round_number)
+                pair = edge_counts(identity, metrics, self.run_id, round_number)
                 if pair is not None:
-                    edge_counts[node] = pair
+                    edge_counts_by_node[node] = pair
                 continue
             site = identity.get("partition-id")
             if identity.get("run-id") != self.run_id or identity.get("round") != round_number or \
-                    site not in range(self.num_clients) or site in counts:
+                    not isinstance(site, int) or site not in range(self.num_clients) or site in counts:
                 log(WARNING, "evaluation of round %s: reply of node %s left out (identity %s)", round_number, node,
-                    identity)
+                    shown(identity, 200))
                 continue
-            site_counts: dict[str, tuple[int, int]] = {}
-            metrics = dict(msg.content["metrics"])
-            for key, value in metrics.items():
-                name, _, part = key.rpartition(":")
-                if part == "correct" and f"{name}:total" in metrics:
-                    correct, total = int(value), int(metrics[f"{name}:total"])
-                    if 0 <= correct <= total and (name == "local" or assignment.get(name) == site):
-                        site_counts[name] = (correct, total)
-            counts[site] = site_counts
+            counts[site] = site_counts(metrics, assignment, site)
         result = {**combine_counts(record, counts), "eval_sites": len(counts)}
-        if edge_counts:
-            correct, total = (sum(c[i] for c in edge_counts.values()) for i in (0, 1))
-            result |= {"edge_acc": correct / total if total else None, "edge_devices": len(edge_counts)}
+        if edge_counts_by_node:
+            correct, total = (sum(c[i] for c in edge_counts_by_node.values()) for i in (0, 1))
+            result |= {"edge_acc": correct / total if total else None, "edge_devices": len(edge_counts_by_node)}
         return result
 
     # ---- the rounds ---------------------------------------------------------------------------------------

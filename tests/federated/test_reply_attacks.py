@@ -191,3 +191,39 @@ def test_the_good_reply_alone_is_accepted() -> None:
                                                  message(101, 1, {"lora.a": wire()})])
     assert server.rejected == [] and metrics["clients"] == 2
     np.testing.assert_allclose(arrays["lora.a"].numpy(), (GOOD + 1) / 2)
+
+
+# ---- evaluation replies: the counts a node reports, checked before they are combined ----------------------
+EVAL_COUNTS = {"local:correct": 3, "local:total": 4, "shapes/new:correct": 1, "shapes/new:total": 2}
+
+
+@pytest.mark.parametrize("change,kept", [
+    ({}, {"local": (3, 4), "shapes/new": (1, 2)}),
+    ({"local:correct": float("nan")}, {"shapes/new": (1, 2)}),
+    ({"local:correct": float("inf")}, {"shapes/new": (1, 2)}),
+    ({"local:total": 4.0}, {"shapes/new": (1, 2)}),
+    ({"local:correct": -1}, {"shapes/new": (1, 2)}),
+    ({"local:correct": 5}, {"shapes/new": (1, 2)}),
+    ({"local:correct": True}, {"shapes/new": (1, 2)}),
+    ({"local:total": [4]}, {"shapes/new": (1, 2)}),
+    ({"shapes/other:correct": 1, "shapes/other:total": 1}, {"local": (3, 4), "shapes/new": (1, 2)}),  # not its set
+], ids=["good", "nan", "inf", "float", "negative", "more-than-total", "bool", "list", "unassigned-set"])
+def test_a_sites_evaluation_counts_are_kept_only_when_they_make_sense(change, kept):
+    """A NaN count used to stop the server (int(nan) raised inside the strategy); now that set is left out."""
+    from fedmvp.federated.replies import site_counts
+
+    assert site_counts({**EVAL_COUNTS, **change}, {"shapes/new": 0, "shapes/other": 1}, 0) == kept
+
+
+@pytest.mark.parametrize("metrics,identity,pair", [
+    ({"edge:correct": 2, "edge:total": 5}, {}, (2, 5)),
+    ({"edge:correct": float("nan"), "edge:total": 5}, {}, None),
+    ({"edge:correct": 2.0, "edge:total": 5}, {}, None),
+    ({"edge:correct": 6, "edge:total": 5}, {}, None),
+    ({"edge:correct": 2, "edge:total": 5}, {"round": 2}, None),
+    ({"edge:correct": 2, "edge:total": 5}, {"run-id": "other"}, None),
+], ids=["good", "nan", "float", "more-than-total", "other-round", "other-run"])
+def test_an_edge_devices_evaluation_counts(metrics, identity, pair):
+    from fedmvp.federated.replies import edge_counts
+
+    assert edge_counts({"run-id": "r1", "round": 1, **identity}, metrics, "r1", 1) == pair
