@@ -1,3 +1,44 @@
-"""fedmvp: FedMVP federated multimodal visual prompt tuning for CLIP (training core)."""
+"""fedmvp: FedMVP federated multimodal visual prompt tuning for CLIP (training core).
+
+The public API is ``__all__``. Each name is imported on first use (PEP 562 ``__getattr__``) so that
+``import fedmvp`` stays cheap: the CLI and the device tooling read ``__version__`` without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers (and the import-graph test) see; at run time see __getattr__
+    from fedmvp.clip import ClipLoadError, LoadedClip, load_clip
+    from fedmvp.federated.prepare import prepare_run
+    from fedmvp.model import FedMVP, FedMVPConfig
+    from fedmvp.presets.schema import Preset, load_preset
+    from fedmvp.promptformer import PromptFormer, PromptFormerConfig
+    from fedmvp.runs import Checkpoint, RunDir, RunError
+
+_HOMES = {
+    "FedMVP": "fedmvp.model", "FedMVPConfig": "fedmvp.model",
+    "PromptFormer": "fedmvp.promptformer", "PromptFormerConfig": "fedmvp.promptformer",
+    "load_clip": "fedmvp.clip", "LoadedClip": "fedmvp.clip", "ClipLoadError": "fedmvp.clip",
+    "RunDir": "fedmvp.runs", "RunError": "fedmvp.runs", "Checkpoint": "fedmvp.runs",
+    "load_preset": "fedmvp.presets.schema", "Preset": "fedmvp.presets.schema",
+    "prepare_run": "fedmvp.federated.prepare",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use and keep the name (later lookups skip this)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
