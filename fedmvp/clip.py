@@ -23,6 +23,8 @@ import open_clip
 import torch
 from torch import nn
 
+from fedmvp.tiny_tokenizer import CompactTokenizer
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 MODEL_CONFIG_DIR = PACKAGE_DIR / "model_configs"
 REGISTRY = json.loads((MODEL_CONFIG_DIR / "registry.json").read_text())
@@ -75,8 +77,6 @@ def build_tokenizer(name: str) -> Callable:
     """The model's own tokenizer: a registered compact one, else open_clip's."""
     spec = REGISTRY["tokenizers"].get(name)
     if spec and spec["type"] == "compact":
-        from fedmvp.synthetic.tokenizer import CompactTokenizer
-
         text_cfg = open_clip.get_model_config(name)["text_cfg"]
         return CompactTokenizer.from_file(PACKAGE_DIR / spec["vocab"], text_cfg["vocab_size"],
                                           text_cfg["context_length"])

@@ -138,3 +138,9 @@ def test_the_dispatcher_imports_each_side_only_inside_its_handlers():
     names = [alias.name for n in top_level for alias in n.names] + \
         [n.module or "" for n in top_level if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if n.split(".")[0] in ("fedmvp", "edge_client", "export")]
+
+
+def test_the_backbone_loader_needs_no_synthetic_world(graph):
+    """`fedmvp.clip` loads every CLIP, the tiny one too; its tokenizer lives beside it, not in synthetic/."""
+    assert sorted(t for t in graph["fedmvp.clip"] if t.startswith("fedmvp.synthetic")) == []
+    assert "fedmvp.tiny_tokenizer" in graph["fedmvp.clip"]

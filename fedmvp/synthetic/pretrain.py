@@ -188,7 +188,7 @@ def normaliser(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 def write_vocab(path: Path) -> int:
     """Regenerate the compact tokenizer's kept-ids file from every text of the world."""
     from fedmvp.atomic import write_text
-    from fedmvp.synthetic.tokenizer import CompactTokenizer
+    from fedmvp.tiny_tokenizer import CompactTokenizer
 
     ids = CompactTokenizer.kept_ids_for(world_texts())
     doc = ("BPE ids kept by the fedmvp-tiny tokenizer: every token of the synthetic world's texts. "
