@@ -218,7 +218,8 @@ def promptformer_section(model: FedMVP, edge: EdgeClassifier, external: set[str]
     if uncovered or absent:
         raise ExportError(f"the PromptFormer does not fit {REFRESH_DERIVE} (neither copied nor derived: "
                           f"{', '.join(uncovered) or '-'}; missing: {', '.join(absent) or '-'})")
-    embedded = sorted({*copy.values(), *TEXT_CONSTANTS} - external) if external is not None else []
+    read = {*copy.values(), *TEXT_CONSTANTS} - edge.unread_constants()
+    embedded = sorted(read - external) if external is not None else []
     if embedded:
         raise ExportError(f"the fp32 ONNX model embeds {', '.join(embedded[:3])} instead of reading it from "
                           f"weights.safetensors: a refresh could not update it")

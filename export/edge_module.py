@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from export.errors import ExportError
 from fedmvp.model import LORA_PREFIX, PROMPTFORMER_PREFIX, FedMVP
-from fedmvp.prompted_vit import encode_tokens, patch_embeds
+from fedmvp.prompted_vit import encode_tokens, patch_embeds, prompted
 
-TARGETS = ("to_q", "to_k", "to_v")
+SPLIT_TARGETS = ("to_q", "to_k", "to_v")  # the projections whose LoRA the edge graph adds as a separate delta
+CONTEXT_OF = {"to_k": "text.key_context", "to_v": "text.value_context"}  # read only by that LoRA's delta
 
 
 @contextlib.contextmanager
@@ -34,6 +36,20 @@ def no_mha_fastpath() -> Iterator[None]:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(previous)
+
+
+def lora_targets(model: FedMVP) -> tuple[str, ...]:
+    """The projections that carry LoRA, from the method record the model was rebuilt from (``lora_targets``).
+
+    Why from the record: a run trained with LoRA on q and v only has no k tensors to export, and a
+    neutral LoRA for a no-LoRA run must have the shapes the record names. In SPLIT_TARGETS order, so a
+    record's order does not change the graph's input order."""
+    recorded = tuple(model.config.lora_targets)
+    unknown = sorted(set(recorded) - set(SPLIT_TARGETS))
+    if unknown or not recorded:
+        raise ExportError(f"method record: lora_targets {list(recorded)} cannot be exported; the edge graph "
+                          f"carries LoRA on {', '.join(SPLIT_TARGETS)} (one or more)")
+    return tuple(t for t in SPLIT_TARGETS if t in recorded)
 
 
 def lora_name(target: str, part: str) -> str:
@@ -75,16 +91,17 @@ class EdgeClassifier(nn.Module):
 
     def __init__(self, model: FedMVP, text_features: torch.Tensor, lora: dict[str, torch.Tensor]):
         super().__init__()
-        self.visual = model.clip.visual
+        self.visual = prompted(model.clip.visual)  # typed before tracing: the export sees plain methods
         self.prompt = PromptHead(model)
-        self.lora_names = [lora_name(t, p) for t in TARGETS for p in ("A", "B")]
+        self.lora_targets = lora_targets(model)
+        self.lora_names = [lora_name(t, p) for t in self.lora_targets for p in ("A", "B")]
         self.lora_scaling = lora_scaling(model)
         attn = model.promptformer.block.attn
         with torch.no_grad():
             feats = text_features.detach().float().to(self.prompt.pool.device)
             raw = model.promptformer.context(feats)[0]  # [C*K, D]: the value context
             key = model.promptformer.block.norm_context(raw)  # [C*K, D]: the key context
-            base = {t: getattr(getattr(attn, t), "base_layer", getattr(attn, t)) for t in TARGETS}
+            base = {t: getattr(getattr(attn, t), "base_layer", getattr(attn, t)) for t in SPLIT_TARGETS}
             text = {
                 "text.key_context": key, "text.value_context": raw,
                 "text.key_base": base["to_k"](key), "text.value_base": base["to_v"](raw),
@@ -106,6 +123,11 @@ class EdgeClassifier(nn.Module):
         named = {**dict(self.named_parameters()), **dict(self.named_buffers())}
         return {k: v for k, v in named.items() if k not in self.lora_names}
 
+    def unread_constants(self) -> set[str]:
+        """Baked text contexts the graph never reads: a context feeds only its projection's LoRA delta, so
+        without LoRA there the ONNX export drops it (a refresh still rewrites it in weights.safetensors)."""
+        return {context for target, context in CONTEXT_OF.items() if target not in self.lora_targets}
+
     def tensor(self, dotted: str) -> torch.Tensor:
         """A tensor by FQN via attribute lookup (works when functional_call swapped it for a plain tensor)."""
         obj = self
@@ -113,11 +135,15 @@ class EdgeClassifier(nn.Module):
             obj = getattr(obj, part)
         return obj
 
-    def _lora_delta(self, x: torch.Tensor, target: str) -> torch.Tensor:
+    def _plus_lora(self, base: torch.Tensor, x: torch.Tensor, target: str) -> torch.Tensor:
+        """``base`` plus ``x``'s LoRA delta on ``target``; ``base`` alone where the record puts no LoRA on
+        ``target`` (decided at export, so the graph holds no zero delta)."""
+        if target not in self.lora_targets:
+            return base
         a = self.tensor(lora_name(target, "A"))
         b = self.tensor(lora_name(target, "B"))
         delta = (x @ a.t()) @ b.t()
-        return delta * self.lora_scaling if self.lora_scaling != 1.0 else delta
+        return base + (delta * self.lora_scaling if self.lora_scaling != 1.0 else delta)
 
     # ---- forward ------------------------------------------------------------------------------
     def prompts(self, patches: torch.Tensor) -> torch.Tensor:
@@ -126,9 +152,9 @@ class EdgeClassifier(nn.Module):
         b, p, d = patches.shape
         hd = d // head.heads
         nq = head.norm_query(patches)
-        q = head.to_q(nq) + self._lora_delta(nq, "to_q")
-        k = self.tensor("text.key_base") + self._lora_delta(self.tensor("text.key_context"), "to_k")
-        v = self.tensor("text.value_base") + self._lora_delta(self.tensor("text.value_context"), "to_v")
+        q = self._plus_lora(head.to_q(nq), nq, "to_q")
+        k = self._plus_lora(self.tensor("text.key_base"), self.tensor("text.key_context"), "to_k")
+        v = self._plus_lora(self.tensor("text.value_base"), self.tensor("text.value_context"), "to_v")
         q = q.view(b, p, head.heads, hd).transpose(1, 2)  # [B, h, P, hd]
         k = k.view(-1, head.heads, hd).transpose(0, 1)  # [h, N, hd]
         v = v.view(-1, head.heads, hd).transpose(0, 1)
@@ -166,9 +192,9 @@ def query_copy_map(model: FedMVP, edge: EdgeClassifier) -> dict[str, str]:
 
 
 def lora_scaling(model: FedMVP) -> float:
-    """peft's alpha / r (1.0 with the project's config)."""
-    to_q = model.promptformer.block.attn.to_q
-    scaling = getattr(to_q, "scaling", None)
+    """peft's alpha / r (1.0 with the project's config), read from a layer that carries LoRA."""
+    layer = getattr(model.promptformer.block.attn, lora_targets(model)[0])
+    scaling = getattr(layer, "scaling", None)
     return float(scaling.get("default", 1.0)) if isinstance(scaling, dict) else 1.0
 
 
@@ -180,7 +206,7 @@ def model_lora(model: FedMVP, seed: int = 0) -> dict[str, torch.Tensor]:
     rank, width = model.config.lora_rank, model.clip_info.vision_width
     generator = torch.Generator().manual_seed(seed)
     out = {}
-    for target in TARGETS:
+    for target in lora_targets(model):
         a = torch.empty(rank, width)
         bound = 1.0 / math.sqrt(width)  # kaiming_uniform(a=sqrt(5)) bound, as peft initialises A
         out[lora_name(target, "A")] = a.uniform_(-bound, bound, generator=generator)

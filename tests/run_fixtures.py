@@ -7,19 +7,21 @@ from pathlib import Path
 import torch
 
 def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: int = 0,
-              lora_rank: int = 4, moved: bool = False) -> None:
+              lora_rank: int = 4, moved: bool = False,
+              lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v")) -> None:
     """config.json + rounds 1 and 2; LoRA B perturbed so LoRA changes the outputs.
 
     Rank 4, not the default 8: every export and edge test then shows the recorded rank travels.
     ``moved``: round 2's PromptFormer and LoRA differ from round 1's, as after a round of training
-    (what a bundle refresh moves a device across); config.json then records a ``run_id``."""
+    (what a bundle refresh moves a device across); config.json then records a ``run_id``.
+    ``lora_targets``: the layers the method record puts LoRA on (the exporter must follow it)."""
     from fedmvp.clip import load_clip
     from fedmvp.model import FedMVP, FedMVPConfig
     from fedmvp.runs import RunDir
 
     torch.manual_seed(seed)
     clip = load_clip("fedmvp-tiny", pretrained or None)
-    method = FedMVPConfig(lora_rank=lora_rank)
+    method = FedMVPConfig(lora_rank=lora_rank, lora_targets=tuple(lora_targets))
     model = FedMVP(clip, method)
     generator = torch.Generator().manual_seed(seed + 1)
     state = model.state("all")
