@@ -3,11 +3,13 @@ regardless: the bundle's LoRA tensors, ONNX inputs, training program and manifes
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from export_helpers import write_preset, write_run
+from export_helpers import write_dataset, write_preset, write_run
 
 from edge_client.bundle import read_bundle
 from export.bundle_writer import export_bundle
@@ -26,8 +28,6 @@ CASES = [  # recorded targets -> the LoRA tensors the bundle carries, in graph o
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
-    from export_helpers import write_dataset
-
     root = tmp_path_factory.mktemp("lora-targets-data")
     write_dataset(root)
     return root
@@ -60,6 +60,23 @@ def test_bundle_carries_the_recorded_lora_targets(tmp_path, data_root, targets, 
         if name.endswith("lora_B.weight"):
             moved = session.run(["logits"], {**feeds, name: feeds[name] + 0.5})[0]
             assert not np.allclose(moved, base, atol=1e-4), name
+
+
+def test_the_device_trains_exactly_the_recorded_lora(tmp_path, data_root):
+    """The training program's LoRA inputs follow the record too: an update holds q and v, no k."""
+    from edge_client.train import train_local
+    from edge_client.update import read_update
+
+    result = export_bundle(make_run(tmp_path, data_root, ("to_q", "to_v")), 2, tmp_path / "bundle")
+    bundle = read_bundle(result.path)
+    local = tmp_path / "local"  # an ImageFolder of the bundle's first classes, from the world's test images
+    for name in bundle.class_names[:3]:
+        shutil.copytree(data_root / "photo" / "test" / name, local / name)
+    trained = train_local(local, bundle, epochs=1, batch_size=4, apply=False,
+                          out=tmp_path / "updates", threads=1)
+    update = read_update(trained.update_path, bundle)
+    assert sorted(update.tensors) == sorted(names(("to_q", "to_v")))
+    assert any(not np.array_equal(update.tensors[n], bundle.lora()[n]) for n in update.tensors)
 
 
 def test_targets_the_edge_graph_cannot_split_are_refused(tmp_path, data_root):
