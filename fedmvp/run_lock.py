@@ -1,11 +1,21 @@
-"""The run lock: one writer of a run directory's rounds at a time (today `fedmvp ingest`).
+"""The run lock: one writer of a run directory's rounds at a time (`fedmvp ingest`, `fedmvp train`,
+the Flower server).
 
 Why: two `fedmvp ingest` on one run both read round R and both wrote round R+1, and one of
 them replaced the other's round without a word: a device's update was lost. An ingest now
 holds ``RUN/.lock`` from reading round R to writing R+1; a second one is refused with one line
 naming the holder (`RunBusy`, exit 2: the run is unchanged by it) or, asked to wait, writes
-R+2 on top. The Flower server (saving each round) and `fedmvp train --resume` are meant to
-take the same lock (``run_lock(run, "fedmvp train")``); they do not yet.
+R+2 on top. The Flower server holds it while it writes rounds (`run_server`), and `fedmvp train`
+(fresh or ``--resume``) from before it reads the run until the simulation ended: an ingest during a
+live training, or a second ``--resume``, is refused (or waits) the same way.
+
+Re-entrant within one process ("held by this process"): in simulation Flower runs the ServerApp
+in a thread of `fedmvp train`'s own process, so the server's ``run_lock`` finds the lock held by
+its process and goes on without locking again; the outer holder's record and flock stay as they
+are. A deployed ServerApp runs in a process of its own (Flower's SuperExec) and takes the lock
+itself. Only the process counts, not its children: the fd is close-on-exec, and a forked child
+inherits the registry but not the ownership (it compares its pid), so it neither shares nor
+releases the lock.
 
 ``fcntl.flock`` on ``RUN/.lock``, which holds the holder's record (pid, host, since, command)
 and exists only while held: it is removed, still locked, before it is released, so a run
@@ -18,6 +28,7 @@ nothing is locked.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -30,6 +41,7 @@ from typing import Any
 from fedmvp.runs import RunError, warn
 
 LOCK_NAME = ".lock"
+_HELD: dict[str, int] = {}  # lock path (resolved) -> pid of the process that holds it (see "re-entrant")
 
 
 class RunBusy(RunError):
@@ -44,22 +56,27 @@ def holder_line(record: dict[str, Any] | None) -> str:
         key: record.get(key, "?") for key in ("pid", "host", "since", "command")})
 
 
-def run_lock(run_dir: str | os.PathLike, command: str, wait: float = 0.0) -> "RunLock":
+def run_lock(run_dir: str | os.PathLike, command: str, wait: float = 0.0, can_wait: bool = True) -> "RunLock":
     """``with run_lock(run, "fedmvp ingest", wait=30):`` holds ``RUN/.lock`` as ``command`` for the
     block; ``wait``: seconds to wait for another holder (0 refuses at once with `RunBusy`,
-    ``math.inf`` waits as long as it takes)."""
-    return RunLock(run_dir, command, wait)
+    ``math.inf`` waits as long as it takes); ``can_wait``: whether the refusal may suggest --wait."""
+    return RunLock(run_dir, command, wait, can_wait)
 
 
 class RunLock:
     """The run's lock as a context manager (`run_lock`)."""
 
-    def __init__(self, run_dir: str | os.PathLike, command: str, wait: float = 0.0) -> None:
+    def __init__(self, run_dir: str | os.PathLike, command: str, wait: float = 0.0, can_wait: bool = True) -> None:
         self.path = Path(run_dir) / LOCK_NAME
-        self.command, self.wait = command, wait
+        self.command, self.wait, self.can_wait = command, wait, can_wait
         self.fd: int | None = None
+        self.key = os.path.realpath(self.path)
+        self.nested = False
 
     def __enter__(self) -> "RunLock":
+        if _HELD.get(self.key) == os.getpid():
+            self.nested = True  # this process holds it already (the simulated ServerApp): one writer
+            return self
         try:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX
@@ -79,6 +96,7 @@ class RunLock:
                 self.fd = fd
             else:
                 os.close(fd)  # the holder removed it as we locked it: lock the current one
+        _HELD[self.key] = os.getpid()
         try:
             self._take_over()
         except BaseException:
@@ -87,8 +105,13 @@ class RunLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.nested:
+            self.nested = False
+            return
         if self.fd is not None:
-            self.path.unlink(missing_ok=True)  # nothing renames a run directory while it is locked
+            if _HELD.get(self.key) == os.getpid():  # not in a forked child: its copy of the fd releases nothing
+                del _HELD[self.key]
+                self.path.unlink(missing_ok=True)  # nothing renames a run directory while it is locked
             os.close(self.fd)
             self.fd = None
 
@@ -96,7 +119,8 @@ class RunLock:
         """`RunBusy` once the wait is over, else a pause (saying once whom it waits for)."""
         busy = f"{self.path}: run in use by {holder_line(self._holder())}"
         if time.monotonic() >= give_up:
-            raise RunBusy(f"{busy}; nothing was written (try again when it ends, or pass --wait)")
+            again = "try again when it ends" + (", or pass --wait" if self.can_wait else "")
+            raise RunBusy(f"{busy}; nothing was written ({again})")
         if announce:
             print(f"waiting: {busy}", file=sys.stderr, flush=True)
         time.sleep(0.1)
@@ -134,3 +158,12 @@ class RunLock:
                 "since": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "command": self.command}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(mine).encode("utf-8"), 0)
+
+
+def lock_existing(run_dir: str | os.PathLike | None, command: str) -> contextlib.AbstractContextManager:
+    """``run_lock`` when ``run_dir`` is an existing directory, else nothing: a writer that may create
+    the run (fresh `fedmvp train`, a deployed ServerApp's first start) locks it early when it can, before
+    it reads or writes config.json, and later again (re-entrant) once the directory exists."""
+    if run_dir and Path(run_dir).is_dir():
+        return run_lock(run_dir, command, can_wait=False)
+    return contextlib.nullcontext()

@@ -123,7 +123,8 @@ def demo(rounds: int | None, run_dir: str | None, config: str, eval_every: int, 
     from fedmvp.runs import RunError
 
     try:
-        run = train_or_resume(config, rounds, run_dir, resume=False, eval_every=eval_every, device="auto")
+        run = train_or_resume(config, rounds, run_dir, resume=False, eval_every=eval_every, device="auto",
+                              command="fedmvp demo")
         result = evaluate_run(run)
     except RunError as err:
         raise click.ClickException(str(err)) from err

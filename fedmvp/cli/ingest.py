@@ -17,8 +17,8 @@ from fedmvp.cli.common import EXIT_FAILED, BadInput, FiniteFloat, emit_json
               help="Rounds an update's bundle may be behind the run's last round "
                    "(default: the run's [server] max_staleness, else 5).")
 @click.option("--wait", is_flag=True,
-              help="When another command holds the run's lock (RUN/.lock, e.g. another ingest), wait for it "
-                   "and then build on the round it wrote, instead of exiting 2.")
+              help="When another command holds the run's lock (RUN/.lock: another ingest, a live training), "
+                   "wait for it and then build on the round it wrote, instead of exiting 2.")
 @click.option("--wait-timeout", type=FiniteFloat(min=0), default=None, metavar="SECONDS",
               help="Wait at most this long for the run's lock, then exit 2 (implies --wait).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
@@ -32,9 +32,9 @@ def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, wa
     [server] edge_max_examples), its bundle's round (R - max_staleness to R), the run_id
     it names, [server] max_update_norm, and not a file accepted before. Round R+1 gets
     the example-weighted mean of the accepted files' LoRA and round R's other tensors
-    unchanged; a rejected file changes nothing. Run it while the run is not training.
-    Two ingests of one run never overlap: the second exits 2 naming the first (pid, host,
-    since), or with --wait builds round R+2 on the first one's R+1.
+    unchanged; a rejected file changes nothing. It never overlaps another writer of the run
+    (another ingest, a live `fedmvp train` or Flower server): it exits 2 naming the holder
+    (pid, host, since), or with --wait builds on the round the holder wrote last.
 
     Exit codes: 0 a round was written, 1 no file was accepted (nothing written),
     2 bad input (no run, no complete round, no files) or the run is locked by another command."""

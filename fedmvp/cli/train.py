@@ -2,28 +2,56 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from fedmvp.atomic import os_error_line
 from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
 
+if TYPE_CHECKING:
+    from fedmvp.runs import RunDir
+
 
 def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume: bool, eval_every: int,
-                    device: str, progress: bool = True):
-    """Shared by `train` and `demo`: validate, then simulate. Bad input raises BadInput."""
+                    device: str, progress: bool = True, command: str = "fedmvp train") -> RunDir:
+    """Shared by `train` and `demo`: validate, then simulate. Bad input raises BadInput.
+
+    The run's lock (``RUN/.lock``, as ``command``) is held from before config.json is read or written
+    (as soon as the run directory exists) until the simulation ended: an ingest or a second --resume
+    meanwhile is refused with one line naming this process (exit 2). The ServerApp, which Flower's
+    simulation runs in a thread of this process, takes it again re-entrantly."""
+    from fedmvp.run_lock import RunBusy, lock_existing, run_lock
+
+    try:
+        with lock_existing(run_dir, command):
+            run = _prepare(config, rounds, run_dir, resume, device)
+            with run_lock(run.path, command, can_wait=False):
+                return _simulate(run, eval_every, progress)
+    except RunBusy as err:
+        raise BadInput(str(err)) from None
+
+
+def _prepare(config: str, rounds: int | None, run_dir: str | None, resume: bool, device: str) -> RunDir:
+    """The run directory, created or reopened and checked (`prepare_run`); bad input raises BadInput."""
     from fedmvp.attributes.files import AttributeFileError
     from fedmvp.clip import ClipLoadError
     from fedmvp.federated.prepare import prepare_run
-    from fedmvp.federated.simulation import simulate
     from fedmvp.presets.schema import PresetError
     from fedmvp.runs import RunError
 
     try:
-        run = prepare_run(config, run_dir, rounds, resume, device)
+        return prepare_run(config, run_dir, rounds, resume, device)
     except (PresetError, RunError, AttributeFileError, ClipLoadError) as err:
         raise BadInput(str(err)) from err
     except OSError as err:  # a missing file, a read-only or full disk (the run directory is probed first)
         raise BadInput(os_error_line(err)) from err
+
+
+def _simulate(run: RunDir, eval_every: int, progress: bool) -> RunDir:
+    """The rounds on Flower's simulation engine; a write that failed mid-run raises RunError."""
+    from fedmvp.federated.simulation import simulate
+    from fedmvp.runs import RunError
     from fedmvp.watchdog import start_watchdog
 
     start_watchdog()  # Ray's helpers must not outlive a killed `fedmvp train` / `fedmvp demo`
@@ -53,7 +81,8 @@ def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, ev
     fell below sigma, only the LoRA) on its own few-shot data; the server averages
     each tensor over the clients that sent it. Writes runs/<name>/ with config.json,
     round-NNNN/ checkpoints, metrics.jsonl/csv and accuracy.png. Exit codes: 0 done,
-    1 training failed (resume with --resume), 2 bad preset or arguments."""
+    1 training failed (resume with --resume), 2 bad preset or arguments, or the run in use by
+    another command (RUN/.lock: one line naming it; a dead holder's lock is taken over)."""
     quiet_open_clip_logging()
     from fedmvp.runs import RunError
 

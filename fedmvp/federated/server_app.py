@@ -5,7 +5,8 @@ Deployed on a SuperLink (``flwr run``), ``app`` reads ``run-dir``, ``preset``, `
 (``prepare_run``, on the ServerApp's machine). In simulation, ``fedmvp train`` prepares the run
 directory and builds its own app with ``server_app_for(settings)``. Either way the run
 directory's config.json is the record (preset, rounds, method config), and a restart resumes
-from the last complete round.
+from the last complete round. The server holds the run's lock (``RUN/.lock``) while it writes rounds
+(`run_server`), so `fedmvp ingest` meanwhile is refused or waits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fedmvp.federated.prepare import check_same_preset, prepare_run, run_method,
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
 from fedmvp.federated.task import LocalSettings, build_model, task_context
 from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
+from fedmvp.run_lock import lock_existing, run_lock
 from fedmvp.runs import RunDir, RunError
 
 log = logging.getLogger("fedmvp.server")
@@ -135,7 +137,17 @@ class RoundRecorder:
                 self.bar.close()
 
 
+SERVER_COMMAND = "fedmvp ServerApp"  # the lock holder's name when the deployed ServerApp takes it
+
+
 def run_server(grid: Grid, settings: ServerSettings) -> None:
+    """All rounds of the run, with the run's lock held (`RunBusy` if another process holds it):
+    `fedmvp train` holds it already in this process (simulation); a deployed ServerApp takes it here."""
+    with run_lock(settings.run_dir, SERVER_COMMAND, can_wait=False):
+        _run_rounds(grid, settings)
+
+
+def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     run = RunDir(settings.run_dir)
     config = run.read_config()
     preset_path, total = run_preset(run, config), int(config["rounds"])
@@ -208,6 +220,8 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Deployment: everything comes from the run config (``flwr run ... --run-config``)."""
-    run_server(grid, deployment_settings(context.run_config))
+    """Deployment: everything comes from the run config (``flwr run ... --run-config``). The run's lock
+    is taken before an existing run's config.json is read, and held until the last round is written."""
+    with lock_existing(str(context.run_config.get("run-dir", "")).strip(), SERVER_COMMAND):
+        run_server(grid, deployment_settings(context.run_config))
 

@@ -93,3 +93,26 @@ def test_a_killed_holder_is_taken_over_with_a_warning(run_dir, updates, tmp_path
     assert "that process is gone" in warning[0]
     assert RunDir(run_dir).rounds() == [1, 2, 3] and ingested(run_dir, 3) == (["b.safetensors"], 2)
     assert leftovers(run_dir) == []
+
+
+def test_the_holder_re_enters_and_a_forked_child_is_another_writer(run_dir):
+    """The simulated ServerApp runs in a thread of `fedmvp train`: its run_lock re-enters the lock its
+    process holds, and leaves it held. A child process is refused (it neither shares nor releases it)."""
+    from fedmvp.run_lock import RunBusy
+
+    with run_lock(run_dir, "fedmvp train"):
+        with run_lock(run_dir, "fedmvp ServerApp"):
+            assert json.loads((run_dir / ".lock").read_text())["command"] == "fedmvp train"
+        assert json.loads((run_dir / ".lock").read_text())["pid"] == os.getpid()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child's verdict is its exit status
+            try:
+                with run_lock(run_dir, "a child"):
+                    os._exit(1)
+            except RunBusy:
+                os._exit(0)
+            finally:
+                os._exit(2)  # anything else: never let the child run on as pytest
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+        assert json.loads((run_dir / ".lock").read_text())["pid"] == os.getpid()
+    assert leftovers(run_dir) == []
