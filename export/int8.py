@@ -12,21 +12,17 @@ alone would let an unlucky or lucky draw decide).
 Ranking costs one torch forward + backward per calibration image (up to 32), not one ONNX run
 per layer: export/int8_sensitivity.py estimates, for every layer at once, how far its int8
 error moves each image's top-1 margin (first order, the quantisers simulated as ONNX Runtime
-does them; on the tiny model it matches a real single-layer quantisation at correlation 1.00).
+does them; tests/export/test_int8_first_order.py checks it against real single-layer runs).
 The summed estimates predict how many to keep; a real run verifies that (usually the only
 one), and only a failed verification searches further (doubling from the prediction, then
 bisection). Without a torch twin (``shifts`` None) each layer is quantised alone and run once
-to rank them, as before (one run per layer: 24 minutes on ViT-B-16 on 2 cores).
-Measured: the demo's tiny CLIP keeps 17 of 22 layers fp32 (predicted 14, 4 runs; the minimum for its near-tied
-classes: no single one of the 17 can be quantised without dropping below 99%, and 8-bit
-weights, SmoothQuant-style scaling or per-image activation ranges barely move that); the
-random-init ViT-B-16 5 of 54 with 3 classes, 33 of 54 with 64 near-tied ones (one run per layer
-kept 25 there, in 24 minutes instead of 3.9).
+to rank them, as before (one ONNX run per layer: slow on a ViT). What the guard keeps, and how
+long it takes, is measured by ``python -m benchmarks edge`` (README, "Benchmarks"), not here.
 
 Weights use 7 bits (``reduce_range``): x86 CPUs without VNNI saturate in the u8 x s8
 multiply-add at 8 bits, and the bundle must behave the same on whatever device runs it.
 Static int8 (``quantize_static_model``, QDQ, calibrated activation ranges) is built for
-comparison only: on the 2-core Xeon of benchmarks/ (AVX-512 VNNI, AMX) it was slower than dynamic (ViT-B-16, 2 threads).
+comparison only (``python -m benchmarks edge`` times both).
 """
 
 from __future__ import annotations
