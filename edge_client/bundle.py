@@ -56,7 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_client.atomic import write_bytes
+from fedmvp_formats.atomic import write_bytes
+from fedmvp_formats.files import sha256_file
+
 # BundleError, PREVIOUS and verify_program_archive are the bundle format's: the rest of the package
 # imports them from here.
 from edge_client.bundle_files import (PREVIOUS, BundleError, check_device_dirs, check_onnx_external,  # noqa: F401
@@ -77,15 +79,6 @@ CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class li
 PRECISIONS = ("fp32", "fp16", "int8")
 REFRESH_DERIVE = "fedmvp-context-v1"  # how a refresh derives the text constants (docs/method.md §10)
 REFRESH_JOURNAL = "refresh.json"  # present only while a refresh or its rollback is under way
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in chunks (bundle files can be hundreds of MB)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -138,7 +131,7 @@ class Bundle:
     @property
     def id(self) -> str:
         """sha256 of manifest.json: the manifest lists every file's sha256, so this pins all of them."""
-        return hashlib.sha256((Path(self.path) / MANIFEST).read_bytes()).hexdigest()
+        return sha256_file(Path(self.path) / MANIFEST)
 
     @property
     def round(self) -> int | None:

@@ -21,7 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from edge_client.atomic import TEMP_SUFFIX, fsync_dir, move, write_bytes
+from fedmvp_formats.atomic import TEMP_SUFFIX, fsync_dir, move, write_bytes
+
 from edge_client.bundle import REFRESH_JOURNAL, BundleError
 
 FORMAT = "fedmvp-edge-refresh-journal"

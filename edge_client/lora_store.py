@@ -33,7 +33,7 @@ file number. The lock is on the bundle directory, not in ``personalised/``, beca
 moves that directory, and not on a lock file, so that the bundle's tree stays exactly what the
 exporter and a refresh wrote.
 
-Commit points are single renames (``edge_client.atomic``): a LoRA file is written under a
+Commit points are single renames (``fedmvp_formats.atomic``): a LoRA file is written under a
 temp name (carrying the writer's pid) and renamed, then ``state.json`` is replaced. A crash in
 between leaves an unreferenced file that the next change removes (temp files only when their
 process is gone); the active LoRA is always either the old or the new one.
@@ -52,8 +52,10 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.atomic import copy_file, temp_is_removable, write_bytes
-from edge_client.bundle import Bundle, BundleError, sha256_file
+from fedmvp_formats.atomic import copy_file, temp_is_removable, write_bytes
+from fedmvp_formats.files import sha256_file
+
+from edge_client.bundle import Bundle, BundleError
 from edge_client.bundle_files import PERSONALISED, plain_name
 from edge_client.update import UpdateError, read_update, utc_now
 

@@ -30,10 +30,13 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.supercore import log
 
+from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
+from fedmvp_formats.promptformer import promptformer_digest
+
 from edge_client.bundle import Bundle, BundleError
 from edge_client.local_data import LocalDataset, held_out_split, scan_folder
 from edge_client.lora_store import ActiveLora
-from edge_client.refresh import promptformer_digest, recover_refresh, refresh_bundle
+from edge_client.refresh import recover_refresh, refresh_bundle
 from edge_client.train_options import TrainInputError, TrainOptions
 
 ROLE = "edge"
@@ -136,8 +139,8 @@ def sync_bundle(node: EdgeNodeConfig, arrays: dict[str, np.ndarray], digest: str
     bundle.require_trainable()
     if bundle.promptformer_digest == digest:
         return Synced(bundle)
-    sent = {k: v for k, v in arrays.items() if k.startswith(("promptformer.", "lora."))}
-    if not any(k.startswith("promptformer.") for k in sent):
+    sent = {k: v for k, v in arrays.items() if k.startswith((PROMPTFORMER_PREFIX, LORA_PREFIX))}
+    if not any(k.startswith(PROMPTFORMER_PREFIX) for k in sent):
         raise BundleError(f"{bundle.path}: holds PromptFormer {str(bundle.promptformer_digest)[:12]}, the round's is "
                           f"{digest[:12]}, and the message carries no PromptFormer to refresh it with")
     result = refresh_bundle(bundle, sent, digest=digest, round_number=round_number,
@@ -157,7 +160,7 @@ def _identity(config: Any, synced: Synced | None = None) -> ConfigRecord:
 
 
 def _global_lora(arrays: dict[str, np.ndarray], bundle: Bundle) -> dict[str, np.ndarray]:
-    lora = {k: v for k, v in arrays.items() if k.startswith("lora.")}
+    lora = {k: v for k, v in arrays.items() if k.startswith(LORA_PREFIX)}
     if set(lora) != set(bundle.lora_shapes):
         raise BundleError(f"{bundle.path}: the round's LoRA tensors ({len(lora)}) are not the bundle's "
                           f"({len(bundle.lora_shapes)}); was the bundle exported from this federation's run?")

@@ -20,7 +20,6 @@ numpy, safetensors and the standard library; torch only for the parity check (la
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -30,8 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from fedmvp_formats.atomic import copy_file, copy_patched
+from fedmvp_formats.files import sha256_file
+from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
+from fedmvp_formats.promptformer import promptformer_digest
+
 from edge_client import journal
-from edge_client.atomic import copy_file, copy_patched
 from edge_client.bundle import MANIFEST, PREVIOUS, Bundle, BundleError, file_entries, read_bundle, write_manifest
 from edge_client.bundle_files import check_device_dirs, file_problem, plain_name
 from edge_client.bundle_lock import BundleBusy, bundle_lock
@@ -41,11 +44,11 @@ from edge_client.refresh_check import check_refreshed
 from edge_client.safetensors_check import load_safetensors
 from edge_client.tensor_layout import Span, onnx_initializer_spans, safetensors_layout
 
-PROMPTFORMER_PREFIX, LORA_PREFIX = "promptformer.", "lora."
 TEXT_FEATURES = "text.attribute_features"  # [C*K, E]: what the PromptFormer's text_proj receives
 # The run tensors the text constants derive from ("fedmvp-context-v1", docs/method.md §10).
-CONTEXT_LAYERS = {"text_proj": "promptformer.text_proj", "norm_context": "promptformer.block.norm_context",
-                  "to_k": "promptformer.block.attn.to_k", "to_v": "promptformer.block.attn.to_v"}
+CONTEXT_LAYERS = {layer: PROMPTFORMER_PREFIX + name for layer, name in (
+    ("text_proj", "text_proj"), ("norm_context", "block.norm_context"), ("to_k", "block.attn.to_k"),
+    ("to_v", "block.attn.to_v"))}
 CONTEXT_SOURCES = tuple(f"{layer}.{leaf}" for layer in CONTEXT_LAYERS.values() for leaf in ("weight", "bias"))
 TEXT_CONSTANTS = ("text.key_context", "text.value_context", "text.key_base", "text.value_base")
 
@@ -70,17 +73,6 @@ class RefreshResult:
         return {"old_id": self.old_id, "new_id": self.new_id, "round": self.round,
                 "bytes_received": self.bytes_received, "seconds": round(self.seconds, 3),
                 "parity_max_abs_diff": self.parity_max_abs_diff, "images_checked": self.images_checked}
-
-
-def promptformer_digest(tensors: Mapping[str, np.ndarray]) -> str:
-    """sha256 of the ``promptformer.*`` tensors (name, shape, float32 LE bytes; sorted by name).
-
-    The same definition as ``fedmvp.federated.wire.promptformer_digest`` (the server's)."""
-    digest = hashlib.sha256()
-    for name in sorted(n for n in tensors if n.startswith(PROMPTFORMER_PREFIX)):
-        value = np.ascontiguousarray(tensors[name], dtype="<f4")
-        digest.update(name.encode() + b"\0" + json.dumps(list(value.shape)).encode() + b"\0" + value.tobytes())
-    return digest.hexdigest()
 
 
 def derive_text(features: np.ndarray, tensors: Mapping[str, np.ndarray], eps: float) -> dict[str, np.ndarray]:
@@ -164,7 +156,7 @@ def _refresh_locked(root: Path, tensors: Mapping[str, np.ndarray], digest: str, 
                                         lora or bundle.lora(), check_images)
         manifest = _refreshed_manifest(bundle, staged, changed, digest, round_number, old_id)
         write_manifest(staged, manifest)
-        new_id = hashlib.sha256((staged / MANIFEST).read_bytes()).hexdigest()
+        new_id = sha256_file(staged / MANIFEST)
     except OSError as err:  # a full disk, say: nothing the bundle lists has changed
         journal.clean_scratch(root)
         raise BundleError(f"{root}: cannot stage the refresh ({_one_line(err)}); the bundle is "

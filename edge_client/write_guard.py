@@ -13,8 +13,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from fedmvp_formats.files import nearest_existing, probe_writable as probe_writable_folder
 
 from edge_client.bundle import FORMAT, MANIFEST
 
@@ -68,16 +69,12 @@ def check_output_file(target: Path, allow_run_dir: bool = False) -> None:
 
 
 def probe_writable(directory: Path, purpose: str) -> None:
-    """Create and remove a file in ``directory`` (or its nearest existing ancestor, for one not made yet)."""
-    existing = Path(os.path.abspath(directory))
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise WriteTargetError(f"{existing}: not a directory, cannot hold the {purpose}")
+    """Probe ``directory`` (or its nearest existing ancestor, for one not made yet): `WriteTargetError` if
+    nothing can be written there."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".edge-client-probe.{os.getpid()}.", dir=existing)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable_folder(directory, create=False)
+    except NotADirectoryError:
+        raise WriteTargetError(f"{nearest_existing(directory)}: not a directory, cannot hold the {purpose}") from None
     except OSError as err:
-        raise WriteTargetError(f"{existing}: cannot write the {purpose} here "
+        raise WriteTargetError(f"{nearest_existing(directory)}: cannot write the {purpose} here "
                                f"({err.strerror or errno.errorcode.get(err.errno, err)})") from None

@@ -24,9 +24,13 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from fedmvp_formats.atomic import move
+from fedmvp_formats.files import sha256_file
+from fedmvp_formats.promptformer import promptformer_digest
+
 from edge_client.bundle import (FORMAT, FORMAT_VERSION, MANIFEST, REFRESH_DERIVE, ROLES,
                                  file_entries, read_bundle, verify_program_archive, write_manifest)
-from edge_client.refresh import CONTEXT_SOURCES, TEXT_CONSTANTS, TEXT_FEATURES, promptformer_digest
+from edge_client.refresh import CONTEXT_SOURCES, TEXT_CONSTANTS, TEXT_FEATURES
 from export import onnx_export, parity, training_artifact
 from export.class_set import ClassSet, file_class_set, run_class_set, text_features
 from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
@@ -286,7 +290,7 @@ def point_default_bundle(path: Path, cwd: Path | None = None) -> str:
     temp = cwd / f".{DEFAULT_BUNDLE}.{os.getpid()}.{uuid.uuid4().hex[:8]}.link"
     try:
         os.symlink(target, temp, target_is_directory=True)
-        os.replace(temp, link)
+        move(temp, link)
     except OSError as err:
         temp.unlink(missing_ok=True)
         return f"./{DEFAULT_BUNDLE} not pointed at the bundle ({err.strerror or err}): use edge-client --bundle {path}"
@@ -304,7 +308,6 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
                   discard_device_state: bool = False) -> BundleResult:
     """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest)."""
     from fedmvp.clip import ClipLoadError, load_clip
-    from fedmvp.clip import file_sha256
 
     if precision not in onnx_export.PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(onnx_export.PRECISIONS)}")
@@ -343,7 +346,7 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
         calibration = _topped_up(calibration, clip.image_size, seed=1)
     source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "run_id": config.get("run_id"),
               "round": checkpoint.round,
-              "checkpoint_sha256": file_sha256(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
+              "checkpoint_sha256": sha256_file(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
     return write_bundle(model, clip, classes, target, images=images, precision=precision, force=force,
                         source=source, image_note=note, calibration=calibration, training=training,
                         progress=progress, discard_device_state=discard_device_state)

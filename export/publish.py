@@ -12,11 +12,11 @@ changes under it (``edge_client.infer``).
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from fedmvp_formats.atomic import replace_dir
 
 from edge_client.bundle import MANIFEST, PREVIOUS, REFRESH_JOURNAL
 from edge_client.bundle_lock import LOCK, BundleBusy, bundle_lock
@@ -84,15 +84,5 @@ def publish(tmp: Path, out: Path, force: bool, discard_device_state: bool = Fals
         tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; a bundle is meant to be copied around
         for child in tmp.iterdir():
             child.chmod(0o666 & ~umask)
-        if not out.exists():
-            os.replace(tmp, out)
-            return discarded
-        old = out.with_name(f"{out.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            os.replace(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)
         return discarded

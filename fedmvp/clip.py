@@ -11,7 +11,6 @@ network fails with one line that says what to pass instead.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -84,11 +83,10 @@ def build_tokenizer(name: str) -> Callable:
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+    """``fedmvp_formats.files.sha256_file`` (the one definition) under the name callers here use."""
+    from fedmvp_formats.files import sha256_file
+
+    return sha256_file(path, chunk)
 
 
 def is_torchscript(path: Path) -> bool:

@@ -16,12 +16,11 @@ import torch.nn.functional as F
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
+from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
+
 from fedmvp.clip import LoadedClip
 from fedmvp.prompted_vit import encode_tokens, patch_embeds
 from fedmvp.promptformer import PromptFormer, PromptFormerConfig
-
-PROMPTFORMER_PREFIX = "promptformer."
-LORA_PREFIX = "lora."
 
 
 @dataclass

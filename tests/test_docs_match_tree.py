@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedmvp", "export", "edge_client", "node_app")
+PACKAGES = ("fedmvp_formats", "fedmvp", "export", "edge_client", "node_app")
 
 
 def _section(text: str, heading: str) -> str:

@@ -8,21 +8,27 @@ functions: a lazy import is still a dependency. Rules:
 - ``node_app.client_app``, the ClientApp every SuperNode loads, is the one module that reaches both
   ``fedmvp`` (a site) and ``edge_client`` (an edge device), each lazily, inside its handler; no
   package imports ``node_app``;
+- ``fedmvp_formats``, the shared leaf (formats and protocols), imports none of the others and only
+  numpy, safetensors and the standard library besides; every package may import it;
 - no two modules import each other, directly or through others.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedmvp", "export", "edge_client", "node_app")
+PACKAGES = ("fedmvp_formats", "fedmvp", "export", "edge_client", "node_app")
+LEAF = "fedmvp_formats"
+LEAF_THIRD_PARTY = {"numpy", "safetensors"}
 ALLOWED_CROSSINGS = {"fedmvp.cli.demo": {"export", "edge_client"}, "node_app.client_app": {"fedmvp", "edge_client"}}
 FORBIDDEN = {"edge_client": {"fedmvp", "export", "node_app"}, "fedmvp": {"export", "edge_client", "node_app"},
-             "export": {"node_app"}, "node_app": {"fedmvp", "edge_client", "export"}}
+             "export": {"node_app"}, "node_app": {"fedmvp", "edge_client", "export"},
+             LEAF: {"fedmvp", "export", "edge_client", "node_app"}}
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -115,6 +121,18 @@ def test_imports_flow_one_way(graph):
 
 def test_no_import_cycles(graph):
     assert cycles(graph) == []
+
+
+def test_the_leaf_imports_only_numpy_safetensors_and_the_standard_library():
+    """fedmvp_formats is in the smallest install (edge inference, no torch): nothing else may come in."""
+    found = set()
+    for path in (ROOT / LEAF).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                found.add((node.module or "").split(".")[0])
+    assert found - set(sys.stdlib_module_names) - LEAF_THIRD_PARTY - {LEAF, "__future__"} == set()
 
 
 def test_the_checker_sees_cycles_and_wrong_directions(tmp_path):

@@ -27,11 +27,12 @@ checked lazily (``ImageDataset``). Every failure is a one-line ``PresetError`` (
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from fedmvp_formats.files import sha256_file
 
 from fedmvp.attributes.files import AttributeFileError, load_attributes
 from fedmvp.attributes.sentences import SentenceStyle
@@ -281,7 +282,7 @@ def load_federation(name_or_path: str) -> tuple[Preset, Federation]:
     key (its bytes are hashed), never a stale federation."""
     path = preset_path(name_or_path)
     try:
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        digest = sha256_file(path)
     except OSError:
         digest = ""  # load_preset reports the unreadable file in one line
     return _federation(str(path), digest)

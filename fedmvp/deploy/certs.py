@@ -23,6 +23,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedmvp_formats.atomic import write_bytes
+
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 VALID_DAYS = 365
 NODE_KEYS = "node-keys.txt"
@@ -53,13 +55,8 @@ class CertFiles:
 
 
 def _write(path: Path, data: bytes, private: bool) -> Path:
-    """Written whole and then renamed, private keys readable by the owner only."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, path)
-    return path
+    """Written atomically (whole, fsynced, renamed), private keys readable by the owner only."""
+    return write_bytes(path, data, mode=0o600 if private else 0o644)
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:

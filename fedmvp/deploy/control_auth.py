@@ -27,6 +27,8 @@ from flwr.supercore.auth.typing import AccountAuthCredentials, AccountAuthLoginD
 from flwr.supercore.error import ApiErrorCode, FlowerError
 from flwr.superlink.auth_plugin import ControlAuthnPlugin
 
+from fedmvp_formats.atomic import write_bytes
+
 TOKEN_FILE_ENV = "FEDMVP_OPERATOR_TOKEN_FILE"  # where the SuperLink process reads the token from
 
 
@@ -45,14 +47,7 @@ class OperatorTokenError(RuntimeError):
 def write_operator_token(path: Path) -> str:
     """A fresh random token, written owner-only (0600) and renamed into place; returns it."""
     token = secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_bytes(path, token.encode("ascii"), mode=0o600)
     return token
 
 

@@ -11,41 +11,35 @@ then its metrics row; nothing is written when no file is accepted. The run's loc
 (``fedmvp.run_lock``) is held from reading round R to writing R+1, so two ingests of one run
 never both build on R: the second is refused, or waits and builds on R+1.
 
-The update format is read here, not through ``edge_client`` (``fedmvp`` imports neither of the other
-packages): safetensors and its string metadata, nothing unpickled. ``FORMAT``, ``FORMAT_VERSION``
-and ``REQUIRED`` are edge_client/update.py's; tests ingest files written by its ``write_update``,
-so the two cannot drift unnoticed.
+The update format is read by ``fedmvp_formats.update``, the one reader the device uses too
+(safetensors and its string metadata, nothing unpickled: the size cap, the header check, the
+strict integer rule, the escaping). What is checked here is the run's: the round's LoRA names
+and shapes, staleness, the run id, ``edge_max_examples`` and the norm bound.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
-import re
-import stat
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from fedmvp.federated.replies import bound_update, name_shown, shown, tensor_problem
+from fedmvp_formats import update as fmt
+from fedmvp_formats.names import LORA_PREFIX
+from fedmvp_formats.shown import shown
+from fedmvp_formats.update import UpdateFormatError
+
+from fedmvp.federated.replies import bound_update, tensor_problem
 from fedmvp.federated.strategy import weighted_average
 from fedmvp.federated.wire import to_numpy_state, to_torch_state
 from fedmvp.presets.schema import ServerSpec
 from fedmvp.run_lock import run_lock
 from fedmvp.runs import RunDir, RunError
 
-FORMAT = "fedmvp-edge-update"
-FORMAT_VERSION = 1
-REQUIRED = ("format", "format_version", "bundle_id", "bundle_round", "num_examples", "mean_loss", "created")
-LORA_PREFIX = "lora."
 SOURCE = "ingest"  # state.json "source" and the metrics row's "source" of an ingested round
-_NUMPY_DTYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8"}  # anything else is refused before it is read
-MAX_HEADER_BYTES = 1 << 20  # names, shapes and metadata (a class list) are KBs; edge_client/update.py's too
 MAX_REASON = 300  # a rejection reason is one line of at most this many characters
 
 
@@ -210,17 +204,24 @@ def accepted_before(run: RunDir) -> dict[str, str]:
 def check_file(path: Path, rules: IngestRules, lora: dict[str, np.ndarray], seen: dict[str, str]) -> FileVerdict:
     """One update file judged against round ``rules.round``'s LoRA ``lora``; ``seen``: sha256s refused as
     duplicates. The checks run in order and the first that fails is the reason: one line, at most
-    ``MAX_REASON`` characters, what the file says escaped (``replies.shown``)."""
+    ``MAX_REASON`` characters, what the file says escaped (``fedmvp_formats.shown``)."""
     verdict = FileVerdict(file=str(path))
     try:
-        data = _read_bounded(path, rules.round, lora)
-        verdict.sha256 = hashlib.sha256(data).hexdigest()
-        if verdict.sha256 in seen:
-            raise _Rejected(f"duplicate: the same file was {seen[verdict.sha256]}")
-        entries, metadata = _read_safetensors(data)
-        _check_metadata(metadata, verdict)
-        arrays = _lora_arrays(entries, lora)
-        _check_numbers(metadata, verdict, rules)
+        try:
+            data = fmt.read_bounded(path, fmt.size_limit(v.shape for v in lora.values()), f"round {rules.round}")
+            verdict.sha256 = hashlib.sha256(data).hexdigest()
+            if verdict.sha256 in seen:
+                raise _Rejected(f"duplicate: the same file was {seen[verdict.sha256]}")
+            tensors, metadata = fmt.parse_update(data)
+        except UpdateFormatError as err:
+            raise _Rejected(str(err)) from None
+        verdict.bundle_id, verdict.bundle_round = metadata["bundle_id"], metadata["bundle_round"]
+        verdict.num_examples, verdict.mean_loss = metadata["num_examples"], metadata["mean_loss"]
+        problem = tensor_problem(tensors, lora, set(lora), dtype=np.dtype(np.float32))
+        if problem is not None:
+            raise _Rejected(problem)
+        arrays = {k: tensors[k].astype(np.float32) for k in sorted(tensors)}  # native byte order
+        _check_run(metadata, rules)
         kept, reason, verdict.clipped_from = bound_update(arrays, lora, rules.max_update_norm, rules.norm_action)
         if reason is not None:
             raise _Rejected(reason)
@@ -231,144 +232,22 @@ def check_file(path: Path, rules: IngestRules, lora: dict[str, np.ndarray], seen
     return verdict
 
 
-def _read_bounded(path: Path, round_number: int, lora: dict[str, np.ndarray]) -> bytes:
-    """The file's bytes, refused on its size before any is read: an update of round R is R's LoRA
-    tensors as float32 plus a header of at most ``MAX_HEADER_BYTES``. Opened without blocking, so a
-    FIFO or a device file is refused, not waited on."""
-    limit = 8 + MAX_HEADER_BYTES + sum(4 * int(v.size) for v in lora.values())
-    try:
-        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise _Rejected("not a regular file")
-            size = info.st_size
-            data = file.read(limit + 1) if size <= limit else b""
-    except OSError as err:
-        raise _Rejected(f"cannot read ({err.strerror or err})") from None
-    if size > limit or len(data) > limit:
-        raise _Rejected(f"{max(size, len(data))} bytes, more than the {limit} an update of round {round_number} "
-                        f"can be (its LoRA as float32 and a header of at most {MAX_HEADER_BYTES} bytes)")
-    return data
-
-
-def _read_safetensors(data: bytes) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, str]]:
-    """(name, {dtype, shape, data}) entries and the string metadata; a truncated or foreign file is refused.
-    The header is checked here first (`_header`); ``safetensors.deserialize`` then checks that the data
-    covers every tensor exactly."""
-    from safetensors import SafetensorError, deserialize
-
-    header = _header(data)
-    try:
-        entries = deserialize(data)
-    except (SafetensorError, ValueError) as err:
-        raise _Rejected(f"not a safetensors file, or truncated ({shown(' '.join(str(err).split()), 120)})") from None
-    return entries, header.get("__metadata__") or {}
-
-
-def _header(data: bytes) -> dict[str, Any]:
-    """The header as JSON: its length within the file and ``MAX_HEADER_BYTES``, no key twice (two
-    readers could see two different files), not nested past Python's recursion limit, metadata
-    str -> str. Unknown metadata keys are allowed (a newer writer's): never echoed, never stored."""
-    if len(data) < 8:
-        raise _Rejected(f"not a safetensors file ({len(data)} bytes: too short)")
-    size = int.from_bytes(data[:8], "little")
-    if not 0 < size <= min(MAX_HEADER_BYTES, len(data) - 8):
-        raise _Rejected(f"not a safetensors file (header length {size}: more than the {len(data) - 8} bytes "
-                        f"that follow it or the {MAX_HEADER_BYTES}-byte cap)")
-    try:
-        header = json.loads(data[8:8 + size], object_pairs_hook=_unique_keys)
-    except RecursionError:
-        raise _Rejected("not a safetensors file (header is not valid JSON: nested too deeply)") from None
-    except ValueError as err:
-        raise _Rejected(f"not a safetensors file (header is not valid JSON: {' '.join(str(err).split())[:120]})") from None
-    if not isinstance(header, dict):
-        raise _Rejected("not a safetensors file (header is not a JSON object)")
-    metadata = header.get("__metadata__") or {}
-    if not isinstance(metadata, dict):
-        raise _Rejected(f"not a safetensors file (__metadata__ is not an object but {shown(metadata)})")
-    for key, value in metadata.items():
-        if not isinstance(value, str):
-            raise _Rejected(f"metadata {name_shown(key)} is not a string ({type(value).__name__})")
-    return header
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"duplicate key {shown(next(k for k in keys if keys.count(k) > 1))}")
-    return dict(pairs)
-
-
-def _check_metadata(metadata: dict[str, str], verdict: FileVerdict) -> None:
-    """Format, version, required keys and their well-formedness; what parses is kept on ``verdict``."""
-    if metadata.get("format") != FORMAT:
-        raise _Rejected(f"not a {FORMAT} file (format {shown(metadata.get('format'))})")
-    if _integer(metadata.get("format_version")) != FORMAT_VERSION:
-        raise _Rejected(f"update format version {shown(metadata.get('format_version'))} is not supported "
-                        f"(ingest reads {FORMAT_VERSION})")
-    missing = [k for k in REQUIRED if k not in metadata]
-    if missing:
-        raise _Rejected(f"metadata lacks {', '.join(missing)}")
-    verdict.bundle_id = metadata["bundle_id"]
-    verdict.bundle_round = _integer(metadata["bundle_round"])
-    verdict.num_examples = _integer(metadata["num_examples"])
-    verdict.mean_loss = _number(metadata["mean_loss"])
-    if not re.fullmatch(r"[0-9a-f]{64}", verdict.bundle_id):
-        raise _Rejected(f"bundle_id {shown(verdict.bundle_id, 80)} is not a sha256 hex digest")
-    if verdict.bundle_round is None or verdict.bundle_round < 0:
+def _check_run(metadata: dict[str, Any], rules: IngestRules) -> None:
+    """The run's rules (the format's are checked by ``fedmvp_formats.update``): a bundle exported from a
+    round of this run, not newer than its last nor staler than ``max_staleness``, and a FedAvg weight
+    within ``edge_max_examples``."""
+    examples, bundle_round = metadata["num_examples"], metadata["bundle_round"]
+    if bundle_round is None or bundle_round < 0:
         raise _Rejected(f"bundle_round {shown(metadata['bundle_round'])} is not a round number "
                         f"(the bundle was not exported from a run's round)")
-    try:
-        datetime.fromisoformat(metadata["created"])
-    except ValueError:
-        raise _Rejected(f"created {shown(metadata['created'])} is not an ISO 8601 time") from None
-
-
-def _lora_arrays(entries: list[tuple[str, dict[str, Any]]], lora: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The file's tensors as float32 arrays: only ``lora.*``, exactly the round's names and shapes, finite."""
-    stray = sorted(name for name, _ in entries if not name.startswith(LORA_PREFIX))
-    if stray:
-        raise _Rejected(f"holds non-LoRA tensors ({', '.join(name_shown(n) for n in stray[:3])})")
-    arrays = {}
-    for name, entry in entries:
-        dtype = _NUMPY_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise _Rejected(f"{name_shown(name)}: dtype {entry['dtype']} is not float32")
-        arrays[name] = np.frombuffer(bytes(entry["data"]), dtype=dtype).reshape(entry["shape"])
-    problem = tensor_problem(arrays, lora, set(lora), dtype=np.dtype(np.float32))
-    if problem is not None:
-        raise _Rejected(problem)
-    return {k: arrays[k].astype(np.float32) for k in sorted(arrays)}  # native byte order
-
-
-def _check_numbers(metadata: dict[str, str], verdict: FileVerdict, rules: IngestRules) -> None:
-    """The FedAvg weight, the loss, the bundle's round against the run's, and the run identity."""
-    examples = verdict.num_examples
-    if examples is None or examples <= 0:
-        raise _Rejected(f"num_examples {shown(metadata['num_examples'])} is not a positive integer")
     if examples > rules.max_examples:
         raise _Rejected(f"num_examples {examples} exceeds edge_max_examples ({rules.max_examples})")
-    if verdict.mean_loss is None or not math.isfinite(verdict.mean_loss):
-        raise _Rejected(f"mean_loss {shown(metadata['mean_loss'])} is not a finite number")
-    behind = rules.round - int(verdict.bundle_round)
+    behind = rules.round - bundle_round
     if behind < 0:
-        raise _Rejected(f"bundle round {verdict.bundle_round} is newer than the run's last round {rules.round}")
+        raise _Rejected(f"bundle round {bundle_round} is newer than the run's last round {rules.round}")
     if behind > rules.max_staleness:
-        raise _Rejected(f"stale: bundle round {verdict.bundle_round} is {behind} round{'s' * (behind != 1)} behind "
+        raise _Rejected(f"stale: bundle round {bundle_round} is {behind} round{'s' * (behind != 1)} behind "
                         f"round {rules.round} (max_staleness {rules.max_staleness})")
     run_id = metadata.get("run_id") or None
     if run_id is not None and run_id != rules.run_id:
         raise _Rejected(f"update of another run (run_id {shown(run_id)}, this run's is {shown(rules.run_id)})")
-
-
-def _integer(text: str | None) -> int | None:
-    """A decimal integer exactly as ``str(int)`` writes it (ASCII digits, no sign but ``-``, no spaces,
-    no leading zeros, at most 18 digits); anything else is None: one number, one spelling."""
-    return int(text) if text is not None and re.fullmatch(r"0|-?[1-9][0-9]{0,17}", text) else None
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None

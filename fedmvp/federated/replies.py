@@ -27,39 +27,21 @@ from __future__ import annotations
 
 import io
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from fedmvp_formats.names import LORA_PREFIX
+from fedmvp_formats.shown import name_shown, shown
+
 NORM_ACTIONS = ("reject", "clip")
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,120}")
 MAX_NPY_HEADER = 4096  # np.save writes 128 bytes for these shapes
 MAX_TEXT = 128  # a run id, a bundle id, a digest, a role
 FLAGS = ("lora-active", "switch-next", "refreshed")  # 0 or 1
 LOSSES = ("train-loss", "train-ce", "train-consistency", "refresh-seconds")  # finite numbers; train-loss required
 TEXTS = ("run-id", "role", "bundle-id", "promptformer-digest")
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """``value`` as a one-line reason may show it: ``repr`` (newlines, ANSI escapes and every other
-    unprintable character escaped), at most ``limit`` characters. What a sender wrote never reaches
-    a terminal, a log or state.json raw, nor megabytes of it."""
-    if isinstance(value, (str, bytes)):
-        text = repr(value[:limit])
-        return text if len(value) <= limit and len(text) <= limit + 3 else text[:limit] + "..."
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return "a huge integer"
-    if value is None or isinstance(value, (bool, int, float)):
-        return repr(value)
-    return f"a {type(value).__name__}"
-
-
-def name_shown(name: str) -> str:
-    """A tensor or record key as a reason shows it: as is when it looks like a name, else `shown`."""
-    return name if _PLAIN_NAME.fullmatch(name) else shown(name)
 
 
 @dataclass(frozen=True)
@@ -180,7 +162,7 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
         whose = f"an edge device's bound ([server] edge_max_examples {bound})" if edge \
             else f"the site's {bound} training images"
         return Verdict(site, role=role, reason=f"num-examples {examples} exceeds {whose}")
-    wanted = {k for k in global_state if k.startswith("lora.")} if edge else expected_names[site]
+    wanted = {k for k in global_state if k.startswith(LORA_PREFIX)} if edge else expected_names[site]
     if isinstance(arrays, ArrayRecord):
         arrays = wire_arrays(arrays, global_state, wanted)
         if isinstance(arrays, str):

@@ -38,9 +38,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
+from fedmvp_formats.promptformer import promptformer_digest
+
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
 from fedmvp.federated.replies import ReplyRules, check_reply, edge_counts, reply_fields, shown, site_counts
-from fedmvp.federated.wire import array_record, numpy_state, promptformer_digest
+from fedmvp.federated.wire import array_record, numpy_state
 
 
 # ---- server maths ----------------------------------------------------------------------------------
@@ -216,7 +219,7 @@ class FedMVPStrategy:
             config["selected"] = json.dumps(None)  # every node asked trains
         record = RecordDict({"arrays": arrays, "config": config})
         lora_only = RecordDict({"arrays": array_record({k: v for k, v in self.global_state.items()
-                                                        if k.startswith("lora.")}), "config": config})
+                                                        if k.startswith(LORA_PREFIX)}), "config": config})
         return [Message(content=lora_only if self.holds(node, digest) else record, message_type=MessageType.TRAIN,
                         dst_node_id=node) for node in nodes]
 
@@ -227,8 +230,8 @@ class FedMVPStrategy:
 
     # ---- what comes back ------------------------------------------------------------------------------
     def _expected_names(self) -> dict[int, set[str]]:
-        lora = {k for k in self.global_state if k.startswith("lora.")}
-        full = {k for k in self.global_state if k.startswith("promptformer.")}
+        lora = {k for k in self.global_state if k.startswith(LORA_PREFIX)}
+        full = {k for k in self.global_state if k.startswith(PROMPTFORMER_PREFIX)}
         return {site: (lora if site in self.lora_clients else full) for site in range(self.num_clients)}
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]

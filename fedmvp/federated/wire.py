@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
+from fedmvp_formats.promptformer import promptformer_digest  # noqa: F401  (the round's digest, for callers)
+
 
 def array_record(state: dict[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in sorted(state.items())})
@@ -36,18 +38,3 @@ def torch_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
 def record_to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """A message's ArrayRecord as a model state."""
     return to_torch_state(numpy_state(record))
-
-
-def promptformer_digest(tensors: dict[str, np.ndarray]) -> str:
-    """Identity of a PromptFormer: sha256 over its ``promptformer.*`` tensors in name order, each as
-    name, NUL, JSON shape, NUL, float32 little-endian bytes. Every round message carries the
-    global one; a device whose bundle holds another refreshes it (``edge_client.refresh``
-    computes the same digest: the two packages may not share code, a test keeps them equal)."""
-    import hashlib
-    import json
-
-    digest = hashlib.sha256()
-    for name in sorted(k for k in tensors if k.startswith("promptformer.")):
-        value = np.ascontiguousarray(tensors[name], dtype="<f4")
-        digest.update(name.encode() + b"\0" + json.dumps(list(value.shape)).encode() + b"\0" + value.tobytes())
-    return digest.hexdigest()

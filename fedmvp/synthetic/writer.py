@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
+from fedmvp_formats.atomic import replace_dir
+
 from fedmvp.synthetic.render import IMAGE_SIZE, image_rng, render
 from fedmvp.synthetic.world import DOMAINS, K_PHRASES, SPLITS, attributes_dict, load_classes
 
@@ -122,9 +124,7 @@ def write_world(out: str | Path, seed: int = 0, counts: dict[str, int] | None = 
         tmp.chmod(0o755)  # mkdtemp makes it private; the world is ordinary shared data
         for meta in ("attributes.json", "world.json"):
             (tmp / meta).chmod(0o644)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.rename(tmp, out)
+        replace_dir(tmp, out)  # an existing out is empty (checked above)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,4 +1,4 @@
-"""edge_client.atomic: whole files or nothing, ordinary permissions, no temp files left behind."""
+"""fedmvp_formats.atomic (the device's and every other atomic write): whole files or nothing, ordinary permissions, no temp files left behind."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from edge_client import atomic
+from fedmvp_formats import atomic
 
 
 def test_write_and_copy_replace_whole_files(tmp_path):

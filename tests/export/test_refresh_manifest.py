@@ -7,22 +7,8 @@ import onnx
 from safetensors.numpy import load_file
 
 from edge_client.refresh import TEXT_FEATURES, derive_text
-from edge_client.refresh import promptformer_digest as edge_digest
 from edge_client.tensor_layout import onnx_initializer_spans, safetensors_layout
-from fedmvp.federated.wire import promptformer_digest as server_digest
-
-
-def test_the_server_and_the_device_hash_a_promptformer_alike(tiny_run):
-    from export_helpers import rebuilt_model
-
-    model, _ = rebuilt_model(tiny_run)
-    state = {k: v.numpy() for k, v in model.state("all").items()}  # lora.* too: only promptformer.* count
-    assert edge_digest(state) == server_digest(state)
-    assert edge_digest(state) == edge_digest({k: v for k, v in state.items() if k.startswith("promptformer.")})
-    moved = {**state, "promptformer.text_proj.bias": state["promptformer.text_proj.bias"] + 1e-3}
-    assert edge_digest(moved) == server_digest(moved) != edge_digest(state)
-    reshaped = {**state, "promptformer.text_proj.bias": state["promptformer.text_proj.bias"].reshape(1, -1)}
-    assert edge_digest(reshaped) != edge_digest(state)  # the shape is part of it
+from fedmvp_formats.promptformer import promptformer_digest
 
 
 def test_manifest_promptformer_section_and_text_features(tiny_bundle, tiny_run):
@@ -31,7 +17,7 @@ def test_manifest_promptformer_section_and_text_features(tiny_bundle, tiny_run):
     bundle, manifest = tiny_bundle.path, tiny_bundle.manifest
     checkpoint = load_file(str(tiny_run / "round-0002" / "global.safetensors"))
     section = manifest["promptformer"]
-    assert section["digest"] == server_digest(checkpoint)
+    assert section["digest"] == promptformer_digest(checkpoint)
     assert section["derive"] == "fedmvp-context-v1" and section["norm_context_eps"] == 1e-5
     assert manifest["source"]["run_id"] is None  # the test run records none
     assert manifest["files_by_role"]["text"] == "text_features.safetensors"

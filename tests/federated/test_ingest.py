@@ -264,15 +264,6 @@ def test_run_id_is_checked_only_when_the_update_names_one(run, tmp_path):
     assert named.round is None and "update of another run" in named.files[0].reason
 
 
-def test_the_reader_knows_the_writers_format():
-    """fedmvp may not import edge_client, so ingest.py keeps its own copy of the format's constants."""
-    from edge_client import update
-    from fedmvp.federated import ingest as reader
-
-    assert (reader.FORMAT, reader.FORMAT_VERSION, reader.REQUIRED, reader.LORA_PREFIX) == \
-        (update.FORMAT, update.FORMAT_VERSION, update.REQUIRED, update.LORA_PREFIX)
-
-
 def test_preset_server_keys_reach_the_ingest_rules(preset_file, tmp_path):
     from fedmvp.federated.prepare import prepare_run
 

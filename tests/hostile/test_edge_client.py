@@ -64,7 +64,7 @@ def _active_update(metadata: dict[str, str] | None = None, other_bundle: bool = 
         from safetensors.numpy import load_file, save_file
 
         from edge_client.bundle import read_bundle, sha256_file
-        from edge_client.update import _read_metadata
+        from fedmvp_formats.update import raw_metadata as _read_metadata
 
         _personalise(root, 1)
         state_path = root / "bundle" / "personalised" / "state.json"
@@ -215,8 +215,8 @@ ROWS = [
     Hostile("classes-wrong-type", ["train", "--data", "local"], 2, "manifest.json: field classes", ["bundle"]),
     Hostile("lora-tensors-not-mapping", ["rollback"], 2, "manifest.json: field lora.tensors", ["bundle"]),
     # 4: update weight and loss
-    Hostile("update-no-examples", ["infer", "img.jpg"], 2, "num_examples is 0", ["bundle"]),
-    Hostile("update-nan-loss", ["infer", "img.jpg"], 2, "mean_loss is nan", ["bundle"]),
+    Hostile("update-no-examples", ["infer", "img.jpg"], 2, "num_examples '0'", ["bundle"]),
+    Hostile("update-nan-loss", ["infer", "img.jpg"], 2, "mean_loss 'nan'", ["bundle"]),
     Hostile("update-of-another-bundle", ["infer", "img.jpg"], 2, "trained on bundle 000000000000", ["bundle"]),
     # 5: empty class folders
     Hostile("all-class-folders-empty", ["train", "--data", "empty"], 2, "every class folder is empty", ["bundle"]),

@@ -1,0 +1,206 @@
+"""Atomic writes: the one way the project replaces a file or a folder a reader may look at.
+
+A reader (inference, a server collecting updates, a second process) sees the old file or the
+complete new one, never half of it, and a crash or full disk never loses a file that was reported
+written. So: write a temp file in the target's folder (same file system, so the rename is atomic),
+fsync it, give it the mode of the file it replaces (else what ``open(path, "w")`` would give: 0o666
+less the umask, not ``mkstemp``'s 0o600) unless the caller names one, ``os.replace`` it over the
+target and fsync the folder so the rename itself survives a power cut. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO
+
+TEMP_SUFFIX = ".tmp"  # temp files are ".<name>.<pid>.<random>.tmp" next to the target
+
+PathLike = str | os.PathLike
+
+
+def temp_is_removable(name: str) -> bool:
+    """Whether a temp file (``.<name>.<pid>.<random>.tmp``) is this process's or a dead one's.
+
+    Why: cleanup must never delete the temp file another process is writing (it once left a
+    personalised LoRA whose bytes no longer matched its sha256). A name without a pid is left alone."""
+    parts = name.split(".")
+    if not name.endswith(TEMP_SUFFIX) or len(parts) < 4 or not parts[-3].isdigit():
+        return False
+    pid = int(parts[-3])
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's
+        return False
+    return False
+
+
+def fsync_dir(directory: PathLike) -> None:
+    """Make a rename durable (no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def umask() -> int:
+    """The process umask (read by setting it and setting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode() -> int:
+    """0o666 less the process umask: what ``open(path, "w")`` would have given the file."""
+    return 0o666 & ~umask()
+
+
+def _temp_beside(path: Path) -> Path:
+    """A new empty temp file beside ``path`` (its folder is created), named for `temp_is_removable`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def _commit(tmp: Path, path: Path, mode: int | None) -> None:
+    """fsync ``tmp``, give it its mode, rename it over ``path``, fsync the folder; ``tmp`` goes on error."""
+    try:
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode if mode is not None else
+                 path.stat().st_mode & 0o777 if path.exists() else new_file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_path(path: PathLike, mode: int | None = None) -> Iterator[Path]:
+    """Yield a temp path beside ``path`` for a writer that wants a file name (a library's ``save``);
+    on success it replaces ``path``, on error it is removed."""
+    path = Path(path)
+    tmp = _temp_beside(path)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _commit(tmp, path, mode)
+
+
+@contextmanager
+def replacing(path: PathLike, mode: int | None = None) -> Iterator[BinaryIO]:
+    """A binary handle on a temp file that replaces ``path`` when the block ends without error."""
+    with atomic_path(path, mode) as tmp, open(tmp, "wb") as handle:
+        yield handle
+
+
+def write_bytes(path: PathLike, data: bytes, mode: int | None = None) -> Path:
+    """Replace ``path`` with ``data`` atomically (parent folders are created); ``mode``: e.g. 0o600 for a key."""
+    path = Path(path)
+    with replacing(path, mode) as handle:
+        handle.write(data)
+    return path
+
+
+def write_text(path: PathLike, text: str) -> Path:
+    """`write_bytes` of UTF-8 text."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: PathLike, obj: Any) -> Path:
+    """`write_text` of ``obj`` as indented JSON with a final newline."""
+    return write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def copy_file(source: PathLike, path: PathLike) -> Path:
+    """Replace ``path`` with a byte-for-byte copy of ``source`` atomically (streamed, not read whole)."""
+    path = Path(path)
+    with open(source, "rb") as src, replacing(path) as handle:
+        shutil.copyfileobj(src, handle)
+    return path
+
+
+def copy_patched(source: PathLike, path: PathLike, patches: Mapping[int, bytes]) -> Path:
+    """Replace ``path`` with a copy of ``source`` whose bytes at each offset are overwritten.
+
+    Why: a tensor rewritten where it lies keeps every other byte (a file header, offsets another
+    file points at) exactly as it was. A patch must lie inside the file: nothing moves or grows."""
+    path = Path(path)
+    size = Path(source).stat().st_size
+    for offset, data in patches.items():
+        if offset < 0 or offset + len(data) > size:
+            raise ValueError(f"{source}: a patch of {len(data)} bytes at {offset} leaves the file ({size} bytes)")
+    with open(source, "rb") as src, replacing(path) as handle:
+        shutil.copyfileobj(src, handle)
+        for offset, data in sorted(patches.items()):
+            handle.seek(offset)
+            handle.write(data)
+    return path
+
+
+def move(source: PathLike, target: PathLike) -> Path:
+    """Rename ``source`` (a file, a folder or a link) to ``target`` on the same file system, durably.
+
+    One rename is the only change a crash cannot leave half done; the bundle refresh is built of them."""
+    source, target = Path(source), Path(target)
+    os.replace(source, target)
+    fsync_dir(target.parent)
+    if source.parent != target.parent:
+        fsync_dir(source.parent)
+    return target
+
+
+def replace_dir(source: PathLike, target: PathLike) -> Path:
+    """Rename the finished folder ``source`` onto ``target``; an existing ``target`` is moved aside first
+    (``.name.old-<random>``), put back if the rename fails, and deleted after it succeeded. A reader sees
+    the old folder, the new one, or (for an instant) none: never part of one."""
+    source, target = Path(source), Path(target)
+    fsync_dir(source)
+    if not target.exists():
+        return move(source, target)
+    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(target, old)
+    try:
+        move(source, target)
+    except BaseException:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+@contextmanager
+def atomic_dir(path: PathLike) -> Iterator[Path]:
+    """Yield an empty temp folder beside ``path`` to fill; on success it becomes ``path`` (`replace_dir`),
+    on error it is removed. Leftovers of a killed process are hidden (``.name.*``) and never match
+    ``path``'s name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent))
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; the result should look like any folder
+    try:
+        yield tmp
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
