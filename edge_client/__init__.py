@@ -9,8 +9,9 @@ Training (torch, imported lazily): ``train`` (the loop), ``train_options`` (`Tra
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedmvp_formats.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers (and the import-graph test) see; at run time see __getattr__
     from edge_client.bundle import Bundle, BundleError, read_bundle
@@ -37,16 +38,4 @@ _HOMES = {
 __all__ = list(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use (PEP 562), so `import edge_client` loads neither
-    ONNX Runtime nor torch, and keep the name (later lookups skip this)."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

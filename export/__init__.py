@@ -6,8 +6,9 @@ torch, open_clip and ONNX, which ``import export`` alone should not pay for.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedmvp_formats.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers (and the import-graph test) see; at run time see __getattr__
     from export.bundle_writer import BundleResult, ParityError, export_bundle, write_bundle
@@ -21,15 +22,4 @@ _HOMES = {
 __all__ = list(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use and keep the name (later lookups skip this)."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -6,8 +6,9 @@ The public API is ``__all__``. Each name is imported on first use (PEP 562 ``__g
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedmvp_formats.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -30,15 +31,4 @@ _HOMES = {
 __all__ = list(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use and keep the name (later lookups skip this)."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

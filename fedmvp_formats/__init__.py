@@ -8,6 +8,7 @@ smallest install (edge inference, no torch) carries it.
 
 - ``atomic``: atomic writes (temp file, fsync, rename) of files and folders.
 - ``files``: ``sha256_file``, the writable probe, an OSError as one line.
+- ``lazy``: a package's public API imported on first use (each ``__init__``'s ``__getattr__``).
 - ``names``: tensor name prefixes (``promptformer.``, ``lora.``).
 - ``promptformer``: the PromptFormer digest a bundle and a run agree on.
 - ``shown``: untrusted text as an error message may show it (escaped, cut short).
