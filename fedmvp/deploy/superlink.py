@@ -262,8 +262,12 @@ class Server:
     def stop_run(self, run_id: int) -> bool:
         """Ask the SuperLink to stop run ``run_id`` (the operator's `flwr stop`); True if it did."""
         try:
-            return self.flwr("stop", str(run_id), CONNECTION, "--format", "json", timeout=30).returncode == 0
+            done = self.flwr("stop", str(run_id), CONNECTION, "--format", "json", timeout=30)
         except subprocess.TimeoutExpired:
+            return False
+        try:  # `flwr --format json` exits 0 on a refusal too: its JSON says whether it worked
+            return json.loads(done.stdout).get("success") is True
+        except (ValueError, AttributeError):
             return False
 
     def stop(self) -> None:
