@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
     else:
         raise SystemExit("the block did not work")
 
-    from edge_client.cli import main
+    from fedmvp_apps.edge_cli import main
 
     codes = {}
     for name, args in json.loads(sys.argv[1]).items():
