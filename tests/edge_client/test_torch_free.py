@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent("""
             codes[name] = 0
         except SystemExit as exit:
             codes[name] = exit.code
-    leaked = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.") or m in ("fedmvp", "open_clip"))
+    leaked = sorted(m for m in sys.modules
+                    if m == "torch" or m.startswith("torch.") or m in ("fedmvp", "export", "open_clip"))
     print("RESULT " + json.dumps({"codes": codes, "leaked": leaked}))
 """)
 
