@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from edge_client.infer import infer_paths  # noqa: E402
 from edge_client.train import train_local  # noqa: E402
 from export.bundle_writer import export_bundle  # noqa: E402
-from fedmvp.cli.demo import EDGE_BATCH, EDGE_TRAIN, new_class_folders  # noqa: E402
+from fedmvp_apps.cli.demo import EDGE_BATCH, EDGE_TRAIN, new_class_folders  # noqa: E402
 from fedmvp.runs import RunDir  # noqa: E402
 
 # name -> train_local keywords (epochs, lr, optimizer, alpha); the demo's own recipe comes last.

@@ -97,9 +97,9 @@ def ray_start_seconds(cpus: int) -> dict:
             "t1 = time.perf_counter()\n"
             "ray.shutdown()\n"
             "print(json.dumps({'init_seconds': t1 - t0, 'shutdown_seconds': time.perf_counter() - t1}))\n")
-    from fedmvp.federated.simulation import FLOWER_QUIET_ENV
+    from fedmvp.federated.simulation import SIMULATION_ENV
 
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, **FLOWER_QUIET_ENV},
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, **SIMULATION_ENV},
                           capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:

@@ -68,7 +68,7 @@ with tempfile.TemporaryDirectory() as tmp:
 PY
 
 # 4: one federated demo round on the device (Flower simulation engine)
-step "one demo round on $DEVICE" 80 "$PY" -m fedmvp train --config demo --rounds 1 --device "$DEVICE" \
+step "one demo round on $DEVICE" 80 "$PY" -m fedmvp_apps.cli train --config demo --rounds 1 --device "$DEVICE" \
   --run-dir "$DEST/demo-run" --json
 [ -f "$DEST/demo-run/metrics.jsonl" ] && cp "$DEST/demo-run/metrics.jsonl" "$DEST/demo-round.jsonl"
 rm -rf "$DEST/demo-run"

@@ -7,6 +7,7 @@ standard library, and none of the project's packages: every one of them may impo
 smallest install (edge inference, no torch) carries it.
 
 - ``atomic``: atomic writes (temp file, fsync, rename) of files and folders.
+- ``flower_env``: the environment every Flower process of ours runs under (quiet, offline).
 - ``files``: ``sha256_file``, the writable probe, an OSError as one line.
 - ``lazy``: a package's public API imported on first use (each ``__init__``'s ``__getattr__``).
 - ``names``: tensor name prefixes (``promptformer.``, ``lora.``).

@@ -1,6 +1,6 @@
 """The federation's ClientApp: one FAB, two kinds of node, dispatched on the node's role.
 
-A federation runs one Flower app (``pyproject.toml`` ``[tool.flwr.app.components]``), but its
+A federation runs one Flower app (``fedmvp_apps/deploy/flower_app.toml``), but its
 nodes are of two kinds:
 
 * a **site** (``fedmvp join``; node config ``partition-id=N``, ``role`` absent or ``'site'``)
@@ -11,9 +11,10 @@ nodes are of two kinds:
   (``edge_client.node``), on an install without open_clip, peft or the training core.
 
 Each side is imported lazily, inside the handler that needs it, so an edge node never imports
-``fedmvp`` and a site never imports the edge client. This module lives outside both packages
-because neither may import the other (docs/architecture.md "Three packages, one direction");
-it is the one place allowed to reach both.
+``fedmvp`` and a site never imports the edge client. This module is an app of the top layer
+(docs/architecture.md "Layers"): it may import both libraries, and none imports it. It stays a
+top-level package, outside ``fedmvp_apps``, because its Flower component path
+(``node_app.client_app:app``) is what every deployed FAB names.
 """
 
 from __future__ import annotations

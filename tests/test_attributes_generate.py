@@ -21,7 +21,7 @@ from openai_stub_server import Reply, StubOpenAI, default_phrases, good, status 
 
 from fedmvp.attributes.files import META_KEY, load_attributes  # noqa: E402
 from fedmvp.attributes.prompt import PROMPT_VERSION  # noqa: E402
-from fedmvp.cli import main  # noqa: E402
+from fedmvp_apps.cli import main  # noqa: E402
 
 KEY = "sk-test-SECRET-0123456789"
 FAST = ["--backoff", "0.01", "--timeout", "5", "--no-progress"]

@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from fedmvp.cli import main
+from fedmvp_apps.cli import main
 from fedmvp.data.catalog import preset_class_names
 
 

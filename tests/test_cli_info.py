@@ -8,7 +8,7 @@ import sys
 
 from click.testing import CliRunner
 
-from fedmvp.cli import main
+from fedmvp_apps.cli import main
 
 
 def test_info_json_reports_counts_and_upload_bytes():
@@ -30,7 +30,7 @@ def test_info_unknown_model_is_one_line_and_exit_2():
 
 
 def test_console_scripts_have_help():
-    for module in ("fedmvp.cli", "export.cli", "edge_client.cli"):
+    for module in ("fedmvp_apps.cli", "fedmvp_apps.export_cli", "fedmvp_apps.edge_cli"):
         out = subprocess.run([sys.executable, "-c", f"from {module} import main; main()", "--help"],
                              capture_output=True, text=True, check=True).stdout
         assert "Usage:" in out and len(out.splitlines()) > 5

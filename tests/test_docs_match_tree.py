@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedmvp_formats", "fedmvp", "export", "edge_client", "node_app")
+PACKAGES = ("fedmvp_formats", "fedmvp", "export", "edge_client", "node_app", "fedmvp_apps")
 
 
 def _section(text: str, heading: str) -> str:
@@ -16,7 +16,7 @@ def _section(text: str, heading: str) -> str:
 
 
 def _modules(depth_one_only: bool) -> set[str]:
-    """Module file names (and sub-package folders as 'name/'); ``fedmvp/cli`` is described as a whole."""
+    """Module file names (and sub-package folders as 'name/'); ``fedmvp_apps/cli`` is described as a whole."""
     names: set[str] = set()
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):

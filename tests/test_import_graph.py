@@ -1,15 +1,15 @@
-"""The packages' imports flow one way and never in a circle (docs/architecture.md).
+"""The packages' imports flow down the layers and never in a circle (docs/architecture.md "Layers").
 
 Read from the source with ``ast`` (nothing is imported), counting every import, also those inside
-functions: a lazy import is still a dependency. Rules:
-- ``edge_client`` imports neither ``fedmvp`` nor ``export`` (the device install has neither);
-- ``fedmvp`` imports neither ``export`` nor ``edge_client``, except ``fedmvp.cli.demo``, the one
-  command that drives the whole flow;
-- ``node_app.client_app``, the ClientApp every SuperNode loads, is the one module that reaches both
-  ``fedmvp`` (a site) and ``edge_client`` (an edge device), each lazily, inside its handler; no
-  package imports ``node_app``;
-- ``fedmvp_formats``, the shared leaf (formats and protocols), imports none of the others and only
-  numpy, safetensors and the standard library besides; every package may import it;
+functions: a lazy import is still a dependency. Three layers, no exceptions:
+- the leaf, ``fedmvp_formats`` (formats and protocols), imports no project package and only numpy,
+  safetensors and the standard library besides;
+- the libraries ``fedmvp``, ``export`` and ``edge_client`` import the leaf; ``export`` also imports
+  ``fedmvp`` (to rebuild the model) and ``edge_client`` (the bundle format); ``fedmvp`` and
+  ``edge_client`` import no other library (a site has no edge client, a device no training core);
+- the apps, ``fedmvp_apps`` (every command, serve and both joins) and ``node_app`` (the ClientApp
+  every SuperNode loads), import any package below them; no library imports an app, and neither
+  app package imports the other;
 - no two modules import each other, directly or through others.
 """
 
@@ -22,13 +22,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedmvp_formats", "fedmvp", "export", "edge_client", "node_app")
 LEAF = "fedmvp_formats"
+LIBRARIES = ("fedmvp", "export", "edge_client")
+APPS = ("fedmvp_apps", "node_app")
+PACKAGES = (LEAF, *LIBRARIES, *APPS)
 LEAF_THIRD_PARTY = {"numpy", "safetensors"}
-ALLOWED_CROSSINGS = {"fedmvp.cli.demo": {"export", "edge_client"}, "node_app.client_app": {"fedmvp", "edge_client"}}
-FORBIDDEN = {"edge_client": {"fedmvp", "export", "node_app"}, "fedmvp": {"export", "edge_client", "node_app"},
-             "export": {"node_app"}, "node_app": {"fedmvp", "edge_client", "export"},
-             LEAF: {"fedmvp", "export", "edge_client", "node_app"}}
+# What each package may import besides itself: the layers below, and inside the library layer only
+# export's two edges. Nothing else, for any module.
+MAY_IMPORT = {LEAF: set(), "fedmvp": {LEAF}, "edge_client": {LEAF}, "export": {LEAF, "fedmvp", "edge_client"},
+              **{app: {LEAF, *LIBRARIES} for app in APPS}}
+# The device's commands (`edge-client`, its `join` included): installed without open_clip or the
+# training core, so what they reach is edge_client, the leaf, click and the standard library; torch
+# only inside the functions that train (fedmvp[edge-train], fedmvp[edge-join]).
+EDGE_APPS = ("fedmvp_apps.edge_cli", "fedmvp_apps.edge_join")
+EDGE_APP_THIRD_PARTY = {"click"}
+EDGE_APP_LAZY_THIRD_PARTY = {"torch"}
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -67,10 +75,9 @@ def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
     found = []
     for module, targets in sorted(graph.items()):
         package = module.split(".")[0]
-        allowed = ALLOWED_CROSSINGS.get(module, set())
         for target in sorted(targets):
             other = target.split(".")[0]
-            if other in FORBIDDEN.get(package, set()) and other not in allowed:
+            if other != package and other not in MAY_IMPORT[package]:
                 found.append(f"{module} imports {target}")
     return found
 
@@ -110,6 +117,30 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every project module ``start`` imports, directly or through others (lazy imports too)."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def third_party_imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """Top-level names of the absolute imports of one file that are not the standard library's
+    (``top_level_only``: those the module runs when it is imported, not those inside functions)."""
+    found = set()
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in (tree.body if top_level_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add((node.module or "").split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"__future__"}
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     return import_graph(ROOT, PACKAGES)
@@ -125,28 +156,57 @@ def test_no_import_cycles(graph):
 
 def test_the_leaf_imports_only_numpy_safetensors_and_the_standard_library():
     """fedmvp_formats is in the smallest install (edge inference, no torch): nothing else may come in."""
-    found = set()
-    for path in (ROOT / LEAF).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            if isinstance(node, ast.Import):
-                found |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                found.add((node.module or "").split(".")[0])
-    assert found - set(sys.stdlib_module_names) - LEAF_THIRD_PARTY - {LEAF, "__future__"} == set()
+    found = set().union(*(third_party_imports(path) for path in (ROOT / LEAF).rglob("*.py")))
+    assert found - LEAF_THIRD_PARTY - {LEAF} == set()
 
 
 def test_the_checker_sees_cycles_and_wrong_directions(tmp_path):
-    """The rules above can fail: a tree with a cycle and an edge_client -> fedmvp import."""
+    """The rules above can fail: a cycle, an edge_client -> fedmvp import, and libraries that import
+    an app (a lazy one too); an app importing a library is fine."""
     for rel, text in {"fedmvp/__init__.py": "", "fedmvp/a.py": "from fedmvp import b\n",
                       "fedmvp/b.py": "def f():\n    from fedmvp.a import x\n",
+                      "fedmvp/c.py": "def f():\n    from fedmvp_apps.cli import main\n",
                       "edge_client/__init__.py": "", "edge_client/c.py": "import fedmvp.a\n",
+                      "edge_client/d.py": "from node_app import client_app\n",
                       "export/__init__.py": "", "export/d.py": "from . import e\n",
-                      "export/e.py": "from .d import y\n"}.items():
+                      "export/e.py": "from .d import y\n",
+                      "fedmvp_apps/__init__.py": "",
+                      "fedmvp_apps/cli.py": "from export.d import y\nimport fedmvp.a\n",
+                      "node_app/__init__.py": "", "node_app/client_app.py": "import fedmvp_apps.cli\n"}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     bad = import_graph(tmp_path, PACKAGES)
-    assert forbidden_imports(bad) == ["edge_client.c imports fedmvp.a"]
+    assert forbidden_imports(bad) == ["edge_client.c imports fedmvp.a", "edge_client.d imports node_app.client_app",
+                                      "fedmvp.c imports fedmvp_apps.cli",
+                                      "node_app.client_app imports fedmvp_apps.cli"]
     assert cycles(bad) == [["export.d", "export.e"], ["fedmvp.a", "fedmvp.b"]]
+
+
+def test_the_edge_commands_reach_only_the_edge_client_and_the_leaf(graph):
+    """`edge-client` and `edge-client join` (the one SuperNode launch included) on a device install:
+    no fedmvp, no export, and besides the project only click."""
+    for start in EDGE_APPS:
+        modules = reachable(graph, start) | {start}
+        assert sorted(m for m in modules if m.split(".")[0] not in ("edge_client", LEAF, "fedmvp_apps")) == []
+        apps = [m for m in modules if m.startswith("fedmvp_apps")]
+        for module in apps:
+            path = ROOT / (module.replace(".", "/") + ".py")
+            at_import = third_party_imports(path, top_level_only=True) - set(PACKAGES)
+            assert at_import - EDGE_APP_THIRD_PARTY == set(), module
+            lazily = third_party_imports(path) - set(PACKAGES)
+            assert lazily - EDGE_APP_THIRD_PARTY - EDGE_APP_LAZY_THIRD_PARTY == set(), module
+
+
+def test_both_joins_share_one_supernode_launch(graph):
+    """`fedmvp join` and `edge-client join` start Flower's SuperNode through one module."""
+    assert "fedmvp_apps.deploy.supernode" in graph["fedmvp_apps.cli.join"]
+    assert "fedmvp_apps.deploy.supernode" in graph["fedmvp_apps.edge_join"]
+
+
+def test_the_app_package_init_imports_nothing():
+    """`edge-client` imports ``fedmvp_apps`` on a device: its ``__init__`` must cost nothing."""
+    tree = ast.parse((ROOT / "fedmvp_apps" / "__init__.py").read_text(encoding="utf-8"))
+    assert [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] == []
 
 
 def test_the_dispatcher_imports_each_side_only_inside_its_handlers():

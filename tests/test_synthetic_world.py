@@ -170,7 +170,7 @@ def test_ensure_world_default_cache(tmp_path: Path, monkeypatch) -> None:
 def test_cli_world(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from fedmvp.cli import main
+    from fedmvp_apps.cli import main
 
     out = tmp_path / "cli-world"
     result = CliRunner().invoke(main, ["world", "--out", str(out), "--seed", "1", "--train", "1", "--val", "0",

@@ -78,7 +78,7 @@ def test_recorded_figures_tell_the_story(record: dict) -> None:
 def test_pretrain_tiny_smoke(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from fedmvp.cli import main
+    from fedmvp_apps.cli import main
 
     out = tmp_path / "tiny.safetensors"
     vocab = Path(__file__).resolve().parents[1] / "fedmvp/model_configs/fedmvp-tiny-vocab.json"

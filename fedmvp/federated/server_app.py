@@ -53,7 +53,7 @@ class ServerSettings:
 RUN_TIME_KEYS = ("min-nodes", "round-timeout", "fraction")
 
 
-EXAMPLE = "flwr run . <superlink> --run-config \"preset='demo' run-dir='runs/deployed'\""
+EXAMPLE = "flwr run app/ <superlink> --run-config \"preset='demo' run-dir='runs/deployed'\""
 
 
 def deployment_settings(run_config: dict) -> ServerSettings:

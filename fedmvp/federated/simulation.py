@@ -11,16 +11,18 @@ import os
 
 from fedmvp.atomic import os_error_line
 from fedmvp.runs import RunDir, RunError
+from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
 
-FLOWER_QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
-                    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+# Flower's quiet environment (fedmvp_formats.flower_env) plus the simulation engine's own: Ray's.
+SIMULATION_ENV = {**FLOWER_QUIET_ENV, "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
+                  "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
 
 
 def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int | None = None,
              client_app=None) -> RunDir:
     """Run (or finish) the rounds of ``run`` on Flower's simulation engine (``client_app``: another
     ClientApp than fedmvp's, e.g. one that misbehaves, to see what the server does with it)."""
-    os.environ.update(FLOWER_QUIET_ENV)
+    os.environ.update(SIMULATION_ENV)
     from flwr.simulation import run_simulation
 
     if client_app is None:

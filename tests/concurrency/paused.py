@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-ENTRY_POINTS = {"fedmvp": "fedmvp.cli", "fedmvp-export": "export.cli", "edge-client": "edge_client.cli"}
+ENTRY_POINTS = {"fedmvp": "fedmvp_apps.cli", "fedmvp-export": "fedmvp_apps.export_cli",
+                "edge-client": "fedmvp_apps.edge_cli"}
 
 
 def pause_once(owner: object, name: str, gate: Path, at_call: int = 1) -> None:

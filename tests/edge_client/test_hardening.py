@@ -221,7 +221,7 @@ def test_infer_json_and_table_stay_valid_utf8_with_non_utf8_names(edge_bundle, t
 def test_malformed_history_entry_is_one_line_for_infer_and_rollback(bundle_dir, history):
     from click.testing import CliRunner
 
-    from edge_client.cli import main
+    from fedmvp_apps.edge_cli import main
 
     bundle = read_bundle(bundle_dir)
     state = bundle_dir / "personalised" / "state.json"

@@ -11,7 +11,7 @@ from edge_helpers import CLASSES, preprocess_batch, write_awkward_files
 from PIL import Image
 
 from edge_client.bundle import Bundle, BundleError
-from edge_client.cli import main
+from fedmvp_apps.edge_cli import main
 from edge_client.infer import Predictor, infer_paths
 
 

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from edge_client import journal
 from edge_client.bundle import BundleError, read_bundle, write_manifest
-from edge_client.cli import main
+from fedmvp_apps.edge_cli import main
 from edge_client.infer import Predictor
 from edge_client.lora_store import active_lora, apply_update
 from edge_client.refresh import promptformer_digest, recover_refresh, refresh_bundle, restore_previous

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
     else:
         raise SystemExit("the block did not work")
 
-    from edge_client.cli import main
+    from fedmvp_apps.edge_cli import main
 
     codes = {}
     for name, args in json.loads(sys.argv[1]).items():
@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent("""
             codes[name] = 0
         except SystemExit as exit:
             codes[name] = exit.code
-    leaked = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.") or m in ("fedmvp", "open_clip"))
+    leaked = sorted(m for m in sys.modules
+                    if m == "torch" or m.startswith("torch.") or m in ("fedmvp", "export", "open_clip"))
     print("RESULT " + json.dumps({"codes": codes, "leaked": leaked}))
 """)
 

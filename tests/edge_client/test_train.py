@@ -14,7 +14,7 @@ from edge_helpers import LORA, preprocess_batch, rebuilt_model, tree_bytes, writ
 from PIL import Image
 
 from edge_client.bundle import BundleError, manifest_bytes, read_bundle
-from edge_client.cli import main
+from fedmvp_apps.edge_cli import main
 from edge_client.infer import Predictor
 from edge_client.lora_store import NothingToRollBack, active_lora, apply_update, rollback
 from edge_client.program import GraphRunner, load_program
@@ -298,7 +298,7 @@ def test_training_takes_alpha_from_the_manifest(edge_bundle, tmp_path):
 
 
 def test_train_options_hold_the_defaults_the_cli_shows():
-    from edge_client.cli import train as train_command
+    from fedmvp_apps.edge_cli import train as train_command
 
     params = {p.name: p for p in train_command.params}
     for name in ("epochs", "batch_size", "max_memory_gb", "lr", "optimizer", "alpha", "device", "seed", "threads"):

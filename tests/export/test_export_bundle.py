@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from export_helpers import NUM_CLASSES, rebuilt_model
 
 from edge_client.bundle import read_bundle
-from export.cli import main
+from fedmvp_apps.export_cli import main
 from export.run_inputs import read_config, run_federation
 from fedmvp.runs import RunDir
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from export.cli import main
+from fedmvp_apps.export_cli import main
 
 
 def _run(*args: str):

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from edge_client.bundle import read_bundle
-from edge_client.cli import main as edge_main
+from fedmvp_apps.edge_cli import main as edge_main
 from edge_client.infer import Predictor
-from export.cli import main as export_main
+from fedmvp_apps.export_cli import main as export_main
 
 EXPECTED_FILES = {
     "fp32": ["lora.safetensors", "manifest.json", "model.onnx", "weights.safetensors"],  # ONNX external data

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from export_helpers import NUM_CLASSES
 
 from edge_client.bundle import read_bundle
-from export.cli import main
+from fedmvp_apps.export_cli import main
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-FEDMVP = [sys.executable, "-m", "fedmvp"]
+FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 ENV = {**os.environ, "FEDMVP_CLIENT_THREADS": "1", "PYTHONUNBUFFERED": "1", "FLWR_TELEMETRY_ENABLED": "0"}
 
 
@@ -22,7 +22,7 @@ class Processes:
 
     def start(self, name: str, args: list[str], command: list[str] | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
-        """``command`` (default ``python -m fedmvp``) with ``args``, logged to NAME.log."""
+        """``command`` (default ``python -m fedmvp_apps.cli``) with ``args``, logged to NAME.log."""
         with open(self.root / f"{name}.log", "ab") as handle:
             proc = subprocess.Popen([*(command or FEDMVP), *args], cwd=self.root, env=env or ENV, stdout=handle,
                                     stderr=subprocess.STDOUT, start_new_session=True)

@@ -86,7 +86,7 @@ def _control(port: int, ca: Path, path: str, token: str | None) -> int:
 
 @pytest.mark.timeout(300)
 def test_an_outsider_with_the_ca_certificate_or_a_node_key_controls_nothing(tmp_path, world6):
-    from fedmvp.deploy.supernode import free_port
+    from fedmvp_apps.deploy.supernode import free_port
 
     preset = three_site_preset(tmp_path, world6, rounds=50)  # no site joins: the run waits for nodes
     certs = tmp_path / "certs"
@@ -160,7 +160,7 @@ ACCESS, REFRESH = "flwr-oidc-access-token", "flwr-oidc-refresh-token"  # Flower'
 def test_the_operator_plugin_admits_exactly_its_token(metadata, valid):
     from flwr.common.constant import ACCESS_TOKEN_KEY, NOOP_FLWR_AID, REFRESH_TOKEN_KEY
 
-    from fedmvp.deploy.control_auth import OperatorTokenAuthn
+    from fedmvp_apps.deploy.control_auth import OperatorTokenAuthn
 
     assert (ACCESS_TOKEN_KEY, REFRESH_TOKEN_KEY) == (ACCESS, REFRESH)
     plugin = OperatorTokenAuthn(TOKEN)
@@ -184,13 +184,13 @@ def test_the_superlink_launcher_refuses_to_start_open(tmp_path, setup, fragment)
         env["FEDMVP_OPERATOR_TOKEN_FILE"] = str(token)
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "fedmvp.deploy.superlink_process", "--insecure"], env=env,
+    done = subprocess.run([sys.executable, "-m", "fedmvp_apps.deploy.superlink_process", "--insecure"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and fragment in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_serve_writes_the_token_owner_only_and_the_cli_credentials_beside_it(tmp_path):
-    from fedmvp.deploy.control_auth import read_operator_token, store_cli_credentials, write_operator_token
+    from fedmvp_apps.deploy.control_auth import read_operator_token, store_cli_credentials, write_operator_token
 
     token = write_operator_token(tmp_path / "home" / "operator.token")
     assert read_operator_token(tmp_path / "home" / "operator.token") == token and len(token) >= 32

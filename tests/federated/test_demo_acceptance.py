@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-FEDMVP = [sys.executable, "-m", "fedmvp"]
+FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 ROUNDS = 12
 EVAL_EVERY = 4
 MARGIN_POINTS = {"base": 3.0, "hm": 2.0, "new": 0.0}  # tuned >= zero-shot + margin
@@ -54,7 +54,7 @@ def test_shortened_demo_beats_zero_shot_on_base_and_hm_and_keeps_new(demo_run):
 
 @pytest.mark.timeout(300)
 def test_demo_edge_step_personalises_the_new_classes(demo_run):
-    from fedmvp.cli.demo import run_edge_demo
+    from fedmvp_apps.cli.demo import run_edge_demo
     from fedmvp.runs import RunDir
 
     result = run_edge_demo(RunDir(demo_run))

@@ -1,6 +1,6 @@
 """The same Flower apps on the Deployment Runtime: a real SuperLink and two SuperNodes on 127.0.0.1.
 
-`flwr run` submits this project's app (the FAB built from the repository root) with
+`flwr run` submits this project's app (the folder `fedmvp_apps.deploy.flower_app` writes) with
 ``preset`` and ``run-dir`` in the run config; the ServerApp writes the run directory on the
 SuperLink's machine. Everything lives under tmp_path: each Flower process gets its own
 FLWR_HOME (the CLI's SuperLink connection is a config.toml there), nothing touches ~/.flwr.
@@ -11,11 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,26 +21,22 @@ from safetensors.torch import load_file
 
 from fedmvp.federated.server_app import client_preset, deployment_settings
 from fedmvp.runs import RunDir
+from fedmvp_apps.deploy.flower_app import write_app_dir
+from fedmvp_apps.deploy.supernode import QUIET_ENV, LaunchError, executable, free_port
 from tests.federated.conftest import write_preset
 
 REPO = Path(__file__).resolve().parents[2]
 CONNECTION = "fedmvp-test"
 ROUNDS = 2
-QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "HF_HUB_OFFLINE": "1",
-         "FEDMVP_CLIENT_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+QUIET = {**QUIET_ENV, "FEDMVP_CLIENT_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def flower_executable(name: str) -> str | None:
-    """The executable of this interpreter's environment, else one on PATH."""
-    local = Path(sys.executable).parent / name
-    return str(local) if local.is_file() else shutil.which(name)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """The executable of this interpreter's environment, else one on PATH; None: not installed."""
+    try:
+        return executable(name)
+    except LaunchError:
+        return None
 
 
 def tail(path: Path, chars: int = 3000) -> str:
@@ -115,8 +108,9 @@ class Deployment:
                               capture_output=True, text=True, timeout=timeout)
 
     def run_app(self, run_config: str, timeout: float = 180) -> dict:
-        """`flwr run` of the repository's app, then poll `flwr ls` until the run finishes."""
-        started = self.flwr("run", str(REPO), CONNECTION, "--run-config", run_config, "--format", "json")
+        """`flwr run` of the federation's app folder, then poll `flwr ls` until the run finishes."""
+        app = write_app_dir(self.root / "app")
+        started = self.flwr("run", str(app), CONNECTION, "--run-config", run_config, "--format", "json")
         assert started.returncode == 0, started.stdout + started.stderr + self.logs()
         run_id = json.loads(started.stdout)["run-id"]
         deadline = time.time() + timeout

@@ -93,7 +93,7 @@ def logits(bundle: Path, image: Path) -> np.ndarray:
 @pytest.mark.timeout(600)
 def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_world):
     from export.bundle_writer import export_bundle
-    from fedmvp.deploy.supernode import free_port
+    from fedmvp_apps.deploy.supernode import free_port
     from fedmvp.federated.wire import promptformer_digest
 
     preset, run = prepare_run(tmp_path, small_world)

@@ -29,7 +29,7 @@ def states(run) -> dict[int, dict]:
 
 @pytest.mark.timeout(600)
 def test_a_site_and_the_server_killed_mid_run(tmp_path, world6):
-    from fedmvp.deploy.supernode import free_port
+    from fedmvp_apps.deploy.supernode import free_port
 
     preset = three_site_preset(tmp_path, world6, rounds=ROUNDS)
     certs = tmp_path / "certs"

@@ -290,7 +290,7 @@ def test_bad_runs_are_refused_before_anything_is_read(tmp_path, run):
 
 # ---- the command ---------------------------------------------------------------------------------------
 def invoke(*args: str):
-    from fedmvp.cli import main
+    from fedmvp_apps.cli import main
 
     return CliRunner().invoke(main, ["ingest", *args])
 

@@ -9,7 +9,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from fedmvp.cli import main
+from fedmvp_apps.cli import main
 from fedmvp.federated.prepare import prepare_run, run_preset
 from fedmvp.federated.strategy import RoundFailed
 from fedmvp.presets.schema import load_preset

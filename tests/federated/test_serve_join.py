@@ -17,7 +17,7 @@ import pytest
 from cryptography import x509
 from safetensors.torch import load_file
 
-from fedmvp.deploy.supernode import free_port
+from fedmvp_apps.deploy.supernode import free_port
 from tests.federated.conftest import three_site_preset
 from tests.federated.processes import ENV, FEDMVP
 
@@ -74,7 +74,7 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
             time.sleep(0.5)
         intruder = start([*join, "--site", "1", "--root-certificates", str(certs / "ca.crt"),
                           "--auth-key", str(certs / "node-3")], "intruder.log")
-        from fedmvp.deploy.certs import write_certs
+        from fedmvp_apps.deploy.certs import write_certs
 
         other = write_certs(tmp_path / "other-ca")
         stranger = start([*join, "--site", "2", "--root-certificates", str(other.ca_cert),
@@ -120,9 +120,9 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
 @pytest.mark.timeout(180)
 def test_a_restart_with_fewer_node_keys_unregisters_the_rotated_out_ones(tmp_path):
     """The SuperLink keeps registrations across restarts; `serve` must remove a key dropped from the file."""
-    from fedmvp.deploy.certs import read_node_keys, write_certs
-    from fedmvp.deploy.superlink import CONNECTION, Server, ServeOptions
-    from fedmvp.deploy.supernode import free_port
+    from fedmvp_apps.deploy.certs import read_node_keys, write_certs
+    from fedmvp_apps.deploy.superlink import CONNECTION, Server, ServeOptions
+    from fedmvp_apps.deploy.supernode import free_port
 
     files = write_certs(tmp_path / "certs", nodes=3)
     (tmp_path / "two.txt").write_text("".join(pub.read_text() for _, pub in files.node_keys[:2]))
@@ -162,8 +162,8 @@ def test_a_restart_with_fewer_node_keys_unregisters_the_rotated_out_ones(tmp_pat
 def test_bad_serve_and_join_arguments_are_one_line_and_start_nothing(tmp_path, args, message):
     from click.testing import CliRunner
 
-    from fedmvp.cli import main
-    from fedmvp.deploy.certs import write_certs
+    from fedmvp_apps.cli import main
+    from fedmvp_apps.deploy.certs import write_certs
 
     with CliRunner().isolated_filesystem(temp_dir=tmp_path):
         Path("k.txt").write_text("ecdsa-sha2-nistp384 AAAA\n")  # not a key

@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from fedmvp.cli import main
+from fedmvp_apps.cli import main
 
-FEDMVP = [sys.executable, "-m", "fedmvp"]
+FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 
 
 def train(preset: Path, run_dir: Path, *extra: str, **kwargs) -> subprocess.Popen:

@@ -40,8 +40,8 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 # The console scripts' click commands: rows run them in this process (a fresh interpreter costs
 # about 5 s of importing torch and open_clip per row); ``in_process=False`` runs the real script.
-ENTRY_POINTS = {"fedmvp": ("fedmvp.cli", "main"), "fedmvp-export": ("export.cli", "main"),
-                "edge-client": ("edge_client.cli", "main")}
+ENTRY_POINTS = {"fedmvp": ("fedmvp_apps.cli", "main"), "fedmvp-export": ("fedmvp_apps.export_cli", "main"),
+                "edge-client": ("fedmvp_apps.edge_cli", "main")}
 
 
 def run(command: str, args: list[str], cwd: Path, env: dict[str, str] | None = None,

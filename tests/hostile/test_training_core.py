@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 import pytest
 
-from fedmvp.cli import SUBCOMMANDS, main
+from fedmvp_apps.cli import SUBCOMMANDS, main
 
 
 def _float_flags() -> list[tuple[str, str]]:
@@ -25,7 +25,7 @@ def _float_flags() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("command,flag", _float_flags())
 def test_every_float_flag_refuses_non_finite_values(command, flag, value):
     """No range check catches NaN (`x < 0` is false), so each float flag checks finiteness itself."""
-    from fedmvp.cli.common import FiniteFloat
+    from fedmvp_apps.cli.common import FiniteFloat
 
     param = next(p for p in main.get_command(click.Context(main), command).params if flag in p.opts)
     assert isinstance(param.type, FiniteFloat), f"fedmvp {command} {flag} is a plain float"

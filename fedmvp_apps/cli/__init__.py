@@ -5,20 +5,20 @@ from __future__ import annotations
 import click
 
 from fedmvp import __version__
-from fedmvp.cli.lazy import LazyGroup
+from fedmvp_apps.cli.lazy import LazyGroup
 
 SUBCOMMANDS = {
-    "info": "fedmvp.cli.info:info",
-    "demo": "fedmvp.cli.demo:demo",
-    "world": "fedmvp.cli.world:world",
-    "pretrain-tiny": "fedmvp.cli.pretrain_tiny:pretrain_tiny",
-    "train": "fedmvp.cli.train:train",
-    "evaluate": "fedmvp.cli.evaluate:evaluate",
-    "ingest": "fedmvp.cli.ingest:ingest",
-    "attributes": "fedmvp.cli.attributes:attributes",
-    "certs": "fedmvp.cli.certs:certs",
-    "serve": "fedmvp.cli.serve:serve",
-    "join": "fedmvp.cli.join:join",
+    "info": "fedmvp_apps.cli.info:info",
+    "demo": "fedmvp_apps.cli.demo:demo",
+    "world": "fedmvp_apps.cli.world:world",
+    "pretrain-tiny": "fedmvp_apps.cli.pretrain_tiny:pretrain_tiny",
+    "train": "fedmvp_apps.cli.train:train",
+    "evaluate": "fedmvp_apps.cli.evaluate:evaluate",
+    "ingest": "fedmvp_apps.cli.ingest:ingest",
+    "attributes": "fedmvp_apps.cli.attributes:attributes",
+    "certs": "fedmvp_apps.cli.certs:certs",
+    "serve": "fedmvp_apps.cli.serve:serve",
+    "join": "fedmvp_apps.cli.join:join",
 }
 
 

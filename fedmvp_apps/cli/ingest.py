@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from fedmvp.cli.common import EXIT_FAILED, BadInput, FiniteFloat, emit_json
+from fedmvp_apps.cli.common import EXIT_FAILED, BadInput, FiniteFloat, emit_json
 
 
 @click.command()

@@ -1,7 +1,7 @@
 """The SuperLink process that `fedmvp serve` starts: Flower's own ``flower-superlink``, with the
-operator-only Control API plugin (`fedmvp.deploy.control_auth.OperatorTokenAuthn`).
+operator-only Control API plugin (`fedmvp_apps.deploy.control_auth.OperatorTokenAuthn`).
 
-``python -m fedmvp.deploy.superlink_process ARGS`` takes exactly ``flower-superlink``'s arguments.
+``python -m fedmvp_apps.deploy.superlink_process ARGS`` takes exactly ``flower-superlink``'s arguments.
 Flower's command loads its Control API plugin through one function,
 ``flwr.superlink.cli.flower_superlink.load_control_authn_plugin`` (the open-source build returns the
 no-op plugin there); this entry point answers that call with ours and then runs Flower's command
@@ -17,7 +17,7 @@ import sys
 
 
 def main() -> None:
-    from fedmvp.deploy.control_auth import OperatorTokenAuthn, OperatorTokenError
+    from fedmvp_apps.deploy.control_auth import OperatorTokenAuthn, OperatorTokenError
 
     try:
         plugin = OperatorTokenAuthn()

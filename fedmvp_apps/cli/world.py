@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp.cli.common import BadInput, emit_json
+from fedmvp_apps.cli.common import BadInput, emit_json
 
 
 @click.command()

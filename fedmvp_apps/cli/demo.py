@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, emit_json, quiet_open_clip_logging
 from fedmvp.runs import RunDir
 
 # On-device personalisation recipe of the demo. The edge client's defaults are the paper's (SGD 0.003,
@@ -118,7 +118,7 @@ def demo(rounds: int | None, run_dir: str | None, config: str, eval_every: int, 
     client classifying held-out new-class images before and after on-device LoRA
     training."""
     quiet_open_clip_logging()
-    from fedmvp.cli.train import train_or_resume
+    from fedmvp_apps.cli.train import train_or_resume
     from fedmvp.federated.evaluation import evaluate_run, format_table
     from fedmvp.runs import RunError
 

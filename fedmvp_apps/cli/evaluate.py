@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, emit_json, quiet_open_clip_logging
 
 
 @click.command()

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from fedmvp.atomic import os_error_line
-from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, emit_json, quiet_open_clip_logging
 
 if TYPE_CHECKING:
     from fedmvp.runs import RunDir

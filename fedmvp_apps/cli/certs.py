@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp.cli.common import BadInput, emit_json
+from fedmvp_apps.cli.common import BadInput, emit_json
 
 
 @click.command()
@@ -28,7 +28,7 @@ def certs(out: Path, hosts: tuple[str, ...], nodes: int, force: bool, as_json: b
     \b
     Copy to each site: ca.crt, and with node authentication its own node-N (private key).
     Keep on the server: server.pem, server.key, node-keys.txt. Keep ca.key offline."""
-    from fedmvp.deploy.certs import CertsError, write_certs
+    from fedmvp_apps.deploy.certs import CertsError, write_certs
 
     try:
         files = write_certs(out, list(hosts), nodes, force=force)

@@ -1,15 +1,16 @@
 """`fedmvp serve`: a Flower SuperLink, the FedMVP run submitted to it, progress, and a clean stop.
 
 The SuperLink is Flower's own (``flower-superlink``), started through
-`fedmvp.deploy.superlink_process` so that its Control API admits only this command (an operator
+`fedmvp_apps.deploy.superlink_process` so that its Control API admits only this command (an operator
 token, docs/security.md), with TLS from a certificate folder (``fedmvp certs``) unless
 ``--insecure`` is asked for. With TLS, SuperNode authentication is on: only the public keys of a
 ``--node-keys`` file are admitted, unless ``--allow-any-node`` says otherwise. The ServerApp runs
 under a SuperExec that `serve` starts itself and that signs its Runtime API calls with a shared
 secret (Flower's ``--isolation process`` + ``--superexec-auth-secret-file``), so nobody else who
 reaches the port can claim the run's ServerApp task. Offline (no runtime dependency installation,
-no telemetry). The run is submitted with ``flwr run`` from a small app folder that names fedmvp's
-installed Flower apps (the FAB carries no code), and its ``run-dir`` is absolute: the ServerApp
+no telemetry). The run is submitted with ``flwr run`` from the app folder of
+`fedmvp_apps.deploy.flower_app` (the one definition of the Flower app: it names the installed
+Flower apps, the FAB carries no code), and its ``run-dir`` is absolute: the ServerApp
 writes the run there, and resumes it when the same command is started again after a crash.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,19 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from fedmvp_apps.deploy.flower_app import write_app_dir
+from fedmvp_apps.deploy.supernode import QUIET_ENV, LaunchError, LaunchInputError, executable, split_address
+
 CONNECTION = "fedmvp-serve"
-QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "HF_HUB_OFFLINE": "1"}
 CERT_FILES = ("ca.crt", "server.pem", "server.key")
 ANY_NODE_WARNING = ("warning: --allow-any-node: any SuperNode that trusts the CA may join and have its replies "
                     "averaged; give --node-keys to admit only your sites")
 
 
-class ServeError(RuntimeError):
+class ServeError(LaunchError):
     """The federation could not be served; one line (the SuperLink's log is named where it helps)."""
 
 
-class ServeInputError(ServeError):
+class ServeInputError(ServeError, LaunchInputError):
     """Bad arguments (address, certificate folder, flags that exclude each other): nothing was started."""
 
 
@@ -62,22 +63,6 @@ class ServeOptions:
     start_timeout: float = 60.0
 
 
-def executable(name: str) -> str:
-    """A Flower executable of this interpreter's environment, else one on PATH."""
-    local = Path(sys.executable).parent / name
-    found = str(local) if local.is_file() else shutil.which(name)
-    if not found:
-        raise ServeError(f"{name} not found: install fedmvp[train] (it brings flwr) on this machine")
-    return found
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ServeInputError(f"--address {address!r}: expected HOST:PORT, e.g. 0.0.0.0:9092")
-    return host.strip("[]"), int(port)
-
-
 def check_certs(certs: Path) -> dict[str, Path]:
     files = {name: certs / name for name in CERT_FILES}
     missing = [name for name, path in files.items() if not path.is_file()]
@@ -85,41 +70,6 @@ def check_certs(certs: Path) -> dict[str, Path]:
         raise ServeInputError(f"{certs}: missing {', '.join(missing)} (write them with `fedmvp certs --out {certs}` "
                          f"or bring your own; --insecure for a trial without TLS)")
     return files
-
-
-def _app_dir(home: Path) -> Path:
-    """The app folder `flwr run` packs: only a pyproject that names fedmvp's installed apps."""
-    app = home / "app"
-    app.mkdir(parents=True, exist_ok=True)
-    from fedmvp import __version__
-
-    (app / "pyproject.toml").write_text(f'''[build-system]
-requires = ["setuptools>=68"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "fedmvp"
-version = "{__version__}"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "fedmvp"
-fab-include = ["pyproject.toml"]
-
-[tool.flwr.app.components]
-serverapp = "fedmvp.federated.server_app:app"
-clientapp = "node_app.client_app:app"
-
-[tool.flwr.app.config]
-run-dir = ""
-preset = ""
-rounds = 0
-eval-every = 0
-min-nodes = 0
-round-timeout = 0.0
-fraction = 0.0
-''')
-    return app
 
 
 def _output(done: subprocess.CompletedProcess) -> str:
@@ -140,7 +90,7 @@ class Server:
         self.home = run_dir.parent / f".{run_dir.name}.flwr"
         self.log_path = run_dir.parent / f"{run_dir.name}.superlink.log"
         self.proc: subprocess.Popen | None = None
-        self.host, self.port = split_address(options.address)
+        self.host, self.port = split_address(options.address, "--address")
         self.certs = None if options.insecure else check_certs((options.certs or Path("certs")).resolve())
         if options.node_keys and options.insecure:
             raise ServeInputError("--node-keys needs TLS: SuperNode authentication runs over TLS only (drop --insecure)")
@@ -158,7 +108,7 @@ class Server:
 
     def start(self) -> None:
         """The SuperLink (operator-only Control API), then the SuperExec that runs the ServerApp."""
-        from fedmvp.deploy.control_auth import TOKEN_FILE_ENV, store_cli_credentials, write_operator_token
+        from fedmvp_apps.deploy.control_auth import TOKEN_FILE_ENV, store_cli_credentials, write_operator_token
 
         self.home.mkdir(parents=True, exist_ok=True)
         # A fresh operator token and SuperExec secret per start: nothing from an earlier start stays valid.
@@ -167,9 +117,10 @@ class Server:
         write_operator_token(secret_file)
         # The SuperLink's state (nodes, runs) in a file beside the run: restarted after a crash, it still
         # knows the SuperNodes, which then carry on instead of failing to reconnect.
-        args = [sys.executable, "-m", "fedmvp.deploy.superlink_process", "--host", self.host, "--port", str(self.port),
-                "--database", str(self.home / "superlink.db"), "--disable-runtime-dependency-installation",
-                "--isolation", "process", "--superexec-auth-secret-file", str(secret_file)]
+        args = [sys.executable, "-m", "fedmvp_apps.deploy.superlink_process", "--host", self.host,
+                "--port", str(self.port), "--database", str(self.home / "superlink.db"),
+                "--disable-runtime-dependency-installation", "--isolation", "process",
+                "--superexec-auth-secret-file", str(secret_file)]
         args += self.tls_args("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile")
         if self.options.node_keys:
             args.append("--enable-supernode-auth")
@@ -194,7 +145,7 @@ class Server:
 
     def _wait_listening(self) -> None:
         assert self.proc is not None
-        host, port = split_address(self.link)
+        host, port = split_address(self.link, "--address")
         deadline = time.monotonic() + self.options.start_timeout
         while True:
             if self.proc.poll() is not None:
@@ -246,7 +197,8 @@ class Server:
                   "eval-every": o.eval_every, "min-nodes": o.min_nodes or 0,
                   "round-timeout": float(o.round_timeout or 0.0), "fraction": float(o.fraction or 0.0)}
         text = " ".join(f"{k}={_toml_string(v) if isinstance(v, str) else v}" for k, v in config.items())
-        started = self.flwr("run", str(_app_dir(self.home)), CONNECTION, "--run-config", text, "--format", "json")
+        app = write_app_dir(self.home / "app")
+        started = self.flwr("run", str(app), CONNECTION, "--run-config", text, "--format", "json")
         try:
             return int(json.loads(started.stdout)["run-id"])
         except (ValueError, KeyError, TypeError):
@@ -294,7 +246,7 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
     sites should join once the keys are admitted, as Flower refuses a node it does not know yet.
     Interrupted (Ctrl-C), `serve` stops its run on the SuperLink before it stops the SuperLink."""
     say = on_event or (lambda line: None)
-    from fedmvp.deploy.certs import read_node_keys
+    from fedmvp_apps.deploy.certs import read_node_keys
     from fedmvp.runs import RunDir
 
     keys = read_node_keys(options.node_keys) if options.node_keys else []

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp.cli.common import BadInput
+from fedmvp_apps.cli.common import BadInput
 
 
 @click.command()
@@ -27,15 +27,23 @@ def join(superlink: str, config: str, site: int, root_certificates: Path | None,
 
     Runs until stopped (Ctrl-C). Images stay on this machine: only trained tensors and
     evaluation counts are sent. Exit codes: Flower's; 2 for bad arguments."""
-    from fedmvp.deploy.superlink import ServeError  # ServeInputError and a missing flower-supernode
-    from fedmvp.deploy.supernode import join as become_supernode, supernode_command
     from fedmvp.presets.schema import PresetError, load_preset
+    from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
 
     try:
         load_preset(config, check_roots=False)
-        args = supernode_command(superlink, config, site, root_certificates, auth_key, insecure, port)
-    except (PresetError, ServeError) as err:
+        args = supernode_command(superlink, site_node_config(config, site), root_certificates, auth_key, insecure,
+                                 port)
+    except (PresetError, LaunchError) as err:
         raise BadInput(str(err)) from None
     if insecure:
         click.echo("warning: --insecure: no TLS; use it only for a trial", err=True)
     become_supernode(args)
+
+
+def site_node_config(preset: str, site: int) -> str:
+    """A site's node config: which share of the preset it serves (a TOML preset by its absolute path)."""
+    if site < 0:
+        raise BadInput(f"--site must be >= 0, got {site}")
+    preset_value = str(Path(preset).resolve()) if Path(preset).suffix == ".toml" else preset
+    return f"partition-id={site} preset={preset_value!r}"

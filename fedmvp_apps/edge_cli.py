@@ -1,4 +1,4 @@
-"""`edge-client` command line: infer, train, rollback, info, join (edge_client/join.py).
+"""`edge-client` command line: infer, train, rollback, info, join (fedmvp_apps/edge_join.py).
 
 Exit codes: 0 ok; 1 some files failed (infer), training failed, nothing to roll back;
 2 bad input (unreadable or tampered bundle, unknown class, unavailable provider, bad
@@ -352,7 +352,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 def _register_join() -> None:
     """`edge-client join` lives in its own module (it needs flwr only when it runs)."""
-    from edge_client.join import join
+    from fedmvp_apps.edge_join import join
 
     main.add_command(join)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from fedmvp.cli.common import BadInput, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, emit_json, quiet_open_clip_logging
 
 
 def count(params) -> int:

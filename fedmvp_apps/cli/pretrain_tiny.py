@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp.cli.common import FiniteFloat, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import FiniteFloat, emit_json, quiet_open_clip_logging
 
 
 @click.command("pretrain-tiny")

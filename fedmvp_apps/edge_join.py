@@ -2,8 +2,9 @@
 
 Everything is checked before the SuperNode starts (bundle verified and trainable, the local
 folder holds images of the bundle's classes, the held-out share is not empty, certificates
-exist); then the process becomes ``flower-supernode`` (exec), so signals, output and exit code
-are Flower's. The node config tells the federation's ClientApp (``node_app.client_app``) that
+exist); then the process becomes ``flower-supernode`` through the one SuperNode launch that
+`fedmvp join` uses too (``fedmvp_apps.deploy.supernode``), so signals, output and exit code are
+Flower's. The node config tells the federation's ClientApp (``node_app.client_app``) that
 this node is an edge device and where its bundle and images are; each round it is asked, the
 device trains the global LoRA on its images (``edge_client.node``). Needs ``flwr`` and torch:
 ``pip install fedmvp[cpu,edge-join]`` (no open_clip, no peft, no training core).
@@ -11,59 +12,16 @@ device trains the global LoRA on its images (``edge_client.node``). Needs ``flwr
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
 import sys
 from pathlib import Path
 
 import click
 
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainInputError, TrainOptions
+from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
 
-# Flower's own chatter off: no telemetry, no update check, no dependency installs on a device.
-QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-
-
-def supernode_executable() -> str:
-    """``flower-supernode`` of this interpreter's environment, else one on PATH."""
-    local = Path(sys.executable).parent / "flower-supernode"
-    found = str(local) if local.is_file() else shutil.which("flower-supernode")
-    if not found:
-        raise TrainInputError("flower-supernode not found: install fedmvp[edge-join] (it brings flwr) on this device")
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def check_superlink(address: str) -> None:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise TrainInputError(f"--superlink {address!r}: expected HOST:PORT, e.g. 10.0.0.5:9092")
-
-
-def supernode_command(superlink: str, node_config: str, root_certificates: Path | None, auth_key: Path | None,
-                      insecure: bool, port: int | None = None) -> list[str]:
-    """The ``flower-supernode`` command line of an edge node (arguments checked first)."""
-    check_superlink(superlink)
-    if insecure == (root_certificates is not None):
-        raise TrainInputError("give --root-certificates CA.crt (the federation's CA) or, for a trial, --insecure")
-    for label, path in (("--root-certificates", root_certificates), ("--auth-key", auth_key)):
-        if path is not None and not Path(path).is_file():
-            raise TrainInputError(f"{label} {path}: no such file")
-    if auth_key is not None and insecure:
-        raise TrainInputError("--auth-key needs TLS: drop --insecure and give --root-certificates")
-    args = [supernode_executable(), "--superlink", superlink, "--node-config", node_config,
-            "--port", str(port or free_port())]
-    args += ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
-    if auth_key is not None:
-        args += ["--auth-supernode-private-key", str(auth_key)]
-    return args
+# What an edge device installs to join (pyproject's edge-join extra: flwr and torch, no training core).
+EDGE_JOIN_INSTALL = "fedmvp[edge-join]"
 
 
 def check_node(node) -> dict:
@@ -78,7 +36,7 @@ def check_node(node) -> dict:
         try:
             import torch
         except ImportError as err:
-            raise TrainInputError(f"training needs torch ({err}); install fedmvp[edge-join]") from None
+            raise TrainInputError(f"training needs torch ({err}); install {EDGE_JOIN_INSTALL}") from None
         if not torch.cuda.is_available():
             raise TrainInputError("--device cuda: CUDA is not available to torch on this device")
     training, held_out = node.shares(bundle)
@@ -147,8 +105,9 @@ def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None
                               threads=threads)
         node.options(1)  # the training options are valid (TrainInputError otherwise)
         summary = check_node(node)
-        args = supernode_command(superlink, node.to_node_config(), root_certificates, auth_key, insecure, port)
-    except (TrainInputError, BundleError) as err:
+        args = supernode_command(superlink, node.to_node_config(), root_certificates, auth_key, insecure, port,
+                                 install=EDGE_JOIN_INSTALL)
+    except (TrainInputError, BundleError, LaunchError) as err:
         click.echo(f"error: {' '.join(str(err).split())}", err=True)
         sys.exit(2)
     click.echo(f"edge node: bundle {summary['bundle']} (round {summary['round']}), {summary['train_images']} "
@@ -156,4 +115,4 @@ def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None
                f"connecting to {superlink}", err=True)
     if insecure:
         click.echo("warning: --insecure: no TLS; use it only for a trial", err=True)
-    os.execve(args[0], args, {**os.environ, **QUIET_ENV})
+    become_supernode(args)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp.cli.common import FiniteFloat
+from fedmvp_apps.cli.common import FiniteFloat
 from fedmvp.attributes.files import (META_KEY, AttributeFileError, read_attribute_file,
                                      read_class_names)
 from fedmvp.attributes.prompt import listed, shown

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_clip_logging
 
 
 @click.command()
@@ -48,8 +48,9 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     Offline: no runtime dependency installation, no telemetry. Exit codes: 0 the run completed,
     1 it failed or stopped (start the same command again to resume), 2 bad arguments."""
     quiet_open_clip_logging()
-    from fedmvp.deploy.certs import CertsError
-    from fedmvp.deploy.superlink import ServeError, ServeInputError, ServeOptions, serve as run_serve
+    from fedmvp_apps.deploy.certs import CertsError
+    from fedmvp_apps.deploy.superlink import ServeOptions, serve as run_serve
+    from fedmvp_apps.deploy.supernode import LaunchError, LaunchInputError  # ServeError, ServeInputError too
     from fedmvp.presets.schema import PresetError, load_preset
 
     try:
@@ -76,9 +77,9 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
 
     try:
         status = run_serve(options, progress, on_event=lambda line: click.echo(f"serve: {line}", err=True))
-    except (ServeInputError, CertsError) as err:
+    except (LaunchInputError, CertsError) as err:
         raise BadInput(str(err)) from None
-    except ServeError as err:
+    except LaunchError as err:
         raise click.ClickException(str(err)) from None
     finally:
         if bar is not None:

@@ -1,3 +1,0 @@
-from fedmvp.cli import main
-
-main()

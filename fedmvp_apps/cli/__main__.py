@@ -1,0 +1,3 @@
+from fedmvp_apps.cli import main
+
+main()
