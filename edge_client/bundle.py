@@ -37,8 +37,9 @@ weights (fp16, int8).
 The format (its name and version, sections and their types, file names, the refresh's names) is
 ``fedmvp_formats.bundle_manifest``, which the exporter writes by too.
 manifest.json itself is hashed by nothing, so `read_bundle` checks (``check_manifest``, the one the
-exporter holds its own manifest to) that its sections have the types and agree with each other (``classes.names`` unique strings, as many as ``classes.count``
-and the model's ``onnx.num_classes`` outputs), and that the class list is the one the ONNX model
+exporter holds its own manifest to) that its sections have their types and agree with each other
+(``classes.names`` unique strings, as many as ``classes.count`` and the model's
+``onnx.num_classes`` outputs; ``method`` a valid method record), and that the class list is the one the ONNX model
 was exported with: model.onnx (which the manifest hashes) carries the class list's sha256 in its
 metadata (``fedmvp.classes_sha256``, `classes_digest`), so relabelled classes are refused.
 Only numpy, safetensors and the standard library are used here: the smallest install can

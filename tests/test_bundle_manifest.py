@@ -73,7 +73,8 @@ BAD = [  # (what, edit, what the line says)
     ("method field", lambda m: m["method"].pop("alpha"), "field method: method record does not match this fedmvp "
                                                          "(missing alpha); re-export"),
     ("method version", lambda m: m["method"].update(version=99), "field method: method record version 99 is newer"),
-    ("precision", lambda m: m.update(precision="int4"), f"field precision: 'int4' is not one of {', '.join(PRECISIONS)}"),
+    ("precision", lambda m: m.update(precision="int4"),
+     f"field precision: 'int4' is not one of {', '.join(PRECISIONS)}"),
     ("class twice", lambda m: m["classes"].update(names=["cat", "cat"]), "field classes.names: names a class twice"),
     ("class count", lambda m: m["classes"].update(count=3), "field classes.count: 3, but classes.names lists 2"),
     ("model outputs", lambda m: m["onnx"].update(num_classes=5), "field onnx.num_classes"),
