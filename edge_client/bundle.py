@@ -34,9 +34,12 @@ before it). Both are optional within format 2: a bundle without them cannot be r
 An inference-only bundle (``fedmvp-export --inference-only``) has no train.pt2 and no
 text_features.safetensors, and no weights.safetensors either when its ONNX model embeds its
 weights (fp16, int8).
-manifest.json itself is hashed by nothing, so `read_bundle` checks that its sections have the
-types and agree with each other (``classes.names`` unique strings, as many as ``classes.count``
-and the model's ``onnx.num_classes`` outputs), and that the class list is the one the ONNX model
+The format (its name and version, sections and their types, file names, the refresh's names) is
+``fedmvp_formats.bundle_manifest``, which the exporter writes by too.
+manifest.json itself is hashed by nothing, so `read_bundle` checks (``check_manifest``, the one the
+exporter holds its own manifest to) that its sections have their types and agree with each other
+(``classes.names`` unique strings, as many as ``classes.count`` and the model's
+``onnx.num_classes`` outputs; ``method`` a valid method record), and that the class list is the one the ONNX model
 was exported with: model.onnx (which the manifest hashes) carries the class list's sha256 in its
 metadata (``fedmvp.classes_sha256``, `classes_digest`), so relabelled classes are refused.
 Only numpy, safetensors and the standard library are used here: the smallest install can
@@ -49,58 +52,26 @@ safetensors headers), so none of it reaches onnxruntime, safetensors or torch un
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmvp_formats.atomic import write_bytes
+from fedmvp_formats.bundle_manifest import (CLASSES_KEY, MANIFEST, REFRESH_DERIVE, REFRESH_JOURNAL, ManifestError,
+                                            check_manifest, classes_digest)
 from fedmvp_formats.files import sha256_file
+from fedmvp_formats.method import MethodRecord
 
-# BundleError, PREVIOUS and verify_program_archive are the bundle format's: the rest of the package
-# imports them from here.
-from edge_client.bundle_files import (PREVIOUS, BundleError, check_device_dirs, check_onnx_external,  # noqa: F401
+# BundleError and verify_program_archive are the bundle format's: the rest of the package imports them from here.
+from edge_client.bundle_files import (BundleError, check_device_dirs, check_onnx_external,  # noqa: F401
                                       file_problem, plain_name, verify_program_archive)
 from edge_client.bundle_files import fail as _fail
 from edge_client.preprocess import PreprocessSpec
 from edge_client.safetensors_check import check_safetensors, load_safetensors
 
-FORMAT = "fedmvp-edge-bundle"
-FORMAT_VERSION = 2  # 2: the manifest records the method config (``method``)
-MANIFEST = "manifest.json"
-METHOD_KEYS = ("num_prompts", "heads", "ff_mult", "alpha", "flip_prob", "lora_rank", "lora_targets", "use_lora")
 BUNDLE_ENV = "FEDMVP_BUNDLE"  # where `--bundle` is not given
 DEFAULT_BUNDLE = "bundle"  # where neither --bundle nor $FEDMVP_BUNDLE is given
-ROLES = {"onnx": "model.onnx", "weights": "weights.safetensors", "lora": "lora.safetensors",
-         "training": "train.pt2", "text": "text_features.safetensors"}
-CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class list it was exported with
-PRECISIONS = ("fp32", "fp16", "int8")
-REFRESH_DERIVE = "fedmvp-context-v1"  # how a refresh derives the text constants (docs/method.md §10)
-REFRESH_JOURNAL = "refresh.json"  # present only while a refresh or its rollback is under way
-
-
-def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """{name: {sha256, bytes}} for files in ``directory`` (the manifest's ``files``)."""
-    return {name: {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
-            for name in sorted(names)}
-
-
-def classes_digest(names: list[str]) -> str:
-    """sha256 of a class list in logit order (canonical JSON): what model.onnx's metadata pins."""
-    return hashlib.sha256(json.dumps(list(names), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-                          ).hexdigest()
-
-
-def manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    """Canonical manifest text: sorted keys, two-space indent, trailing newline."""
-    return (json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
-
-
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> Path:
-    """Write manifest.json atomically (a reader never sees a half-written manifest)."""
-    return write_bytes(directory / MANIFEST, manifest_bytes(manifest))
 
 
 @dataclass
@@ -147,8 +118,9 @@ class Bundle:
 
     @property
     def method(self) -> dict[str, Any]:
-        """The model's method config (docs/method.md §3-§5); ``read_bundle`` checked its keys."""
-        return dict(self.manifest["method"])
+        """The model's method record (docs/method.md §3-§5), migrated to this release's version
+        (``fedmvp_formats.method``); ``read_bundle`` checked it."""
+        return MethodRecord.from_dict(self.manifest["method"], f"{self.path / MANIFEST}: field method").to_dict()
 
     def file(self, role: str) -> Path:
         """Path of the file with ``role`` (onnx, weights, lora, training, text)."""
@@ -265,69 +237,20 @@ def _read(root: Path, verify: bool) -> Bundle:
         raise _fail(manifest_path, "missing (not a fedmvp bundle)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise _fail(manifest_path, f"corrupt JSON ({err})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise _fail(manifest_path, f"not a {FORMAT} manifest")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise _fail(manifest_path, f"format version {version} is not supported (this client reads "
-                                   f"{FORMAT_VERSION}); re-export the bundle or update edge-client")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise _fail(manifest_path, "lists no files")
-    method = manifest.get("method")
-    missing = [k for k in METHOD_KEYS if k not in method] if isinstance(method, dict) else ["method"]
-    if missing:
-        where = "method" if isinstance(method, dict) else "manifest"
-        raise _fail(manifest_path, f"the {where} lacks {', '.join(missing)} (the model's method config); "
-                                   f"re-export the bundle with this version of fedmvp-export")
-    _check_sections(manifest_path, manifest)
+    try:
+        check_manifest(manifest, str(manifest_path))
+    except ManifestError as err:
+        raise BundleError(str(err)) from None
+    try:
+        PreprocessSpec.from_manifest(manifest["preprocess"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise _fail(manifest_path, f"field preprocess: {' '.join(str(err).split())}") from None
     check_device_dirs(root)
-    _check_files(root, manifest_path, files, verify)
+    _check_files(root, manifest_path, manifest["files"], verify)
     if verify:
         _check_class_pin(root, manifest_path, manifest)
         _check_contents(root, manifest)
     return Bundle(path=root, manifest=manifest)
-
-
-def _check_sections(manifest_path: Path, m: dict[str, Any]) -> None:
-    """Every section the device reads has its type, and the class list agrees with itself and the model.
-
-    Why: the manifest is covered by no hash, and a wrong type deep inside would be a traceback later."""
-    def bad(field: str, why: str) -> BundleError:
-        return _fail(manifest_path, f"field {field}: {why}")
-
-    for key, kind in (("classes", dict), ("preprocess", dict), ("files_by_role", dict), ("lora", dict)):
-        if not isinstance(m.get(key), kind):
-            raise bad(key, f"missing or not a {'mapping' if kind is dict else kind.__name__}")
-    for key in ("source", "onnx", "promptformer"):
-        if m.get(key) is not None and not isinstance(m[key], dict):
-            raise bad(key, "not a mapping")
-    names, count = m["classes"].get("names"), m["classes"].get("count")
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
-        raise bad("classes.names", "not a non-empty list of class names")
-    if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
-        raise bad("classes.names", f"names a class twice ({', '.join(twice[:5])})")
-    if not isinstance(count, int) or isinstance(count, bool) or count != len(names):
-        raise bad("classes.count", f"{count!r}, but classes.names lists {len(names)}")
-    outputs = (m.get("onnx") or {}).get("num_classes")
-    if outputs is not None and outputs != len(names):
-        raise bad("onnx.num_classes", f"the model outputs {outputs!r} classes, classes.names lists {len(names)}")
-    if m.get("precision") not in PRECISIONS:
-        raise bad("precision", f"{m.get('precision')!r} is not one of {', '.join(PRECISIONS)}")
-    try:
-        PreprocessSpec.from_manifest(m["preprocess"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise bad("preprocess", " ".join(str(err).split())) from None
-    roles = m["files_by_role"]
-    if not all(isinstance(v, str) and v in m["files"] for v in roles.values()) or "onnx" not in roles \
-            or "lora" not in roles:
-        raise bad("files_by_role", "must name the onnx and lora files, each one listed in files")
-    tensors = m["lora"].get("tensors")
-    if not isinstance(tensors, dict) or not tensors or not all(
-            isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in s)
-            for s in tensors.values()):
-        raise bad("lora.tensors", "not a mapping of LoRA tensor names to shapes (lists of positive ints)")
 
 
 def onnx_classes_pin(path: Path) -> str | None:

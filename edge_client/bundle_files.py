@@ -30,10 +30,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edge_client.protobuf import onnx_external_data
+from fedmvp_formats.bundle_manifest import PERSONALISED, PREVIOUS
 
-PERSONALISED = "personalised"  # the device's own LoRAs (edge_client.lora_store)
-PREVIOUS = "previous"  # what the last refresh replaced, for `edge-client rollback --refresh`
+from edge_client.protobuf import onnx_external_data
 
 
 class BundleError(ValueError):

@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edge_client.bundle import PREVIOUS, Bundle, BundleError, read_bundle
+from fedmvp_formats.bundle_manifest import PREVIOUS
+
+from edge_client.bundle import Bundle, BundleError, read_bundle
 
 
 def memory_available_bytes() -> int | None:

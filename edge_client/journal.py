@@ -11,7 +11,8 @@ removes the journal, then the scratch: the bundle is then exactly the old or the
 A step is a rename ``src -> dst`` (paths relative to the bundle). Steps before ``done`` are
 finished; the step at ``done`` may have been renamed just before a crash, so it runs only
 while ``src`` still exists. A step whose ``src`` never existed (no personalisation, no older
-previous bundle) is skipped.
+previous bundle) is skipped. The journal's and the scratch directories' names are the bundle format's
+(``fedmvp_formats.bundle_manifest``).
 """
 
 from __future__ import annotations
@@ -22,27 +23,22 @@ from pathlib import Path
 from typing import Any
 
 from fedmvp_formats.atomic import TEMP_SUFFIX, fsync_dir, move, write_bytes
+from fedmvp_formats.bundle_manifest import (JOURNAL_FORMAT, JOURNAL_VERSION, REFRESH_JOURNAL, REFRESH_NEW,
+                                            REFRESH_PREVIOUS, REFRESH_SCRATCH)
 
-from edge_client.bundle import REFRESH_JOURNAL, BundleError
-
-FORMAT = "fedmvp-edge-refresh-journal"
-FORMAT_VERSION = 1
-NEW = ".refresh-new"  # the new files, staged
-PREVIOUS_NEW = ".refresh-previous"  # what will become previous/
-DISCARD = ".refresh-discard"  # what goes once the change is complete
-SCRATCH = (NEW, PREVIOUS_NEW, DISCARD)
+from edge_client.bundle import BundleError
 
 
 def start_scratch(root: Path) -> None:
     """Empty scratch directories for a new change (leftovers of a crash before a journal go)."""
     clean_scratch(root)
-    for name in SCRATCH:
+    for name in REFRESH_SCRATCH:
         (root / name).mkdir()
 
 
 def clean_scratch(root: Path) -> None:
     """Remove every scratch directory and the journal's temp files (none of it is part of a bundle)."""
-    for name in SCRATCH:
+    for name in REFRESH_SCRATCH:
         shutil.rmtree(root / name, ignore_errors=True)
     for temp in root.glob(f".{REFRESH_JOURNAL}.*{TEMP_SUFFIX}"):
         temp.unlink(missing_ok=True)
@@ -50,10 +46,10 @@ def clean_scratch(root: Path) -> None:
 
 def commit(root: Path, kind: str, moves: list[tuple[str, str]], record: dict[str, Any]) -> None:
     """Write the journal (from here on the change will complete) and carry out its renames."""
-    fsync_dir(root / NEW)
-    fsync_dir(root / PREVIOUS_NEW)
+    fsync_dir(root / REFRESH_NEW)
+    fsync_dir(root / REFRESH_PREVIOUS)
     fsync_dir(root)
-    journal = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, **record,
+    journal = {"format": JOURNAL_FORMAT, "format_version": JOURNAL_VERSION, "kind": kind, **record,
                "moves": [[src, dst] for src, dst in moves], "done": 0}
     _write(root, journal)
     _finish(root, journal)
@@ -77,9 +73,9 @@ def _read(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise BundleError(f"{path}: unreadable refresh journal ({' '.join(str(err).split())[:200]})") from None
     moves = journal.get("moves") if isinstance(journal, dict) else None
-    if not isinstance(journal, dict) or journal.get("format") != FORMAT or not isinstance(moves, list) \
+    if not isinstance(journal, dict) or journal.get("format") != JOURNAL_FORMAT or not isinstance(moves, list) \
             or not isinstance(journal.get("done"), int):
-        raise BundleError(f"{path}: not a {FORMAT} file")
+        raise BundleError(f"{path}: not a {JOURNAL_FORMAT} file")
     for step in moves:
         if not (isinstance(step, list) and len(step) == 2 and all(_inside(path.parent, p) for p in step)):
             raise BundleError(f"{path}: malformed step {step!r} (it leaves the bundle or passes through a link)")

@@ -53,13 +53,13 @@ from typing import Any
 import numpy as np
 
 from fedmvp_formats.atomic import copy_file, temp_is_removable, write_bytes
+from fedmvp_formats.bundle_manifest import PERSONALISED
 from fedmvp_formats.files import sha256_file
 
 from edge_client.bundle import Bundle, BundleError
-from edge_client.bundle_files import PERSONALISED, plain_name
+from edge_client.bundle_files import plain_name
 from edge_client.update import UpdateError, read_update, utc_now
 
-DIRECTORY = PERSONALISED
 STATE = "state.json"
 FORMAT = "fedmvp-edge-personalisation"
 FORMAT_VERSION = 1
@@ -133,7 +133,7 @@ def personalisation_lock(bundle_dir: str | os.PathLike) -> Iterator[None]:
 
 def state_dir(bundle: Bundle) -> Path:
     """Where the personalisation lives (beside the hashed files, never among them)."""
-    return Path(bundle.path) / DIRECTORY
+    return Path(bundle.path) / PERSONALISED
 
 
 def _empty_state(bundle: Bundle) -> dict[str, Any]:
@@ -199,7 +199,7 @@ def _load_entry(bundle: Bundle, entry: dict[str, Any]) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise PersonalisationError(f"{path}: active LoRA file is missing")
     if path.stat().st_size != entry.get("bytes") or sha256_file(path) != entry.get("sha256"):
-        raise PersonalisationError(f"{path}: sha256 does not match {DIRECTORY}/{STATE} (file changed)")
+        raise PersonalisationError(f"{path}: sha256 does not match {PERSONALISED}/{STATE} (file changed)")
     try:
         return read_update(path, bundle).tensors
     except UpdateError as err:
@@ -282,7 +282,7 @@ def _rollback_locked(bundle: Bundle, to_bundle: bool) -> None:
     if to_bundle:
         if not directory.exists():
             raise _nothing(bundle)
-        aside = directory.with_name(f".{DIRECTORY}.removed-{os.getpid()}-{os.urandom(4).hex()}")
+        aside = directory.with_name(f".{PERSONALISED}.removed-{os.getpid()}-{os.urandom(4).hex()}")
         os.replace(directory, aside)  # the commit point: one rename
         shutil.rmtree(aside, ignore_errors=True)
         return

@@ -30,27 +30,21 @@ from typing import Any
 import numpy as np
 
 from fedmvp_formats.atomic import copy_file, copy_patched
+from fedmvp_formats.bundle_manifest import (CONTEXT_LAYERS, MANIFEST, PERSONALISED, PREVIOUS, REFRESH_DISCARD,
+                                            REFRESH_NEW, REFRESH_PREVIOUS, TEXT_CONSTANTS, TEXT_FEATURES,
+                                            file_entries, write_manifest)
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
 from edge_client import journal
-from edge_client.bundle import MANIFEST, PREVIOUS, Bundle, BundleError, file_entries, read_bundle, write_manifest
+from edge_client.bundle import Bundle, BundleError, read_bundle
 from edge_client.bundle_files import check_device_dirs, file_problem, plain_name
 from edge_client.bundle_lock import BundleBusy, bundle_lock
-from edge_client.lora_store import DIRECTORY as PERSONALISED
 from edge_client.lora_store import personalisation_lock
 from edge_client.refresh_check import check_refreshed
 from edge_client.safetensors_check import load_safetensors
 from edge_client.tensor_layout import Span, onnx_initializer_spans, safetensors_layout
-
-TEXT_FEATURES = "text.attribute_features"  # [C*K, E]: what the PromptFormer's text_proj receives
-# The run tensors the text constants derive from ("fedmvp-context-v1", docs/method.md §10).
-CONTEXT_LAYERS = {layer: PROMPTFORMER_PREFIX + name for layer, name in (
-    ("text_proj", "text_proj"), ("norm_context", "block.norm_context"), ("to_k", "block.attn.to_k"),
-    ("to_v", "block.attn.to_v"))}
-CONTEXT_SOURCES = tuple(f"{layer}.{leaf}" for layer in CONTEXT_LAYERS.values() for leaf in ("weight", "bias"))
-TEXT_CONSTANTS = ("text.key_context", "text.value_context", "text.key_base", "text.value_base")
 
 
 class NoPreviousBundle(BundleError):
@@ -142,7 +136,7 @@ def _refresh_locked(root: Path, tensors: Mapping[str, np.ndarray], digest: str, 
     changed = [names["weights"]] + ([names["lora"], names["onnx"]] if lora else [])
     journal.start_scratch(root)
     try:
-        staged = root / journal.NEW
+        staged = root / REFRESH_NEW
         copy_patched(bundle.file("weights"), staged / names["weights"], weights)
         if lora:
             copy_patched(bundle.file("lora"), staged / names["lora"], _patches(
@@ -151,7 +145,7 @@ def _refresh_locked(root: Path, tensors: Mapping[str, np.ndarray], digest: str, 
                 onnx_initializer_spans(bundle.file("onnx")), lora, bundle.file("onnx")))
         else:
             copy_file(bundle.file("onnx"), staged / names["onnx"])  # beside the new weights, for the check
-            copy_file(bundle.file("lora"), root / journal.PREVIOUS_NEW / names["lora"])  # previous/ is whole
+            copy_file(bundle.file("lora"), root / REFRESH_PREVIOUS / names["lora"])  # previous/ is whole
         diff, checked = check_refreshed(bundle, staged / names["onnx"], staged / names["weights"],
                                         lora or bundle.lora(), check_images)
         manifest = _refreshed_manifest(bundle, staged, changed, digest, round_number, old_id)
@@ -165,8 +159,8 @@ def _refresh_locked(root: Path, tensors: Mapping[str, np.ndarray], digest: str, 
         journal.clean_scratch(root)
         raise
     moves = [step for name in changed for step in _replace(name)] + [
-        (PERSONALISED, f"{journal.PREVIOUS_NEW}/{PERSONALISED}"), *_replace(MANIFEST),
-        (PREVIOUS, f"{journal.DISCARD}/{PREVIOUS}"), (journal.PREVIOUS_NEW, PREVIOUS)]
+        (PERSONALISED, f"{REFRESH_PREVIOUS}/{PERSONALISED}"), *_replace(MANIFEST),
+        (PREVIOUS, f"{REFRESH_DISCARD}/{PREVIOUS}"), (REFRESH_PREVIOUS, PREVIOUS)]
     _commit(root, "refresh", moves, {"bundle_before": old_id, "bundle_after": new_id})
     return RefreshResult(old_id=old_id, new_id=new_id, round=round_number,
                          bytes_received=sum(int(a.nbytes) for a in arrays.values()),
@@ -175,7 +169,7 @@ def _refresh_locked(root: Path, tensors: Mapping[str, np.ndarray], digest: str, 
 
 def _replace(name: str) -> list[tuple[str, str]]:
     """The two renames that swap a staged file in and keep the old one for previous/."""
-    return [(name, f"{journal.PREVIOUS_NEW}/{name}"), (f"{journal.NEW}/{name}", name)]
+    return [(name, f"{REFRESH_PREVIOUS}/{name}"), (f"{REFRESH_NEW}/{name}", name)]
 
 
 def restore_previous(bundle_dir: str | Path, wait: float = 0.0) -> Bundle:
@@ -208,8 +202,8 @@ def _restore_locked(root: Path) -> Bundle:
             raise BundleError(f"{path}: does not match {previous / MANIFEST}; cannot roll back the refresh")
     journal.start_scratch(root)
     moves = [step for name in [*kept, PERSONALISED, MANIFEST] for step in
-             ((name, f"{journal.DISCARD}/{name}"), (f"{PREVIOUS}/{name}", name))]
-    _commit(root, "restore", moves + [(PREVIOUS, f"{journal.DISCARD}/{PREVIOUS}")], {})
+             ((name, f"{REFRESH_DISCARD}/{name}"), (f"{PREVIOUS}/{name}", name))]
+    _commit(root, "restore", moves + [(PREVIOUS, f"{REFRESH_DISCARD}/{PREVIOUS}")], {})
     return read_bundle(root)
 
 

@@ -15,9 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from fedmvp_formats.bundle_manifest import FORMAT, MANIFEST
 from fedmvp_formats.files import nearest_existing, probe_writable as probe_writable_folder
-
-from edge_client.bundle import FORMAT, MANIFEST
 
 RUN_CONFIG = "config.json"
 

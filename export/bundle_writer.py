@@ -25,12 +25,13 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from fedmvp_formats.atomic import move
+from fedmvp_formats.bundle_manifest import (CONTEXT_SOURCES, FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS,
+                                            REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES, file_entries,
+                                            write_manifest)
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.promptformer import promptformer_digest
 
-from edge_client.bundle import (FORMAT, FORMAT_VERSION, MANIFEST, REFRESH_DERIVE, ROLES,
-                                 file_entries, read_bundle, verify_program_archive, write_manifest)
-from edge_client.refresh import CONTEXT_SOURCES, TEXT_CONSTANTS, TEXT_FEATURES
+from edge_client.bundle import read_bundle, verify_program_archive
 from export import onnx_export, parity, training_artifact
 from export.class_set import ClassSet, file_class_set, run_class_set, text_features
 from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
@@ -108,8 +109,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     ``discard_device_state``: with ``force``, also replace an ``out`` holding device state
     (``export.publish.device_state``); refused otherwise, since the device's training would be lost."""
     out = Path(out)
-    if precision not in onnx_export.PRECISIONS:
-        raise ExportError(f"precision {precision!r}: choose one of {', '.join(onnx_export.PRECISIONS)}")
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     check_out(out, force, discard_device_state)
     classes.validate()
     if len(images) < parity.MIN_IMAGES:
@@ -309,8 +310,8 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest)."""
     from fedmvp.clip import ClipLoadError, load_clip
 
-    if precision not in onnx_export.PRECISIONS:
-        raise ExportError(f"precision {precision!r}: choose one of {', '.join(onnx_export.PRECISIONS)}")
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if parity_images < parity.MIN_IMAGES:
         raise ExportError(f"--parity-images must be at least {parity.MIN_IMAGES}")
     run_dir = find_run(run, Path(runs_root))

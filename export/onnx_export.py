@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, numpy_helper
 from torch import nn
 
+from fedmvp_formats.bundle_manifest import CLASSES_KEY, classes_digest
+
 from edge_client.tensor_layout import safetensors_layout
 from export.edge_module import EdgeClassifier, no_mha_fastpath  # noqa: F401 (used here and re-exported)
 
@@ -54,7 +56,6 @@ OPSET = 18
 INPUT_NAME = "pixel_values"
 OUTPUT_NAMES = ("logits", "probs", "image_embeds")
 PRODUCER = "fedmvp-export"
-PRECISIONS = ("fp32", "fp16", "int8")
 
 
 class OnnxExportError(RuntimeError):
@@ -244,8 +245,6 @@ def pin_classes(proto: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
     Why: manifest.json is hashed by nothing, model.onnx is; the device refuses a manifest whose
     class list is not this one (relabelled predictions)."""
-    from edge_client.bundle import CLASSES_KEY, classes_digest
-
     for entry in list(proto.metadata_props):
         if entry.key == CLASSES_KEY:
             proto.metadata_props.remove(entry)

@@ -17,11 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fedmvp_formats.atomic import replace_dir
+from fedmvp_formats.bundle_manifest import MANIFEST, PERSONALISED, PREVIOUS, REFRESH_JOURNAL, REFRESH_SCRATCH
 
-from edge_client.bundle import MANIFEST, PREVIOUS, REFRESH_JOURNAL
 from edge_client.bundle_lock import LOCK, BundleBusy, bundle_lock
-from edge_client.journal import SCRATCH as REFRESH_SCRATCH
-from edge_client.lora_store import DIRECTORY as PERSONALISED
 from export.errors import ExportError
 
 DEVICE_STATE = (PERSONALISED, PREVIOUS, REFRESH_JOURNAL, *REFRESH_SCRATCH)  # what `--force` must not delete silently

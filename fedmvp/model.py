@@ -8,14 +8,13 @@ switch) or its LoRA's (after). They travel under stable names, ``promptformer.*`
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
+from fedmvp_formats.method import MethodRecord
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 
 from fedmvp.clip import LoadedClip
@@ -23,42 +22,9 @@ from fedmvp.prompted_vit import encode_tokens, patch_embeds
 from fedmvp.promptformer import PromptFormer, PromptFormerConfig
 
 
-@dataclass
-class FedMVPConfig:
-    """Method hyper-parameters (the paper's defaults, docs/method.md)."""
-
-    num_prompts: int = field(default=4, metadata={"help": "m, prompt tokens appended per image"})
-    heads: int = field(default=4, metadata={"help": "attention heads in the PromptFormer"})
-    ff_mult: int = field(default=4, metadata={"help": "GEGLU inner width = ff_mult * vision width"})
-    alpha: float = field(default=10.0, metadata={"help": "weight of the consistency loss; 0 turns it off"})
-    flip_prob: float = field(default=0.5, metadata={"help": "per-sample horizontal flip for the consistency view"})
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank on the cross-attention q/k/v"})
-    lora_targets: tuple[str, ...] = field(default=("to_q", "to_k", "to_v"),
-                                          metadata={"help": "PromptFormer Linear layers that get LoRA"})
-    use_lora: bool = field(default=True, metadata={"help": "False reproduces the 'w/o LoRA' ablation"})
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record that travels with the weights (run config, round states, bundle manifest)."""
-        return {**asdict(self), "lora_targets": list(self.lora_targets)}
-
-    @classmethod
-    def from_dict(cls, record: Any, where: str = "method") -> "FedMVPConfig":
-        """Rebuild exactly what was recorded: every field must be there, nothing else may be.
-
-        Why strict: a reader that filled a missing key from the defaults would silently build
-        another model than the one the weights were trained as."""
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: not a method record (got {type(record).__name__})")
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(record) - set(names))
-        missing = [n for n in names if n not in record]
-        if unknown or missing:
-            detail = "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
-                                             f"unknown {', '.join(unknown)}" if unknown else ""]))
-            raise ValueError(f"{where}: method record does not match this fedmvp ({detail})")
-        values = dict(record)
-        values["lora_targets"] = tuple(values["lora_targets"])
-        return cls(**values)
+class FedMVPConfig(MethodRecord):
+    """The method record as the training core builds the model from it (fields, ranges, version and
+    migration: ``fedmvp_formats.method``, the one definition; docs/method.md)."""
 
 
 def autocast_for(device: torch.device | str) -> contextlib.AbstractContextManager:

@@ -10,6 +10,8 @@ smallest install (edge inference, no torch) carries it.
 - ``flower_env``: the environment every Flower process of ours runs under (quiet, offline).
 - ``files``: ``sha256_file``, the writable probe, an OSError as one line.
 - ``lazy``: a package's public API imported on first use (each ``__init__``'s ``__getattr__``).
+- ``method``: the method record (fields, ranges, help; its version and the migration of older records).
+- ``bundle_manifest``: the bundle manifest's schema, its file names and the refresh's names.
 - ``names``: tensor name prefixes (``promptformer.``, ``lora.``).
 - ``promptformer``: the PromptFormer digest a bundle and a run agree on.
 - ``shown``: untrusted text as an error message may show it (escaped, cut short).

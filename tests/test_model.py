@@ -94,6 +94,15 @@ def test_without_lora_ablation(tiny_clip):
         model.use_lora()
 
 
+def test_every_lora_target_the_record_allows_is_a_promptformer_layer(tiny_clip):
+    """The method record's range for lora_targets (fedmvp_formats.method.LORA_LAYERS) builds a model."""
+    from fedmvp_formats.method import LORA_LAYERS
+
+    for target in LORA_LAYERS:
+        lora = FedMVP(tiny_clip, FedMVPConfig(lora_targets=(target,))).state("lora")
+        assert lora and all(f".{target}.lora_" in name for name in lora), target
+
+
 def test_alpha_zero_is_plain_cross_entropy(tiny_clip):
     torch.manual_seed(0)
     model = FedMVP(tiny_clip, FedMVPConfig(alpha=0.0))

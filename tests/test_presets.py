@@ -107,6 +107,39 @@ def test_every_field_has_help():
             assert f.metadata.get("help") or f.metadata.get("internal"), f"{cls.__name__}.{f.name}"
 
 
+METHOD_VALUES = {"alpha": 2.5, "num_prompts": 3, "use_lora": False, "lora_rank": 2}  # none is the default
+
+
+def test_every_method_key_of_the_preset_reaches_the_model(tree):
+    """Each [train] key the schema marks as a method field becomes the method record the model is built as."""
+    from fedmvp.federated.prepare import method_config
+    from fedmvp.presets.schema import method_keys
+    from fedmvp_formats.method import method_field
+
+    assert set(method_keys()) == set(METHOD_VALUES)  # a new method key needs a value here
+    for key, value in METHOD_VALUES.items():
+        assert method_field(key).default != value
+        text = GOOD.replace("shots = 2", f"shots = 2\n{key} = {str(value).lower()}")
+        config = method_config(load_preset(write(tree, text)).train)
+        assert getattr(config, method_keys()[key]) == value and config.to_dict()[key] == value, key
+    default = method_config(load_preset(write(tree, GOOD)).train)
+    assert default.to_dict() == type(default)().to_dict()  # left out: the record's documented defaults
+
+
+def test_method_keys_take_help_and_ranges_from_the_method_record(tree):
+    from fedmvp_formats.method import method_field
+
+    for f in dataclasses.fields(TrainSpec):
+        if "method" in f.metadata:
+            assert f.metadata["help"] == method_field(f.metadata["method"]).metadata["help"]
+    for edit, says in (("lora_rank = 0", "[train]: lora_rank must be at least 1, got 0"),
+                       ("alpha = -1.0", "[train]: alpha must be 0.0 or more, got -1.0"),
+                       ("num_prompts = 0", "[train]: num_prompts must be at least 1, got 0")):
+        with pytest.raises(PresetError) as info:
+            load_preset(write(tree, GOOD.replace("shots = 2", f"shots = 2\n{edit}")))
+        assert says in str(info.value) and "\n" not in str(info.value)
+
+
 def test_good_preset_loads_with_paths_relative_to_the_file(tree):
     preset = load_preset(write(tree, GOOD))
     assert preset.datasets[0].root_path() == tree / "data"

@@ -18,6 +18,7 @@ from typing import Any
 
 from fedmvp import atomic
 from fedmvp.model import FedMVPConfig
+from fedmvp.presets.schema import method_keys
 from fedmvp.runs import Checkpoint, RunDir, RunError, warn
 
 RECORD_VERSION = 2
@@ -36,9 +37,9 @@ def resolve_device(device: str) -> str:
 
 
 def method_config(train: Any) -> FedMVPConfig:
-    """The model's method config from a preset's [train] table (the keys that shape the model)."""
-    return FedMVPConfig(num_prompts=train.num_prompts, alpha=train.alpha, use_lora=train.use_lora,
-                        lora_rank=train.lora_rank)
+    """The model's method config from a preset's [train] table: every key the schema marks as a method
+    field (``presets.schema.method_keys``); the record's other fields keep their defaults."""
+    return FedMVPConfig(**{name: getattr(train, key) for key, name in method_keys().items()})
 
 
 def run_method(run: RunDir, checkpoint: Checkpoint | None = None) -> FedMVPConfig:

@@ -24,6 +24,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fedmvp_formats.method import field_problem, method_field
+
 PRESET_DIR = Path(__file__).parent
 PROTOCOLS = ("base-to-new", "msst", "ssmt")
 PROTOCOL_ALIASES = {"base2new": "base-to-new", "multi-source-single-target": "msst",
@@ -41,6 +43,18 @@ def _help(text: str, default: Any = MISSING, **kw: Any) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": text}, **kw)
     return field(default=default, metadata={"help": text}, **kw)
+
+
+def _method(name: str) -> Any:
+    """A [train] key that becomes the method record's field ``name``: its default, help and range are
+    the record's (``fedmvp_formats.method``, the one definition); ``method_keys`` lists these keys."""
+    spec = method_field(name)
+    return field(default=spec.default, metadata={"help": spec.metadata["help"], "method": name})
+
+
+def method_keys(cls: type | None = None) -> dict[str, str]:
+    """{[train] key: method record field} of the keys that shape the model (``federated/prepare.py``)."""
+    return {f.name: f.metadata["method"] for f in fields(cls or TrainSpec) if "method" in f.metadata}
 
 
 @dataclass
@@ -63,10 +77,10 @@ class TrainSpec:
     momentum: float = _help("SGD momentum", 0.9)
     weight_decay: float = _help("SGD weight decay", 1e-5)
     sigma: float = _help("LoRA switch: a client's mean round loss below this freezes the PromptFormer", 0.5)
-    alpha: float = _help("weight of the consistency loss L_con (0 disables it)", 10.0)
-    num_prompts: int = _help("prompt tokens pooled from the PromptFormer output (m)", 4)
-    use_lora: bool = _help("allow the switch to LoRA-only training", True)
-    lora_rank: int = _help("LoRA rank on the cross-attention q/k/v projections", 8)
+    alpha: float = _method("alpha")
+    num_prompts: int = _method("num_prompts")
+    use_lora: bool = _method("use_lora")
+    lora_rank: int = _method("lora_rank")
     num_attributes: int = _help("attribute phrases per class (K)", 10)
     fraction_fit: float = _help("fraction of clients sampled each round", 1.0)
 
@@ -241,10 +255,14 @@ def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = Non
 def _check_values(preset: Preset, err: Any) -> None:
     """Range and cross-key checks that need no file system."""
     t = preset.train
-    for key in ("rounds", "local_epochs", "batch_size", "shots", "num_prompts", "lora_rank", "num_attributes"):
+    for key, name in method_keys().items():  # the method record's ranges
+        problem = field_problem(name, getattr(t, key))
+        if problem:
+            raise err(f"[train]: {problem.replace(name, key, 1)}")
+    for key in ("rounds", "local_epochs", "batch_size", "shots", "num_attributes"):
         if getattr(t, key) < 1:
             raise err(f"[train]: {key} must be at least 1, got {getattr(t, key)}")
-    for key in ("lr", "momentum", "weight_decay", "sigma", "alpha"):
+    for key in ("lr", "momentum", "weight_decay", "sigma"):
         if not (math.isfinite(getattr(t, key)) and getattr(t, key) >= 0):
             raise err(f"[train]: {key} must be a finite number >= 0, got {getattr(t, key)}")
     srv = preset.server

@@ -16,12 +16,13 @@ from PIL import Image
 from safetensors.numpy import load_file
 
 from edge_client import journal
-from edge_client.bundle import BundleError, read_bundle, write_manifest
+from edge_client.bundle import BundleError, read_bundle
 from fedmvp_apps.edge_cli import main
 from edge_client.infer import Predictor
 from edge_client.lora_store import active_lora, apply_update
 from edge_client.refresh import promptformer_digest, recover_refresh, refresh_bundle, restore_previous
 from edge_client.update import write_update
+from fedmvp_formats.bundle_manifest import REFRESH_NEW, REFRESH_SCRATCH, write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_refreshed_round1_bundle_is_the_round2_bundle(stale, moved_bundles, roun
                                                           "weights.safetensors"]
     assert all((previous / p.name).read_bytes() == p.read_bytes() for p in moved_bundles[1].iterdir()
                if (previous / p.name).exists())
-    assert not any((stale / name).exists() for name in (*journal.SCRATCH, "refresh.json"))
+    assert not any((stale / name).exists() for name in (*REFRESH_SCRATCH, "refresh.json"))
 
 
 def _nan(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -193,7 +194,7 @@ def test_a_crash_at_any_rename_recovers_to_the_old_or_the_new_bundle(stale, roun
                 assert "recover_refresh" in str(err)
         recover_refresh(stale)
         bundle = read_bundle(stale)  # verifies: the old bundle or the new one, nothing in between
-        assert not any((stale / name).exists() for name in (*journal.SCRATCH, "refresh.json"))
+        assert not any((stale / name).exists() for name in (*REFRESH_SCRATCH, "refresh.json"))
         outcomes.append("old" if bundle.id == old_id else bundle.id)
         if bundle.id != old_id:
             restore_previous(stale)
@@ -227,7 +228,7 @@ def test_a_disk_error_is_one_line_and_recoverable(fail_at, says, stale, round2, 
 def test_staged_leftovers_without_a_journal_are_dropped(stale):
     before = tree_bytes(stale)
     journal.start_scratch(stale)
-    (stale / journal.NEW / "weights.safetensors").write_bytes(b"half written")
+    (stale / REFRESH_NEW / "weights.safetensors").write_bytes(b"half written")
     (stale / ".refresh.json.abc.tmp").write_bytes(b"{")
     assert recover_refresh(stale) is None
     assert tree_bytes(stale) == before and sorted(p.name for p in stale.iterdir()) == sorted(before)

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from edge_helpers import LORA, preprocess_batch, rebuilt_model, tree_bytes, write_local_data
 from PIL import Image
 
-from edge_client.bundle import BundleError, manifest_bytes, read_bundle
+from edge_client.bundle import BundleError, read_bundle
 from fedmvp_apps.edge_cli import main
 from edge_client.infer import Predictor
 from edge_client.lora_store import NothingToRollBack, active_lora, apply_update, rollback
@@ -22,6 +22,7 @@ from edge_client.batch_fit import find_batch_size
 from edge_client.local_data import decode_dataset, scan_folder
 from edge_client.train import fedmvp_loss, train_local
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
+from fedmvp_formats.bundle_manifest import manifest_bytes
 from edge_client.update import UpdateError, read_update, write_update
 
 LOCAL_CLASSES = ["purple_cross", "orange_ring", "yellow_star"]

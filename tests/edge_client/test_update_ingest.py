@@ -39,7 +39,8 @@ def test_an_update_is_ingested_into_a_round_that_exports(edge_run, edge_bundle, 
 
 
 def test_the_update_names_the_run_its_bundle_came_from(bundle_dir, edge_run, tmp_path):
-    from edge_client.bundle import Bundle, read_bundle, write_manifest
+    from edge_client.bundle import Bundle, read_bundle
+    from fedmvp_formats.bundle_manifest import write_manifest
     from edge_client.update import read_update, write_update
     from fedmvp.federated.ingest import ingest
 

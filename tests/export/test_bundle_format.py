@@ -53,7 +53,12 @@ def test_manifest_problems(bundle_copy, tmp_path):
     message = _error(bundle_copy)
     assert "manifest.json" in message and "method" in message and "re-export" in message
     manifest.write_text(json.dumps({**data, "method": {k: v for k, v in data["method"].items() if k != "alpha"}}))
-    assert "method lacks alpha" in _error(bundle_copy)
+    assert "field method: method record does not match this fedmvp (missing alpha)" in _error(bundle_copy)
+    without_lora = {k: v for k, v in data.items() if k != "lora"}
+    manifest.write_text(json.dumps(without_lora))
+    assert "manifest.json: field lora: missing" in _error(bundle_copy)
+    manifest.write_text(json.dumps({**data, "classes": ["cat"]}))
+    assert "manifest.json: field classes: must be a mapping, got list" in _error(bundle_copy)
     manifest.write_text("{not json")
     assert "corrupt JSON" in _error(bundle_copy)
     manifest.unlink()

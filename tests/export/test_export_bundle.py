@@ -32,9 +32,7 @@ def test_bundle_manifest_and_files(tiny_bundle, tiny_run):
     m = bundle.manifest
     assert m["format_version"] == 2 and m["precision"] == "fp32"
     config = rebuilt_model(tiny_run)[0].config  # the method config is recorded for the edge trainer (alpha)
-    assert bundle.method == {"num_prompts": config.num_prompts, "heads": config.heads, "ff_mult": config.ff_mult,
-                             "alpha": config.alpha, "flip_prob": config.flip_prob, "lora_rank": config.lora_rank,
-                             "lora_targets": list(config.lora_targets), "use_lora": config.use_lora}
+    assert bundle.method == config.to_dict() and m["method"] == config.to_dict()  # with its version
     assert bundle.method["lora_rank"] == 4 and bundle.round == 2 and len(bundle.id) == 64  # the run recorded rank 4
     assert m["source"]["round"] == 2 and m["source"]["run"] == tiny_run.name
     assert m["model"]["clip"] == "fedmvp-tiny"

@@ -6,8 +6,9 @@ import numpy as np
 import onnx
 from safetensors.numpy import load_file
 
-from edge_client.refresh import TEXT_FEATURES, derive_text
+from edge_client.refresh import derive_text
 from edge_client.tensor_layout import onnx_initializer_spans, safetensors_layout
+from fedmvp_formats.bundle_manifest import TEXT_FEATURES
 from fedmvp_formats.promptformer import promptformer_digest
 
 

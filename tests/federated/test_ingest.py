@@ -58,7 +58,8 @@ def lora_of(run: Path, round_number: int = 2) -> dict[str, np.ndarray]:
 
 def bundle_for(folder: Path, lora: dict[str, np.ndarray], round_number: int = 2, run_id: str | None = RUN_ID):
     """An edge_client Bundle as `write_update` reads it: manifest.json with the source round, run_id, LoRA shapes."""
-    from edge_client.bundle import Bundle, write_manifest
+    from edge_client.bundle import Bundle
+    from fedmvp_formats.bundle_manifest import write_manifest
 
     folder.mkdir(parents=True, exist_ok=True)
     manifest = {"source": {"round": round_number, **({"run_id": run_id} if run_id else {})},

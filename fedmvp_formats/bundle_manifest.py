@@ -1,0 +1,170 @@
+"""The edge bundle's manifest and the refresh's names: one definition for the writer and the readers.
+
+Why here: ``export`` writes a bundle's manifest.json and ``edge_client`` reads, verifies and
+refreshes it (``bundle``, ``bundle_files``, ``refresh``, ``journal``); the format name and version,
+the sections and their types, the file names and the folders a device adds were constants of the
+reader that the writer imported. Here they are the format's, and ``check_manifest`` is what both
+hold a manifest to: the exporter reads its bundle back through it before publishing it.
+
+manifest.json is covered by no hash (its own sha256 is the bundle's identity), so ``check_manifest``
+checks every section's type and that the sections agree with each other before a reader looks inside;
+what needs a bundle's files (hashes, the ONNX model's class pin, the preprocessing) the reader checks.
+The layout and the meaning of each section: ``edge_client/bundle.py`` and docs/method.md §10.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fedmvp_formats.atomic import write_bytes
+from fedmvp_formats.files import sha256_file
+from fedmvp_formats.method import MethodRecord
+from fedmvp_formats.names import PROMPTFORMER_PREFIX
+
+FORMAT = "fedmvp-edge-bundle"
+FORMAT_VERSION = 2  # 2: the manifest records the method config (``method``)
+MANIFEST = "manifest.json"
+# The files a bundle holds, by role (an inference-only bundle drops training, text and maybe weights).
+ROLES = {"onnx": "model.onnx", "weights": "weights.safetensors", "lora": "lora.safetensors",
+         "training": "train.pt2", "text": "text_features.safetensors"}
+REQUIRED_ROLES = ("onnx", "lora")
+PRECISIONS = ("fp32", "fp16", "int8")
+CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class list it was exported with
+
+# Top-level sections: (the types a value may have, required). ``source`` and ``promptformer`` are optional
+# within format 2 (a bundle without them cannot be refreshed); ``training`` is None for inference only.
+SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "format": ((str,), True), "format_version": ((int,), True), "files": ((dict,), True),
+    "method": ((dict,), True), "classes": ((dict,), True), "preprocess": ((dict,), True),
+    "precision": ((str,), True), "files_by_role": ((dict,), True), "lora": ((dict,), True),
+    "source": ((dict,), False), "model": ((dict,), False), "onnx": ((dict,), False),
+    "training": ((dict, type(None)), False), "parity": ((dict,), False), "promptformer": ((dict,), False),
+}
+
+# What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
+PERSONALISED = "personalised"  # the device's own LoRAs (edge_client.lora_store)
+PREVIOUS = "previous"  # what the last refresh replaced, for `edge-client rollback --refresh`
+REFRESH_JOURNAL = "refresh.json"  # present only while a refresh or its rollback is under way
+JOURNAL_FORMAT = "fedmvp-edge-refresh-journal"
+JOURNAL_VERSION = 1
+REFRESH_NEW = ".refresh-new"  # the new files, staged
+REFRESH_PREVIOUS = ".refresh-previous"  # what will become previous/
+REFRESH_DISCARD = ".refresh-discard"  # what goes once the change is complete
+REFRESH_SCRATCH = (REFRESH_NEW, REFRESH_PREVIOUS, REFRESH_DISCARD)
+
+# How a refresh derives the baked text constants (``promptformer.derive``, docs/method.md §10): from
+# text_features.safetensors' TEXT_FEATURES and the run tensors of CONTEXT_LAYERS.
+REFRESH_DERIVE = "fedmvp-context-v1"
+TEXT_FEATURES = "text.attribute_features"  # [C*K, E]: what the PromptFormer's text_proj receives
+TEXT_CONSTANTS = ("text.key_context", "text.value_context", "text.key_base", "text.value_base")
+CONTEXT_LAYERS = {layer: PROMPTFORMER_PREFIX + name for layer, name in (
+    ("text_proj", "text_proj"), ("norm_context", "block.norm_context"), ("to_k", "block.attn.to_k"),
+    ("to_v", "block.attn.to_v"))}
+CONTEXT_SOURCES = tuple(f"{layer}.{leaf}" for layer in CONTEXT_LAYERS.values() for leaf in ("weight", "bias"))
+
+
+class ManifestError(ValueError):
+    """A manifest that breaks the format; one line naming the manifest and the field."""
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_manifest(m: Any, where: str) -> MethodRecord:
+    """Hold ``m`` to the format (``where``: the manifest's path as an error names it); its method record.
+
+    Why one function: the exporter and every reader refuse the same manifests with the same line."""
+    def bad(field: str, why: str) -> ManifestError:
+        return ManifestError(f"{where}: field {field}: {why}")
+
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ManifestError(f"{where}: not a {FORMAT} manifest")
+    version = m.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ManifestError(f"{where}: format version {version} is not supported (this client reads "
+                            f"{FORMAT_VERSION}); re-export the bundle or update edge-client")
+    for key, (kinds, required) in SECTIONS.items():
+        if key not in m:
+            if required:
+                raise bad(key, "missing (re-export the bundle with this version of fedmvp-export)")
+            continue
+        value = m[key]
+        if not isinstance(value, kinds) or (int in kinds and isinstance(value, bool)):
+            names = " or ".join("a mapping" if k is dict else "null" if k is type(None) else f"a {k.__name__}"
+                                for k in kinds)
+            raise bad(key, f"must be {names}, got {type(value).__name__}")
+    _check_files(m["files"], bad)
+    try:
+        method = MethodRecord.from_dict(m["method"], f"{where}: field method")
+    except ValueError as err:
+        raise ManifestError(f"{err}; re-export the bundle with this version of fedmvp-export") from None
+    _check_classes(m, bad)
+    if m["precision"] not in PRECISIONS:
+        raise bad("precision", f"{m['precision']!r} is not one of {', '.join(PRECISIONS)}")
+    roles = m["files_by_role"]
+    if not all(isinstance(v, str) and v in m["files"] for v in roles.values()) \
+            or not all(r in roles for r in REQUIRED_ROLES):
+        raise bad("files_by_role", "must name the onnx and lora files, each one listed in files")
+    tensors = m["lora"].get("tensors")
+    if not isinstance(tensors, dict) or not tensors or not all(
+            isinstance(s, list) and all(_integer(d) and d > 0 for d in s) for s in tensors.values()):
+        raise bad("lora.tensors", "not a mapping of LoRA tensor names to shapes (lists of positive ints)")
+    source = m.get("source") or {}
+    if source.get("round") is not None and not (_integer(source["round"]) and source["round"] >= 0):
+        raise bad("source.round", f"not a round number, got {source['round']!r}")
+    if source.get("run_id") is not None and not isinstance(source["run_id"], str):
+        raise bad("source.run_id", f"not a string, got {type(source['run_id']).__name__}")
+    return method
+
+
+def _check_files(files: dict[str, Any], bad: Any) -> None:
+    """``files``: at least one, each ``{sha256: 64 hex digits, bytes: a size}`` (the names: the reader's)."""
+    if not files:
+        raise bad("files", "lists no files")
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or not _integer(entry.get("bytes")) or entry["bytes"] < 0 \
+                or not isinstance(entry.get("sha256"), str) or len(entry["sha256"]) != 64 \
+                or not set(entry["sha256"]) <= set("0123456789abcdef"):
+            raise bad(f"files[{name!r}]", "must be {\"sha256\": 64 hex digits, \"bytes\": a size}")
+
+
+def _check_classes(m: dict[str, Any], bad: Any) -> None:
+    """The class list: unique non-empty names, as many as ``classes.count`` and the model's outputs."""
+    names, count = m["classes"].get("names"), m["classes"].get("count")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise bad("classes.names", "not a non-empty list of class names")
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise bad("classes.names", f"names a class twice ({', '.join(twice[:5])})")
+    if not _integer(count) or count != len(names):
+        raise bad("classes.count", f"{count!r}, but classes.names lists {len(names)}")
+    outputs = (m.get("onnx") or {}).get("num_classes")
+    if outputs is not None and outputs != len(names):
+        raise bad("onnx.num_classes", f"the model outputs {outputs!r} classes, classes.names lists {len(names)}")
+
+
+def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {sha256, bytes}} for files in ``directory`` (the manifest's ``files``)."""
+    return {name: {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
+            for name in sorted(names)}
+
+
+def classes_digest(names: list[str]) -> str:
+    """sha256 of a class list in logit order (canonical JSON): what model.onnx's metadata pins."""
+    return hashlib.sha256(json.dumps(list(names), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+                          ).hexdigest()
+
+
+def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    """Canonical manifest text: sorted keys, two-space indent, trailing newline."""
+    return (json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> Path:
+    """Write manifest.json atomically (a reader never sees a half-written manifest)."""
+    return write_bytes(Path(directory) / MANIFEST, manifest_bytes(manifest))
