@@ -14,8 +14,8 @@ the server later uses of the type it uses it as (a NaN loss or a string byte cou
 the round, not just this reply). ``wire_arrays`` converts the arrays only after their declared
 serialisation, dtype (float32 only, as every client sends), shape and byte count, and the .npy
 header inside the bytes, all match the round: ``np.load`` allocates whatever shape a header
-declares. Its tensor checks (``tensor_problem``) and the update-norm bound
-(``bound_update``) also judge the update files of `fedmvp ingest` (``ingest.py``).
+declares. The tensor checks are the leaf's one (``fedmvp_formats.tensors``); the update-norm bound
+(``bound_update``) also judges the update files of `fedmvp ingest` (``ingest.py``).
 
 Two kinds of sender: a **site** (identified by the ``partition-id`` it serves; it sends the
 tensors of its mode, at most its training set's images) and an **edge** device (``role``
@@ -35,6 +35,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.shown import name_shown, shown
+from fedmvp_formats.tensors import names_problem, shape_text, tensor_problem
 
 NORM_ACTIONS = ("reject", "clip")
 MAX_NPY_HEADER = 4096  # np.save writes 128 bytes for these shapes
@@ -167,7 +168,7 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
         arrays = wire_arrays(arrays, global_state, wanted)
         if isinstance(arrays, str):
             return Verdict(site, role=role, reason=arrays)
-    problem = tensor_problem(arrays, global_state, wanted, dtype=np.dtype(np.float32))
+    problem = tensor_problem(arrays, {k: global_state[k].shape for k in wanted})
     if problem is not None:
         return Verdict(site, role=role, reason=problem)
     as_float32 = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(arrays)}
@@ -180,7 +181,7 @@ def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: s
     """A reply's arrays as float32 numpy, or why not, each judged before a byte of it is converted:
     names exactly ``wanted``; the declared serialisation, dtype and shape the round's; the bytes a
     .npy of exactly that (its header read with a bounded size, its data exactly the shape's)."""
-    problem = _names_problem(set(record.keys()), wanted)
+    problem = names_problem(record.keys(), wanted)
     if problem is not None:
         return problem
     out = {}
@@ -189,7 +190,7 @@ def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: s
         if array.stype != "numpy.ndarray":
             return f"{name}: serialisation {shown(array.stype)} is not numpy.ndarray"
         if tuple(array.shape) != ref.shape:
-            return f"{name}: shape {_shape(array.shape)}, the round's is {list(ref.shape)}"
+            return f"{name}: shape {shape_text(array.shape)}, the round's is {list(ref.shape)}"
         if array.dtype != "float32":
             return f"{name}: dtype {shown(array.dtype)} is not float32"
         stream, size = io.BytesIO(array.data), 4 * int(ref.size)
@@ -200,7 +201,7 @@ def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: s
                     (2, 0): np.lib.format.read_array_header_2_0}[np.lib.format.read_magic(stream)]
             shape, fortran, dtype = read(stream, max_header_size=MAX_NPY_HEADER)
             if tuple(shape) != ref.shape or dtype != np.float32 or len(array.data) - stream.tell() != size:
-                raise ValueError(f"they hold {dtype} {_shape(shape)} in {len(array.data) - stream.tell()} bytes")
+                raise ValueError(f"they hold {dtype} {shape_text(shape)} in {len(array.data) - stream.tell()} bytes")
         except (ValueError, KeyError, TypeError, SyntaxError) as err:
             text = " ".join(str(err).split())
             return f"{name}: the bytes are not a .npy of float32 {list(ref.shape)} " \
@@ -208,46 +209,6 @@ def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: s
         out[name] = np.frombuffer(array.data, np.float32, int(ref.size), stream.tell()).reshape(
             ref.shape, order="F" if fortran else "C").copy()
     return out
-
-
-def _shape(shape: Any) -> str:
-    return str(list(shape)) if len(shape) <= 8 else f"of {len(shape)} dimensions"
-
-
-def _names_problem(names: set[str], wanted: set[str]) -> str | None:
-    if names == wanted:
-        return None
-    missing, extra = sorted(wanted - names), sorted(names - wanted)
-    parts = ([f"missing {_listed(missing)}"] if missing else []) + \
-            ([f"unexpected {_listed(extra)}"] if extra else [])
-    return f"tensor names do not match the round ({'; '.join(parts)})"
-
-
-def tensor_problem(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], wanted: set[str],
-                   dtype: np.dtype | None = None) -> str | None:
-    """Why ``arrays`` cannot be averaged into ``reference``, or None: names exactly ``wanted``, the
-    reference's shapes, floating point (exactly ``dtype`` when given), all finite. Shared by the
-    server's replies and `fedmvp ingest`'s update files."""
-    names = set(arrays)
-    problem = _names_problem(names, wanted)
-    if problem is not None:
-        return problem
-    for name in sorted(names):
-        value, ref = arrays[name], reference.get(name)
-        if ref is None or tuple(value.shape) != tuple(ref.shape):
-            want = None if ref is None else list(ref.shape)
-            return f"{name}: shape {list(value.shape)}, the round's is {want}"
-        if not np.issubdtype(value.dtype, np.floating) or (dtype is not None and value.dtype != dtype):
-            return f"{name}: dtype {value.dtype} is not {'floating point' if dtype is None else np.dtype(dtype)}"
-        if not np.all(np.isfinite(value)):
-            return f"{name}: holds NaN or infinite values"
-    return None
-
-
-def _listed(names: list[str], first: int = 3) -> str:
-    """The first names (escaped) and how many more: a reason stays one bounded line."""
-    more = f" and {len(names) - first} more" if len(names) > first else ""
-    return ", ".join(name_shown(n) for n in names[:first]) + more
 
 
 def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], max_norm: float | None,
