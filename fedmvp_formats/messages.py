@@ -39,7 +39,8 @@ METRICS, IDENTITY = "metrics", "identity"
 # ---- keys ---------------------------------------------------------------------------------------------
 ROUND, RUN_ID, PROMPTFORMER_DIGEST = "round", "run-id", "promptformer-digest"  # instruction and identity
 LR, PRESET, DEVICE, LORA_CLIENTS, SELECTED, PROMPTED = "lr", "preset", "device", "lora-clients", "selected", "prompted"
-PARTITION_ID, ROLE, BUNDLE_ID, REFRESHED, REFRESH_BYTES = "partition-id", "role", "bundle-id", "refreshed", "refresh-bytes"
+PARTITION_ID, ROLE, BUNDLE_ID = "partition-id", "role", "bundle-id"
+REFRESHED, REFRESH_BYTES = "refreshed", "refresh-bytes"
 NUM_EXAMPLES, TRAIN_LOSS, TRAIN_CE, TRAIN_CONSISTENCY = "num-examples", "train-loss", "train-ce", "train-consistency"
 LORA_ACTIVE, SWITCH_NEXT, REFRESH_SECONDS = "lora-active", "switch-next", "refresh-seconds"
 SITE, EDGE = "site", "edge"  # the two roles (docs/architecture.md "node identity")

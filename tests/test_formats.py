@@ -74,7 +74,8 @@ def test_no_json_text_travels_every_value_is_a_config_record_value(instruction):
     ({"config": {"run-id": "r"}}, "round None is not a round number"),
     ({"config": {"round": True, "run-id": "r"}}, "round True"),
     ({"config": {"round": 1}}, "run-id None is not a string"),
-    ({"config": {"round": 1, "run-id": "r", "lora-clients": "[1, 2]"}}, "lora-clients is not a list of integers ('[1, 2]')"),
+    ({"config": {"round": 1, "run-id": "r", "lora-clients": "[1, 2]"}},
+     "lora-clients is not a list of integers ('[1, 2]')"),  # JSON text is refused, not parsed
     ({"config": {"round": 1, "run-id": "r", "selected": [1.0]}}, "selected is not a list of integers"),
     ({"config": {"round": 1, "run-id": "r", "lr": float("nan")}}, "lr nan is not a finite number"),
     ({"config": {"round": 1, "run-id": "r", "prompted": 1}}, "prompted 1 is not true or false"),
@@ -98,7 +99,8 @@ EDGE = Identity(round=3, run_id="r1", bundle_id="b" * 64, promptformer_digest="d
                 refresh_bytes=123)
 
 
-@pytest.mark.parametrize("identity", [SITE, EDGE, Identity(round=3, run_id="r1")], ids=["site", "edge", "zero-shot"])
+@pytest.mark.parametrize("identity", [SITE, EDGE, Identity(round=3, run_id="r1")],
+                         ids=["site", "edge", "zero-shot"])
 def test_the_identity_record_round_trips(identity):
     record = identity.record()
     assert read_identity(record, "r1", 3) == identity
@@ -161,7 +163,8 @@ SHAPES = {"lora.a": [2, 3], "lora.b": [4]}
      "(unexpected lora.x0, lora.x1, lora.x2 and 2 more)"),
     ({"lora.a": np.zeros((3, 2), np.float32), "lora.b": np.zeros(4, np.float32)},
      "lora.a: shape [3, 2], the bundle's is [2, 3]"),
-    ({"lora.a": np.zeros((2, 3), np.float64), "lora.b": np.zeros(4, np.float32)}, "lora.a: dtype float64 is not float32"),
+    ({"lora.a": np.zeros((2, 3), np.float64), "lora.b": np.zeros(4, np.float32)},
+     "lora.a: dtype float64 is not float32"),
     ({"lora.a": np.zeros((2, 3), np.float32), "lora.b": np.array([0, 0, np.inf, 0], np.float32)},
      "lora.b: holds NaN or infinite values"),
 ], ids=["good", "missing", "unexpected", "shape", "dtype", "inf"])
@@ -173,6 +176,7 @@ def test_the_tensor_check_names_the_first_problem(tensors, reason):
 
 def test_any_floating_dtype_when_none_is_required_and_the_first_nonfinite_name():
     assert tensor_problem({"a": np.zeros(2, np.float16)}, {"a": [2]}, dtype=None) is None
-    assert tensor_problem({"a": np.zeros(2, np.int32)}, {"a": [2]}, dtype=None) == "a: dtype int32 is not floating point"
+    assert tensor_problem({"a": np.zeros(2, np.int32)}, {"a": [2]}, dtype=None) == \
+        "a: dtype int32 is not floating point"
     assert first_nonfinite({"b": np.array([np.nan]), "a": np.zeros(1), "c": np.array([np.inf])}) == "b"
     assert first_nonfinite({"i": np.array([1, 2])}) is None

@@ -3,9 +3,9 @@
 The client id comes from the node's config (``partition-id``, set by the simulation engine or by
 ``flower-supernode --node-config "partition-id=3"``); the preset (a shipped preset's name, else the
 TOML path on the server's machine), the run's method record (what model to build) and the round's
-settings come in the server's message (its schema: ``fedmvp_formats.messages``). A SuperNode whose preset file lives elsewhere names it
-itself: ``--node-config "partition-id=3 preset='/data/site3.toml'"``. A client not selected this
-round answers with zero examples."""
+settings come in the server's message (its schema: ``fedmvp_formats.messages``). A SuperNode whose
+preset file lives elsewhere names it itself: ``--node-config "partition-id=3 preset='/data/site3.toml'"``.
+A client not selected this round answers with zero examples."""
 
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def instruction_content(arrays: ArrayRecord, instruction: Instruction, config: C
     config = ConfigRecord() if config is None else config
     for key, value in records.pop(CONFIG).items():
         config[key] = value
-    return RecordDict({ARRAYS: arrays, CONFIG: config, **{name: ConfigRecord(values) for name, values in records.items()}})
+    others = {name: ConfigRecord(values) for name, values in records.items()}
+    return RecordDict({ARRAYS: arrays, CONFIG: config, **others})
 
 
 def content_instruction(content: RecordDict) -> Instruction:
