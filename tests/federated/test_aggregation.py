@@ -97,6 +97,8 @@ def test_configure_sends_flags_schedule_and_a_replayable_sample():
     assert config["lr"] == pytest.approx(cosine_lr(0.003, 6, 10))
     assert config["lora-clients"] == [1, 3]  # lists travel as lists, not as JSON text
     assert config["selected"] == strategy.selected_clients(6)
+    texts = [v for record in messages[0].content.config_records.values() for v in record.values() if isinstance(v, str)]
+    assert not [t for t in texts if t[:1] in "[{"]  # no JSON text in any record
 
 
 def test_deployment_asks_a_fraction_of_the_connected_nodes_and_at_least_min_nodes():
