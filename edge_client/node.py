@@ -30,6 +30,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.supercore import log
 
+from fedmvp_formats import messages as schema
+from fedmvp_formats.messages import Identity, Instruction, read_instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
@@ -39,7 +41,7 @@ from edge_client.lora_store import ActiveLora
 from edge_client.refresh import recover_refresh, refresh_bundle
 from edge_client.train_options import TrainInputError, TrainOptions
 
-ROLE = "edge"
+ROLE = schema.EDGE
 DEFAULT_EVAL_FRACTION = 0.2
 PARITY_IMAGES = 4  # local images a refresh checks ONNX Runtime against the training program on
 
@@ -150,13 +152,25 @@ def sync_bundle(node: EdgeNodeConfig, arrays: dict[str, np.ndarray], digest: str
     return Synced(Bundle.open(node.bundle, verify=True), True, result.bytes_received, result.seconds)
 
 
-def _identity(config: Any, synced: Synced | None = None) -> ConfigRecord:
+def _identity(instruction: Instruction, synced: Synced | None = None) -> ConfigRecord:
     """Who replies: an edge device, its bundle, for this run and round (checked by the server)."""
-    values: dict[str, Any] = {"role": ROLE, "round": int(config["round"]), "run-id": str(config["run-id"])}
-    if synced is not None:
-        values |= {"bundle-id": synced.bundle.id, "promptformer-digest": str(synced.bundle.promptformer_digest),
-                   "refreshed": int(synced.refreshed), "refresh-bytes": int(synced.refresh_bytes)}
-    return ConfigRecord(values)
+    bundle = {} if synced is None else {
+        "bundle_id": synced.bundle.id, "promptformer_digest": str(synced.bundle.promptformer_digest),
+        "refreshed": synced.refreshed, "refresh_bytes": synced.refresh_bytes}
+    return ConfigRecord(Identity(round=instruction.round, run_id=instruction.run_id, **bundle).record())
+
+
+def _instruction(msg: Message) -> Instruction:
+    """The server's instruction, every value checked (``fedmvp_formats.messages``)."""
+    return read_instruction({name: dict(record) for name, record in msg.content.config_records.items()})
+
+
+def _reply(msg: Message, instruction: Instruction, synced: Synced | None, metrics: dict,
+           arrays: dict[str, np.ndarray] | None = None) -> Message:
+    records = {schema.METRICS: MetricRecord(metrics), schema.IDENTITY: _identity(instruction, synced)}
+    if arrays is not None:
+        records = {schema.ARRAYS: _record(arrays), **records}
+    return Message(content=RecordDict(records), reply_to=msg)
 
 
 def _global_lora(arrays: dict[str, np.ndarray], bundle: Bundle) -> dict[str, np.ndarray]:
@@ -174,20 +188,18 @@ def train(msg: Message, context: Context) -> Message:
     from edge_client.update import read_update
 
     node = EdgeNodeConfig.from_node_config(context.node_config)
-    config = msg.content["config"]
-    round_number = int(config["round"])
-    arrays = _arrays(msg.content["arrays"])
+    instruction = _instruction(msg)
+    round_number = instruction.round
+    arrays = _arrays(msg.content[schema.ARRAYS])
     bundle = Bundle.open(node.bundle, verify=False)
     training, _ = node.shares(bundle)
-    synced = sync_bundle(node, arrays, str(config["promptformer-digest"]), round_number - 1, training.files)
+    synced = sync_bundle(node, arrays, instruction.promptformer_digest, round_number - 1, training.files)
     start = _global_lora(arrays, synced.bundle)
     log(INFO, "edge: round %s, training the global LoRA on %d local images", round_number, len(training))
     result = train_local(training, synced.bundle, node.options(round_number), start_lora=start)
     trained = read_update(result.update_path, synced.bundle).tensors
-    metrics = MetricRecord({"num-examples": result.num_examples, "train-loss": float(result.mean_loss),
-                            "refresh-seconds": float(synced.refresh_seconds)})
-    return Message(content=RecordDict({"arrays": _record(trained), "metrics": metrics,
-                                       "identity": _identity(config, synced)}), reply_to=msg)
+    metrics = schema.train_metrics(result.num_examples, result.mean_loss, refresh_seconds=synced.refresh_seconds)
+    return _reply(msg, instruction, synced, metrics, trained)
 
 
 def evaluate(msg: Message, context: Context) -> Message:
@@ -195,20 +207,18 @@ def evaluate(msg: Message, context: Context) -> Message:
     from edge_client.infer import Predictor
 
     node = EdgeNodeConfig.from_node_config(context.node_config)
-    config = msg.content["config"]
-    arrays = _arrays(msg.content["arrays"])
-    if not int(config.get("prompted", 1)) or not arrays:  # zero-shot CLIP: the bundle cannot run it
-        return Message(content=RecordDict({"metrics": MetricRecord({}), "identity": _identity(config)}),
-                       reply_to=msg)
-    digest = str(config.get("promptformer-digest") or promptformer_digest(arrays))
+    instruction = _instruction(msg)
+    arrays = _arrays(msg.content[schema.ARRAYS])
+    if not instruction.prompted or not arrays:  # zero-shot CLIP: the bundle cannot run it
+        return _reply(msg, instruction, None, {})
+    digest = instruction.promptformer_digest or promptformer_digest(arrays)
     bundle = Bundle.open(node.bundle, verify=False)
     training, held_out = node.shares(bundle)
-    synced = sync_bundle(node, arrays, digest, int(config["round"]), training.files)
+    synced = sync_bundle(node, arrays, digest, instruction.round, training.files)
     lora = ActiveLora(tensors=_global_lora(arrays, synced.bundle), source="global", file=synced.bundle.path)
     correct, total = evaluate_share(Predictor(synced.bundle, lora=lora, threads=node.threads), held_out)
-    log(INFO, "edge: round %s, global model %d/%d correct on held-out images", config["round"], correct, total)
-    metrics = MetricRecord({"edge:correct": correct, "edge:total": total})
-    return Message(content=RecordDict({"metrics": metrics, "identity": _identity(config, synced)}), reply_to=msg)
+    log(INFO, "edge: round %s, global model %d/%d correct on held-out images", instruction.round, correct, total)
+    return _reply(msg, instruction, synced, schema.count_metrics({schema.EDGE_SET: (correct, total)}))
 
 
 def evaluate_share(predictor: Any, share: LocalDataset) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from fedmvp_formats import update as fmt
 from fedmvp_formats.atomic import write_bytes
 from fedmvp_formats.names import LORA_PREFIX  # noqa: F401  (the names an update holds)
 from fedmvp_formats.shown import name_shown
+from fedmvp_formats.tensors import shapes_of, tensor_problem
 from fedmvp_formats.update import (FORMAT, FORMAT_VERSION, MAX_HEADER_BYTES, MAX_UPDATE_BYTES,  # noqa: F401
                                    REQUIRED, UpdateFormatError, utc_now)
 
@@ -84,23 +85,11 @@ def write_update(path: str | os.PathLike, tensors: Mapping[str, Any], *, bundle:
 
 def check_lora(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, list[int]], path: Path,
                error: type[ValueError]) -> None:
-    """Names exactly the bundle's LoRA names, shapes equal, float32, all finite."""
-    names, expected = set(tensors), set(shapes)
-    if names != expected:
-        parts = []
-        for what, which in (("missing", sorted(expected - names)), ("unexpected", sorted(names - expected))):
-            if which:
-                more = f" and {len(which) - 3} more" if len(which) > 3 else ""
-                parts.append(f"{what} {', '.join(name_shown(n) for n in which[:3])}{more}")
-        raise error(f"{path}: LoRA tensor names do not match the bundle ({'; '.join(parts)})")
-    for name in sorted(names):
-        value = tensors[name]
-        if list(value.shape) != list(shapes[name]):
-            raise error(f"{path}: {name} has shape {list(value.shape)}, the bundle needs {list(shapes[name])}")
-        if value.dtype != np.float32:
-            raise error(f"{path}: {name} is {value.dtype}, expected float32")
-        if not np.all(np.isfinite(value)):
-            raise error(f"{path}: {name} holds NaN or infinite values")
+    """Names exactly the bundle's LoRA names, its shapes, float32, all finite (the one tensor check,
+    ``fedmvp_formats.tensors``); the bundle adds its path in front and its error type."""
+    problem = tensor_problem(tensors, shapes, of="the bundle")
+    if problem is not None:
+        raise error(f"{path}: {problem}")
 
 
 def read_update(path: str | os.PathLike, bundle: Bundle | None = None, *, check_bundle_id: bool = True) -> Update:
@@ -121,5 +110,5 @@ def read_update(path: str | os.PathLike, bundle: Bundle | None = None, *, check_
             raise UpdateError(f"{path}: trained on bundle {name_shown(update.bundle_id[:12])}, not on this bundle "
                               f"({bundle.id[:12]}, {bundle.path})")
     else:
-        check_lora(tensors, {k: list(v.shape) for k, v in tensors.items()}, path, UpdateError)
+        check_lora(tensors, shapes_of(tensors), path, UpdateError)
     return update

@@ -38,7 +38,7 @@ from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scali
 from export.errors import ExportError
 from export.int8 import Int8Plan
 from export.publish import check_out, publish
-from export.run_inputs import (check_finite, find_run, load_checkpoint, method_config, preprocess_spec, read_config,
+from export.run_inputs import (find_run, load_checkpoint, method_config, preprocess_spec, read_config,
                                rebuild_model, run_federation, run_images, run_training_images, synthetic_images)
 from fedmvp.clip import LoadedClip
 from fedmvp.model import FedMVP
@@ -317,7 +317,6 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     run_dir = find_run(run, Path(runs_root))
     config = read_config(run_dir)
     checkpoint = load_checkpoint(run_dir, round_number)
-    check_finite(checkpoint, run_dir.round_path(checkpoint.round) / "global.safetensors")
     target = Path(out) if out is not None else default_out(run_dir.path, checkpoint.round, precision)
     check_out(target, force, discard_device_state)
     classes = file_class_set(Path(attributes), domain) if attributes else None

@@ -68,21 +68,12 @@ def read_config(run: RunDir) -> dict[str, Any]:
 
 
 def load_checkpoint(run: RunDir, round_number: int | None) -> Checkpoint:
+    """The round's checkpoint; `RunDir.load_checkpoint` already refuses one holding NaN or inf (exported,
+    every logit would be NaN and parity would agree 100% with the diverged training), naming the tensor."""
     try:
         return run.load_checkpoint(round_number)
     except RunError as err:
         raise ExportError(str(err)) from None
-
-
-def check_finite(checkpoint: Checkpoint, where: Path) -> None:
-    """Refuse a round whose tensors hold NaN or inf: exported, every logit is NaN, every argmax 0, and
-    parity would report 100% top-1 agreement instead of the diverged training that caused it."""
-    for name in sorted(checkpoint.tensors):
-        tensor = checkpoint.tensors[name]
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise ExportError(f"{where}: tensor {name} holds {bad} NaN/inf values of {tensor.numel()} "
-                              f"(training diverged in this round; export an earlier --round)")
 
 
 def method_config(run: RunDir, checkpoint: Checkpoint) -> FedMVPConfig:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from fedmvp_formats.tensors import first_nonfinite
+
 from fedmvp import atomic
 
 ROUND_PREFIX = "round-"
@@ -46,11 +48,14 @@ def warn(message: str) -> None:
 
 
 def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The first tensor holding NaN or inf (a NaN checkpoint trains to NaN and evaluates at chance)."""
-    for name, value in tensors.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            return name
-    return None
+    """The first tensor holding NaN or inf (a NaN checkpoint trains to NaN and evaluates at chance):
+    the leaf's one check (``fedmvp_formats.tensors``) on the floating-point tensors, as numpy."""
+    return first_nonfinite({name: _as_numpy(value) for name, value in tensors.items() if value.is_floating_point()})
+
+
+def _as_numpy(value: torch.Tensor):
+    value = value.detach().cpu()
+    return (value.float() if value.dtype == torch.bfloat16 else value).numpy()  # numpy has no bfloat16
 
 
 def round_dir_name(round_number: int) -> str:

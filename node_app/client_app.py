@@ -22,14 +22,16 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-ROLES = ("site", "edge")
+from fedmvp_formats.messages import EDGE, SITE
+
+ROLES = (SITE, EDGE)
 
 app = ClientApp()
 
 
 def role(context: Context) -> str:
     """The node's role from its node config (``role``; a node without one is a site)."""
-    value = str(context.node_config.get("role", "site")).strip().lower()
+    value = str(context.node_config.get("role", SITE)).strip().lower()
     if value not in ROLES:
         raise RuntimeError(f"node config role={value!r}: expected one of {', '.join(ROLES)} "
                            f"(fedmvp join starts a site, edge-client join an edge device)")
@@ -38,7 +40,7 @@ def role(context: Context) -> str:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    if role(context) == "edge":
+    if role(context) == EDGE:
         from edge_client.node import train as edge_train
 
         return edge_train(msg, context)
@@ -49,7 +51,7 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    if role(context) == "edge":
+    if role(context) == EDGE:
         from edge_client.node import evaluate as edge_evaluate
 
         return edge_evaluate(msg, context)

@@ -1,10 +1,18 @@
-"""fedmvp_formats, the shared leaf: the PromptFormer digest (one definition for server, exporter and device)."""
+"""fedmvp_formats, the shared leaf: the PromptFormer digest (one definition for server, exporter and device),
+the Flower message schema (one builder and one reader of each record) and the one tensor check."""
 
 from __future__ import annotations
 
-import numpy as np
+import json
+import re
 
+import numpy as np
+import pytest
+
+from fedmvp_formats import messages as schema
+from fedmvp_formats.messages import Identity, Instruction, MessageError, read_identity, read_instruction
 from fedmvp_formats.promptformer import promptformer_digest
+from fedmvp_formats.tensors import first_nonfinite, tensor_problem
 
 
 def _state() -> dict[str, np.ndarray]:
@@ -25,3 +33,150 @@ def test_the_digest_covers_promptformer_names_shapes_and_bytes_only():
     assert promptformer_digest(reshaped) != digest  # the shape is part of it
     renamed = {k.replace("text_proj", "text_proj2"): v for k, v in state.items()}
     assert promptformer_digest(renamed) != digest
+
+
+# ---- the message schema ---------------------------------------------------------------------------------
+METHOD = {"num_prompts": 4, "heads": 4, "ff_mult": 4, "alpha": 10.0, "flip_prob": 0.5, "lora_rank": 8,
+          "lora_targets": ["to_q", "to_k", "to_v"], "use_lora": True}
+LOCAL = {"local_epochs": 1, "batch_size": 8, "momentum": 0.9, "weight_decay": 1e-5, "sigma": 0.5}
+TRAIN = Instruction(round=3, run_id="r1", promptformer_digest="d" * 64, preset="demo", device="cpu", method=METHOD,
+                    lr=0.0029, lora_clients=(), selected=(0, 2), local=LOCAL)
+EVALUATE = Instruction(round=3, run_id="r1", prompted=False, preset="demo", method=METHOD,
+                       assignment={"shapes/new": 0, "shapes/base": 2})
+RECORD_VALUES = (int, float, str, bool, bytes)
+
+
+def _values(records: dict[str, dict]) -> list:
+    return [value for record in records.values() for value in record.values()]
+
+
+@pytest.mark.parametrize("instruction", [TRAIN, EVALUATE, Instruction(round=1, run_id="r", selected=None)],
+                         ids=["train", "evaluate", "deployment"])
+def test_an_instruction_survives_its_records_exactly(instruction):
+    records = instruction.records()
+    assert read_instruction(records) == instruction
+    assert read_instruction(json.loads(json.dumps(records))) == instruction  # plain values only
+
+
+@pytest.mark.parametrize("instruction", [TRAIN, EVALUATE], ids=["train", "evaluate"])
+def test_no_json_text_travels_every_value_is_a_config_record_value(instruction):
+    """Flower's ConfigRecord takes scalars and lists of one scalar type; a mapping is its own record."""
+    for value in _values(instruction.records()):
+        items = value if isinstance(value, list) else [value]
+        assert all(isinstance(v, RECORD_VALUES) for v in items) and len({type(v) for v in items}) <= 1, value
+        if isinstance(value, str) and value[:1] in "[{":
+            with pytest.raises(ValueError):
+                json.loads(value)
+
+
+@pytest.mark.parametrize("records, reason", [
+    ({}, "no config record"),
+    ({"config": {"run-id": "r"}}, "round None is not a round number"),
+    ({"config": {"round": True, "run-id": "r"}}, "round True"),
+    ({"config": {"round": 1}}, "run-id None is not a string"),
+    ({"config": {"round": 1, "run-id": "r", "lora-clients": "[1, 2]"}},
+     "lora-clients is not a list of integers ('[1, 2]')"),  # JSON text is refused, not parsed
+    ({"config": {"round": 1, "run-id": "r", "selected": [1.0]}}, "selected is not a list of integers"),
+    ({"config": {"round": 1, "run-id": "r", "lr": float("nan")}}, "lr nan is not a finite number"),
+    ({"config": {"round": 1, "run-id": "r", "prompted": 1}}, "prompted 1 is not true or false"),
+    ({"config": {"round": 1, "run-id": "r"}, "assignment": {"shapes/new": "0"}}, "does not map set names"),
+    ({"config": {"round": 1, "run-id": "r"}, "method": '{"alpha": 1}'}, "the method record is not a mapping"),
+])
+def test_a_malformed_instruction_is_refused_with_the_reason(records, reason):
+    with pytest.raises(MessageError, match=re.escape(reason)):
+        read_instruction(records)
+
+
+def test_a_part_a_reader_needs_is_named_when_absent():
+    instruction = read_instruction(Instruction(round=1, run_id="r").records())
+    with pytest.raises(MessageError, match="has no method"):
+        instruction.need("method")
+    assert TRAIN.need("lora-clients") == ()  # empty, but told
+
+
+SITE = Identity(round=3, run_id="r1", site=2)
+EDGE = Identity(round=3, run_id="r1", bundle_id="b" * 64, promptformer_digest="d" * 64, refreshed=True,
+                refresh_bytes=123)
+
+
+@pytest.mark.parametrize("identity", [SITE, EDGE, Identity(round=3, run_id="r1")],
+                         ids=["site", "edge", "zero-shot"])
+def test_the_identity_record_round_trips(identity):
+    record = identity.record()
+    assert read_identity(record, "r1", 3) == identity
+    assert all(isinstance(v, (int, str)) for v in record.values())  # 0/1, not a bool: one spelling
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"partition-id": None}, "unknown site None"),
+    ({"partition-id": "2"}, "unknown site '2'"),
+    ({"partition-id": True}, "unknown site True"),
+    ({"round": None}, "reply of round None, not of round 3"),
+    ({"round": 3.0}, "reply of round 3.0"),
+    ({"round": 4}, "reply of round 4, not of round 3"),
+    ({"run-id": None}, "reply of another run (None)"),
+    ({"run-id": 7}, "run-id 7 is not a string"),
+    ({"run-id": "r" * 200}, "is not a string of at most 128 characters"),
+    ({"role": "server"}, "role 'server' is not site or edge"),
+])
+def test_a_site_identity_with_a_wrong_or_missing_field_is_refused(change, reason):
+    fields = {k: v for k, v in {**SITE.record(), **change}.items() if v is not None}
+    with pytest.raises(MessageError, match=re.escape(reason)):
+        read_identity(fields, "r1", 3)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"refreshed": 2}, "refreshed 2 is not 0 or 1"),
+    ({"refreshed": 1.0}, "refreshed 1.0 is not 0 or 1"),
+    ({"refresh-bytes": -1}, "refresh-bytes -1 is not a byte count"),
+    ({"refresh-bytes": "12"}, "refresh-bytes '12' is not a byte count"),
+    ({"bundle-id": ["b"]}, "bundle-id a list is not a string"),
+    ({"promptformer-digest": b"d"}, "promptformer-digest b'd' is not a string"),
+])
+def test_an_edge_identity_with_a_wrong_field_is_refused(change, reason):
+    with pytest.raises(MessageError, match=re.escape(reason)):
+        read_identity({**EDGE.record(), **change}, "r1", 3)
+
+
+def test_train_metrics_and_counts():
+    metrics = schema.train_metrics(8, 0.5, ce=0.4, consistency=0.1, lora_active=True, switch_next=False)
+    assert metrics == {"num-examples": 8, "train-loss": 0.5, "train-ce": 0.4, "train-consistency": 0.1,
+                       "lora-active": 1, "switch-next": 0}
+    schema.check_train_metrics(metrics)
+    for bad, reason in (({"switch-next": 2}, "switch-next 2"), ({"train-loss": float("nan")}, "train-loss nan"),
+                        ({"train-loss": None}, "train-loss None")):
+        with pytest.raises(MessageError, match=re.escape(reason)):
+            schema.check_train_metrics({k: v for k, v in {**metrics, **bad}.items() if v is not None})
+    counts = schema.count_metrics({"local": (3, 4), "edge": (0, 2)})
+    assert schema.count_sets(counts) == {"local", "edge"} and schema.count_pair(counts, "local") == (3, 4)
+    assert schema.count_pair({"a:correct": 5, "a:total": 4}, "a") is None
+
+
+# ---- the one tensor check -------------------------------------------------------------------------------
+SHAPES = {"lora.a": [2, 3], "lora.b": [4]}
+
+
+@pytest.mark.parametrize("tensors, reason", [
+    ({"lora.a": np.zeros((2, 3), np.float32), "lora.b": np.zeros(4, np.float32)}, None),
+    ({"lora.a": np.zeros((2, 3), np.float32)}, "tensor names do not match the bundle (missing lora.b)"),
+    ({**{f"lora.x{i}": np.zeros(1) for i in range(5)}, "lora.a": np.zeros((2, 3)), "lora.b": np.zeros(4)},
+     "(unexpected lora.x0, lora.x1, lora.x2 and 2 more)"),
+    ({"lora.a": np.zeros((3, 2), np.float32), "lora.b": np.zeros(4, np.float32)},
+     "lora.a: shape [3, 2], the bundle's is [2, 3]"),
+    ({"lora.a": np.zeros((2, 3), np.float64), "lora.b": np.zeros(4, np.float32)},
+     "lora.a: dtype float64 is not float32"),
+    ({"lora.a": np.zeros((2, 3), np.float32), "lora.b": np.array([0, 0, np.inf, 0], np.float32)},
+     "lora.b: holds NaN or infinite values"),
+], ids=["good", "missing", "unexpected", "shape", "dtype", "inf"])
+def test_the_tensor_check_names_the_first_problem(tensors, reason):
+    problem = tensor_problem(tensors, SHAPES, of="the bundle")
+    assert problem == reason if reason is None or reason.startswith("lora.") or reason.startswith("tensor") \
+        else reason in problem
+
+
+def test_any_floating_dtype_when_none_is_required_and_the_first_nonfinite_name():
+    assert tensor_problem({"a": np.zeros(2, np.float16)}, {"a": [2]}, dtype=None) is None
+    assert tensor_problem({"a": np.zeros(2, np.int32)}, {"a": [2]}, dtype=None) == \
+        "a: dtype int32 is not floating point"
+    assert first_nonfinite({"b": np.array([np.nan]), "a": np.zeros(1), "c": np.array([np.inf])}) == "b"
+    assert first_nonfinite({"i": np.array([1, 2])}) is None

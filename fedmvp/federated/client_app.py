@@ -3,22 +3,24 @@
 The client id comes from the node's config (``partition-id``, set by the simulation engine or by
 ``flower-supernode --node-config "partition-id=3"``); the preset (a shipped preset's name, else the
 TOML path on the server's machine), the run's method record (what model to build) and the round's
-settings come in the server's message. A SuperNode whose preset file lives elsewhere names it
-itself: ``--node-config "partition-id=3 preset='/data/site3.toml'"``. A client not selected this
-round answers with zero examples."""
+settings come in the server's message (its schema: ``fedmvp_formats.messages``). A SuperNode whose
+preset file lives elsewhere names it itself: ``--node-config "partition-id=3 preset='/data/site3.toml'"``.
+A client not selected this round answers with zero examples."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedmvp_formats import messages as schema
+from fedmvp_formats.messages import Identity
+
 from fedmvp.federated.evaluation import site_counts
 from fedmvp.federated.task import LocalSettings, local_train, task_context
-from fedmvp.federated.wire import record_to_torch, torch_record
+from fedmvp.federated.wire import content_instruction, record_to_torch, torch_record
 from fedmvp.model import FedMVPConfig
 
 app = ClientApp()
@@ -37,38 +39,36 @@ def _site(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
-def _device(config) -> str:
-    device = str(config.get("device", "cpu"))
+def _device(device: str | None) -> str:
+    device = device or "cpu"
     return "cpu" if device == "cuda" and not torch.cuda.is_available() else device
+
+
+def _reply(msg: Message, identity: Identity, metrics: dict, arrays: ArrayRecord | None = None) -> Message:
+    records = {schema.METRICS: MetricRecord(metrics), schema.IDENTITY: ConfigRecord(identity.record())}
+    return Message(content=RecordDict(records if arrays is None else {schema.ARRAYS: arrays, **records}), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     _threads()
-    config = msg.content["config"]
+    instruction = content_instruction(msg.content)
     client_id = _site(context)
     # Which site, run and round this reply belongs to: the server checks it before using the reply.
-    identity = ConfigRecord({"partition-id": client_id, "round": int(config["round"]), "run-id": str(config["run-id"])})
-    selected = json.loads(str(config["selected"]))  # None: every node asked trains (deployment)
-    if selected is not None and client_id not in selected:
-        metrics = MetricRecord({"num-examples": 0, "partition-id": client_id, "train-loss": 0.0, "train-ce": 0.0,
-                                "train-consistency": 0.0, "lora-active": 0, "switch-next": 0})
-        return Message(content=RecordDict({"arrays": ArrayRecord(), "metrics": metrics, "identity": identity}),
-                       reply_to=msg)
-    preset = str(context.node_config.get("preset", config["preset"]))
-    method = FedMVPConfig.from_dict(json.loads(str(config["method"])), "the server's method record")
-    ctx = task_context(preset, method, _device(config))
+    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id)
+    if instruction.selected is not None and client_id not in instruction.selected:  # None: every node asked trains
+        metrics = schema.train_metrics(0, 0.0, ce=0.0, consistency=0.0, lora_active=0, switch_next=0)
+        return _reply(msg, identity, metrics, ArrayRecord())
+    preset = str(context.node_config.get("preset", instruction.need("preset")))
+    method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
+    ctx = task_context(preset, method, _device(instruction.device))
     client = ctx.client(client_id)
-    lora_active = client_id in json.loads(str(config["lora-clients"]))
-    result = local_train(ctx, client, record_to_torch(msg.content["arrays"]), int(config["round"]),
-                         float(config["lr"]), lora_active, LocalSettings.from_json(str(config["local"])))
-    metrics = MetricRecord({
-        "num-examples": result.num_examples, "partition-id": client_id, "train-loss": result.loss,
-        "train-ce": result.ce, "train-consistency": result.consistency,
-        "lora-active": int(result.lora_active), "switch-next": int(result.switch_next),
-    })
-    return Message(content=RecordDict({"arrays": torch_record(result.state), "metrics": metrics,
-                                       "identity": identity}), reply_to=msg)
+    lora_active = client_id in instruction.need("lora-clients")
+    result = local_train(ctx, client, record_to_torch(msg.content[schema.ARRAYS]), instruction.round,
+                         instruction.need("lr"), lora_active, LocalSettings.from_record(instruction.need("local")))
+    metrics = schema.train_metrics(result.num_examples, result.loss, ce=result.ce, consistency=result.consistency,
+                                   lora_active=result.lora_active, switch_next=result.switch_next)
+    return _reply(msg, identity, metrics, torch_record(result.state))
 
 
 @app.evaluate()
@@ -76,14 +76,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Federated evaluation (docs/method.md §7): this site's Local test set and the evaluation sets
     assigned to it, on its own data; only the counts go back."""
     _threads()
-    config = msg.content["config"]
+    instruction = content_instruction(msg.content)
     client_id = _site(context)
-    identity = ConfigRecord({"partition-id": client_id, "round": int(config["round"]), "run-id": str(config["run-id"])})
-    preset = str(context.node_config.get("preset", config["preset"]))
-    method = FedMVPConfig.from_dict(json.loads(str(config["method"])), "the server's method record")
-    ctx = task_context(preset, method, _device(config))
-    state = record_to_torch(msg.content["arrays"]) if int(config["prompted"]) else None
-    counts = site_counts(ctx, client_id, state, json.loads(str(config["assignment"])))
-    metrics = MetricRecord({f"{name}:{part}": int(value) for name, pair in counts.items()
-                            for part, value in zip(("correct", "total"), pair)})
-    return Message(content=RecordDict({"metrics": metrics, "identity": identity}), reply_to=msg)
+    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id)
+    preset = str(context.node_config.get("preset", instruction.need("preset")))
+    method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
+    ctx = task_context(preset, method, _device(instruction.device))
+    state = record_to_torch(msg.content[schema.ARRAYS]) if instruction.prompted else None
+    counts = site_counts(ctx, client_id, state, instruction.need("assignment"))
+    return _reply(msg, identity, schema.count_metrics(counts))

@@ -2,9 +2,9 @@
 
 A device runs `edge-client train --data local/` on a bundle exported from some round and syncs
 its update file (edge_client/update.py: the bundle's LoRA tensors + string metadata) later. Each
-file is as untrusted as a network reply (``replies.py``, whose tensor checks and norm bound are
-reused here): it is checked, and a rejected file gets a reason and changes nothing. The accepted
-ones are averaged, weighted by their examples (FedAvg over the devices that reported,
+file is as untrusted as a network reply (the one tensor check, ``fedmvp_formats.tensors``, and
+``replies.py``'s norm bound): it is checked, and a rejected file gets a reason and changes nothing.
+The accepted ones are averaged, weighted by their examples (FedAvg over the devices that reported,
 ``strategy.weighted_average``), into the LoRA of round R+1, R being the run's last round; every
 other tensor is round R's, bit for bit. The round is published whole (``RunDir.save_checkpoint``),
 then its metrics row; nothing is written when no file is accepted. The run's lock
@@ -30,9 +30,10 @@ import numpy as np
 from fedmvp_formats import update as fmt
 from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.shown import shown
+from fedmvp_formats.tensors import shapes_of, tensor_problem
 from fedmvp_formats.update import UpdateFormatError
 
-from fedmvp.federated.replies import bound_update, tensor_problem
+from fedmvp.federated.replies import bound_update
 from fedmvp.federated.strategy import weighted_average
 from fedmvp.federated.wire import to_numpy_state, to_torch_state
 from fedmvp.presets.schema import ServerSpec
@@ -217,7 +218,7 @@ def check_file(path: Path, rules: IngestRules, lora: dict[str, np.ndarray], seen
             raise _Rejected(str(err)) from None
         verdict.bundle_id, verdict.bundle_round = metadata["bundle_id"], metadata["bundle_round"]
         verdict.num_examples, verdict.mean_loss = metadata["num_examples"], metadata["mean_loss"]
-        problem = tensor_problem(tensors, lora, set(lora), dtype=np.dtype(np.float32))
+        problem = tensor_problem(tensors, shapes_of(lora))
         if problem is not None:
             raise _Rejected(problem)
         arrays = {k: tensors[k].astype(np.float32) for k in sorted(tensors)}  # native byte order

@@ -14,8 +14,8 @@ the server later uses of the type it uses it as (a NaN loss or a string byte cou
 the round, not just this reply). ``wire_arrays`` converts the arrays only after their declared
 serialisation, dtype (float32 only, as every client sends), shape and byte count, and the .npy
 header inside the bytes, all match the round: ``np.load`` allocates whatever shape a header
-declares. Its tensor checks (``tensor_problem``) and the update-norm bound
-(``bound_update``) also judge the update files of `fedmvp ingest` (``ingest.py``).
+declares. The tensor checks are the leaf's one (``fedmvp_formats.tensors``); the update-norm bound
+(``bound_update``) also judges the update files of `fedmvp ingest` (``ingest.py``).
 
 Two kinds of sender: a **site** (identified by the ``partition-id`` it serves; it sends the
 tensors of its mode, at most its training set's images) and an **edge** device (``role``
@@ -33,15 +33,14 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from fedmvp_formats import messages as schema
+from fedmvp_formats.messages import Identity, MessageError, count_pair, count_sets, is_int, read_identity
 from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.shown import name_shown, shown
+from fedmvp_formats.tensors import names_problem, shape_text, tensor_problem
 
 NORM_ACTIONS = ("reject", "clip")
 MAX_NPY_HEADER = 4096  # np.save writes 128 bytes for these shapes
-MAX_TEXT = 128  # a run id, a bundle id, a digest, a role
-FLAGS = ("lora-active", "switch-next", "refreshed")  # 0 or 1
-LOSSES = ("train-loss", "train-ce", "train-consistency", "refresh-seconds")  # finite numbers; train-loss required
-TEXTS = ("run-id", "role", "bundle-id", "promptformer-digest")
 
 
 @dataclass(frozen=True)
@@ -63,9 +62,10 @@ class Verdict:
 
     site: int | None
     arrays: dict[str, np.ndarray] | None = None
-    role: str = "site"  # or "edge"
+    role: str = schema.SITE  # or schema.EDGE
     reason: str | None = None
     clipped_from: float | None = None  # the update norm before clipping, when it was clipped
+    identity: Identity | None = None  # the reply's identity, once it was read
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -73,19 +73,13 @@ class Verdict:
         return self.arrays is not None
 
 
-def _int(metrics: Any, key: str) -> int | None:
-    """``metrics[key]`` when it is an int (not a bool, not a float that happens to be whole)."""
-    value = metrics.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def reply_fields(content: RecordDict) -> tuple[ArrayRecord, dict[str, Any]] | str:
     """A train reply's ``arrays`` record and its ``metrics`` and ``identity`` merged, or why the
     records cannot be used. A key in both must have one value: the rules would otherwise check one
     and the average use the other."""
     try:
-        arrays, metrics = content["arrays"], content["metrics"]
-        identity = content["identity"] if "identity" in content else ConfigRecord()
+        arrays, metrics = content[schema.ARRAYS], content[schema.METRICS]
+        identity = content[schema.IDENTITY] if schema.IDENTITY in content else ConfigRecord()
     except KeyError as err:
         return f"malformed reply (no {name_shown(str(err.args[0]))} record)"
     if not (isinstance(arrays, ArrayRecord) and isinstance(metrics, MetricRecord)
@@ -96,42 +90,29 @@ def reply_fields(content: RecordDict) -> tuple[ArrayRecord, dict[str, Any]] | st
         if key in fields and (type(fields[key]) is not type(value) or fields[key] != value):
             return f"metrics and identity disagree on {name_shown(key)}"
         fields[key] = value
-    for key in FLAGS:
-        if key in fields and _int(fields, key) not in (0, 1):
-            return f"{key} {shown(fields[key])} is not 0 or 1"
-    count = _int(fields, "refresh-bytes")
-    if "refresh-bytes" in fields and (count is None or count < 0):
-        return f"refresh-bytes {shown(fields['refresh-bytes'])} is not a byte count"
-    for key in LOSSES:
-        value = fields.get(key, 0.0 if key != "train-loss" else None)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return f"{key} {shown(value)} is not a finite number"
-    for key in TEXTS:
-        if key in fields and (not isinstance(fields[key], str) or len(fields[key]) > MAX_TEXT):
-            return f"{key} {shown(fields[key])} is not a string of at most {MAX_TEXT} characters"
+    try:
+        schema.check_train_metrics(fields)
+    except MessageError as err:
+        return str(err)
     return arrays, fields
-
-
-def _count_pair(metrics: dict, name: str) -> tuple[int, int] | None:
-    """(correct, total) of ``name`` when both are ints (not bools, not floats) with 0 <= correct <= total."""
-    correct, total = _int(metrics, f"{name}:correct"), _int(metrics, f"{name}:total")
-    return (correct, total) if correct is not None and total is not None and 0 <= correct <= total else None
 
 
 def edge_counts(identity: dict, metrics: dict, run_id: str, round_number: int) -> tuple[int, int] | None:
     """(correct, total) of an edge device's evaluation reply, None if it is not one of this round's
     or its counts make no sense."""
-    if identity.get("run-id") != run_id or identity.get("round") != round_number:
+    try:
+        read_identity(identity, run_id, round_number)
+    except MessageError:
         return None
-    return _count_pair(metrics, "edge")
+    return count_pair(metrics, schema.EDGE_SET)
 
 
 def site_counts(metrics: dict, assignment: dict[str, int], site: int) -> dict[str, tuple[int, int]]:
     """A site's evaluation counts by set: its ``local`` set and the sets ``assignment`` gives it, each
     kept only when its counts are integers that make sense (a NaN, a float or a negative count, or
     more correct than total, leaves that set out rather than stopping the server)."""
-    names = {key.rpartition(":")[0] for key in metrics if key.endswith(":correct")}
-    kept = {name: _count_pair(metrics, name) for name in names if name == "local" or assignment.get(name) == site}
+    kept = {name: count_pair(metrics, name) for name in count_sets(metrics)
+            if name == "local" or assignment.get(name) == site}
     return {name: pair for name, pair in kept.items() if pair is not None}
 
 
@@ -143,20 +124,19 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
     training images that site can hold (from the run record). An edge device (``role`` ``edge``)
     must send exactly the round's LoRA tensors and at most ``rules.edge_max_examples`` images.
     ``arrays`` as they came (an ArrayRecord: converted by `wire_arrays` once the names are right)."""
-    edge = metrics.get("role") == "edge"
-    site = None if edge else _int(metrics, "partition-id")
-    role = "edge" if edge else "site"
-    if not edge and (site is None or site not in expected_names):
-        return Verdict(site, reason=f"unknown site {shown(metrics.get('partition-id'))}")
-    if metrics.get("run-id") != rules.run_id:
-        return Verdict(site, role=role, reason=f"reply of another run ({shown(metrics.get('run-id'))})")
-    if _int(metrics, "round") != rules.round:
+    try:
+        identity = read_identity(metrics, rules.run_id, rules.round)
+    except MessageError as err:
+        site = metrics.get(schema.PARTITION_ID)
+        role = schema.EDGE if metrics.get(schema.ROLE) == schema.EDGE else schema.SITE
+        return Verdict(site if is_int(site) else None, role=role, reason=str(err))
+    edge, site, role = identity.role == schema.EDGE, identity.site, identity.role
+    if not edge and site not in expected_names:
+        return Verdict(site, reason=f"unknown site {shown(site)}")
+    examples = metrics.get(schema.NUM_EXAMPLES)
+    if not is_int(examples) or examples <= 0:
         return Verdict(site, role=role,
-                       reason=f"reply of round {shown(metrics.get('round'))}, not of round {rules.round}")
-    examples = _int(metrics, "num-examples")
-    if examples is None or examples <= 0:
-        return Verdict(site, role=role,
-                       reason=f"num-examples {shown(metrics.get('num-examples'))} is not a positive integer")
+                       reason=f"num-examples {shown(metrics.get(schema.NUM_EXAMPLES))} is not a positive integer")
     bound = rules.edge_max_examples if edge else declared_examples.get(site, 0)
     if examples > bound:
         whose = f"an edge device's bound ([server] edge_max_examples {bound})" if edge \
@@ -167,12 +147,12 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
         arrays = wire_arrays(arrays, global_state, wanted)
         if isinstance(arrays, str):
             return Verdict(site, role=role, reason=arrays)
-    problem = tensor_problem(arrays, global_state, wanted, dtype=np.dtype(np.float32))
+    problem = tensor_problem(arrays, {k: global_state[k].shape for k in wanted})
     if problem is not None:
         return Verdict(site, role=role, reason=problem)
     as_float32 = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(arrays)}
     kept, reason, clipped_from = bound_update(as_float32, global_state, rules.max_update_norm, rules.norm_action)
-    return Verdict(site, arrays=kept, reason=reason, clipped_from=clipped_from, role=role)
+    return Verdict(site, arrays=kept, reason=reason, clipped_from=clipped_from, role=role, identity=identity)
 
 
 def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: set[str]
@@ -180,7 +160,7 @@ def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: s
     """A reply's arrays as float32 numpy, or why not, each judged before a byte of it is converted:
     names exactly ``wanted``; the declared serialisation, dtype and shape the round's; the bytes a
     .npy of exactly that (its header read with a bounded size, its data exactly the shape's)."""
-    problem = _names_problem(set(record.keys()), wanted)
+    problem = names_problem(record.keys(), wanted)
     if problem is not None:
         return problem
     out = {}
@@ -189,7 +169,7 @@ def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: s
         if array.stype != "numpy.ndarray":
             return f"{name}: serialisation {shown(array.stype)} is not numpy.ndarray"
         if tuple(array.shape) != ref.shape:
-            return f"{name}: shape {_shape(array.shape)}, the round's is {list(ref.shape)}"
+            return f"{name}: shape {shape_text(array.shape)}, the round's is {list(ref.shape)}"
         if array.dtype != "float32":
             return f"{name}: dtype {shown(array.dtype)} is not float32"
         stream, size = io.BytesIO(array.data), 4 * int(ref.size)
@@ -200,7 +180,7 @@ def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: s
                     (2, 0): np.lib.format.read_array_header_2_0}[np.lib.format.read_magic(stream)]
             shape, fortran, dtype = read(stream, max_header_size=MAX_NPY_HEADER)
             if tuple(shape) != ref.shape or dtype != np.float32 or len(array.data) - stream.tell() != size:
-                raise ValueError(f"they hold {dtype} {_shape(shape)} in {len(array.data) - stream.tell()} bytes")
+                raise ValueError(f"they hold {dtype} {shape_text(shape)} in {len(array.data) - stream.tell()} bytes")
         except (ValueError, KeyError, TypeError, SyntaxError) as err:
             text = " ".join(str(err).split())
             return f"{name}: the bytes are not a .npy of float32 {list(ref.shape)} " \
@@ -208,46 +188,6 @@ def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: s
         out[name] = np.frombuffer(array.data, np.float32, int(ref.size), stream.tell()).reshape(
             ref.shape, order="F" if fortran else "C").copy()
     return out
-
-
-def _shape(shape: Any) -> str:
-    return str(list(shape)) if len(shape) <= 8 else f"of {len(shape)} dimensions"
-
-
-def _names_problem(names: set[str], wanted: set[str]) -> str | None:
-    if names == wanted:
-        return None
-    missing, extra = sorted(wanted - names), sorted(names - wanted)
-    parts = ([f"missing {_listed(missing)}"] if missing else []) + \
-            ([f"unexpected {_listed(extra)}"] if extra else [])
-    return f"tensor names do not match the round ({'; '.join(parts)})"
-
-
-def tensor_problem(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], wanted: set[str],
-                   dtype: np.dtype | None = None) -> str | None:
-    """Why ``arrays`` cannot be averaged into ``reference``, or None: names exactly ``wanted``, the
-    reference's shapes, floating point (exactly ``dtype`` when given), all finite. Shared by the
-    server's replies and `fedmvp ingest`'s update files."""
-    names = set(arrays)
-    problem = _names_problem(names, wanted)
-    if problem is not None:
-        return problem
-    for name in sorted(names):
-        value, ref = arrays[name], reference.get(name)
-        if ref is None or tuple(value.shape) != tuple(ref.shape):
-            want = None if ref is None else list(ref.shape)
-            return f"{name}: shape {list(value.shape)}, the round's is {want}"
-        if not np.issubdtype(value.dtype, np.floating) or (dtype is not None and value.dtype != dtype):
-            return f"{name}: dtype {value.dtype} is not {'floating point' if dtype is None else np.dtype(dtype)}"
-        if not np.all(np.isfinite(value)):
-            return f"{name}: holds NaN or infinite values"
-    return None
-
-
-def _listed(names: list[str], first: int = 3) -> str:
-    """The first names (escaped) and how many more: a reason stays one bounded line."""
-    more = f" and {len(names) - first} more" if len(names) > first else ""
-    return ", ".join(name_shown(n) for n in names[:first]) + more
 
 
 def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], max_norm: float | None,

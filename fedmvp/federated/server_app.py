@@ -11,7 +11,6 @@ from the last complete round. The server holds the run's lock (``RUN/.lock``) wh
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,8 +178,7 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
 
     recorder = RoundRecorder(run, evaluate, total, settings, strategy_ref, method.to_dict())
     client_config = {"preset": client_preset(preset_path), "device": config.get("client_device", "cpu"),
-                     "method": json.dumps(method.to_dict(), sort_keys=True),
-                     "local": LocalSettings.from_train(config["train"]).to_json()}
+                     "method": method.to_dict(), "local": LocalSettings.from_train(config["train"]).to_record()}
     declared = {c["id"]: int(c["train_images"]) for c in config["federation"]["clients"]}
     server = {**config.get("server", {}), **settings.overrides}
     fraction = float(server.get("fraction", config.get("fraction", 1.0)))

@@ -25,25 +25,27 @@ its bundle from it; ``edge_client.node``).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import WARNING
+from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from fedmvp_formats import messages as schema
+from fedmvp_formats.messages import Identity, Instruction, MessageError, read_identity
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
-from fedmvp.federated.replies import ReplyRules, check_reply, edge_counts, reply_fields, shown, site_counts
-from fedmvp.federated.wire import array_record, numpy_state
+from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields, site_counts
+from fedmvp.federated.wire import array_record, instruction_content, numpy_state
 
 
 # ---- server maths ----------------------------------------------------------------------------------
@@ -101,10 +103,6 @@ class RoundPolicy:
                    edge_max_examples=int(server.get("edge_max_examples", 10000)))
 
 
-# What an edge device's reply says about itself (kept per node: which PromptFormer it holds).
-EDGE_IDENTITY = ("bundle-id", "promptformer-digest")
-
-
 def _loss_summary(metrics: list[dict]) -> dict[str, float]:
     """Example-weighted mean losses; a part (CE, consistency) over the replies that report it (edge
     devices report only the total)."""
@@ -116,13 +114,13 @@ def _loss_summary(metrics: list[dict]) -> dict[str, float]:
     return out
 
 
-def _reply_record(node: int, verdict, metrics: dict, identity: dict) -> dict:
+def _reply_record(node: int, verdict, metrics: dict, identity: Identity) -> dict:
     """One accepted reply as the round's state.json lists it."""
-    record = {"node": node, "role": verdict.role, "examples": int(metrics["num-examples"]),
-              "loss": float(metrics.get("train-loss", float("nan")))}
-    if verdict.role == "edge":
-        record |= {"bundle_id": identity.get("bundle-id"), "refreshed": bool(identity.get("refreshed", 0)),
-                   "refresh_bytes": int(identity.get("refresh-bytes", 0))}
+    record = {"node": node, "role": verdict.role, "examples": int(metrics[schema.NUM_EXAMPLES]),
+              "loss": float(metrics.get(schema.TRAIN_LOSS, float("nan")))}
+    if verdict.role == schema.EDGE:
+        record |= {"bundle_id": identity.bundle_id, "refreshed": identity.refreshed,
+                   "refresh_bytes": identity.refresh_bytes}
     else:
         record["site"] = verdict.site
     if verdict.clipped_from is not None:
@@ -137,12 +135,12 @@ class RoundFailed(RuntimeError):
 class FedMVPStrategy:
     """Rounds of per-tensor FedAvg over heterogeneous, checked replies (full PromptFormer or LoRA only)."""
 
-    def __init__(self, *, client_config: dict[str, str], seed: int, total_rounds: int, base_lr: float,
+    def __init__(self, *, client_config: dict[str, Any], seed: int, total_rounds: int, base_lr: float,
                  num_clients: int, run_id: str = "", declared_examples: dict[int, int] | None = None,
                  policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None):
         """``client_config``: what every round's message carries besides the round's own values
-        (preset, device, the method record and the local settings, as strings);
+        (``preset``, ``device``; ``method`` and ``local``, records as dicts: ``fedmvp_formats.messages``);
         ``declared_examples[site]``: the most training images a site can report (run record)."""
         self.client_config = dict(client_config)
         self.seed = seed
@@ -199,34 +197,33 @@ class FedMVPStrategy:
                         grid: Grid, attempt: int = 0) -> list[Message]:
         round_number = self.global_round(server_round)
         self.global_state = numpy_state(arrays)
-        config["round"] = round_number
-        config["run-id"] = self.run_id
-        config["lr"] = cosine_lr(self.base_lr, round_number, self.total_rounds)
-        for key, value in self.client_config.items():
-            config[key] = value
-        config["lora-clients"] = json.dumps(sorted(self.lora_clients))
         digest = promptformer_digest(self.global_state)
-        config["promptformer-digest"] = digest
         if self.policy.sampling == "sites":
             nodes = self._connected(grid, self.num_clients)
-            config["selected"] = json.dumps(self.selected_clients(round_number))
+            selected = tuple(self.selected_clients(round_number))
         else:
             needed = self.needed_replies(round_number)
             connected = self._connected(grid, needed)
             count = min(len(connected), max(needed, round(self.fraction * len(connected))))
             rng = random.Random(derived_seed(self.seed, "nodes", round_number, attempt))
             nodes = sorted(rng.sample(connected, count))
-            config["selected"] = json.dumps(None)  # every node asked trains
-        record = RecordDict({"arrays": arrays, "config": config})
-        lora_only = RecordDict({"arrays": array_record({k: v for k, v in self.global_state.items()
-                                                        if k.startswith(LORA_PREFIX)}), "config": config})
+            selected = None  # every node asked trains
+        cc = self.client_config
+        instruction = Instruction(round=round_number, run_id=self.run_id, promptformer_digest=digest,
+                                  preset=cc.get("preset"), device=cc.get("device"), method=cc.get("method"),
+                                  lr=cosine_lr(self.base_lr, round_number, self.total_rounds),
+                                  lora_clients=tuple(sorted(self.lora_clients)), selected=selected,
+                                  local=cc.get("local"))
+        lora = array_record({k: v for k, v in self.global_state.items() if k.startswith(LORA_PREFIX)})
+        record = instruction_content(arrays, instruction, config)
+        lora_only = instruction_content(lora, instruction, config)
         return [Message(content=lora_only if self.holds(node, digest) else record, message_type=MessageType.TRAIN,
                         dst_node_id=node) for node in nodes]
 
     def holds(self, node: int, digest: str) -> bool:
         """Whether ``node`` is an edge device that last reported holding the PromptFormer ``digest``."""
         known = self.known.get(node, {})
-        return known.get("role") == "edge" and known.get("promptformer-digest") == digest
+        return known.get(schema.ROLE) == schema.EDGE and known.get(schema.PROMPTFORMER_DIGEST) == digest
 
     # ---- what comes back ------------------------------------------------------------------------------
     def _expected_names(self) -> dict[int, set[str]]:
@@ -251,9 +248,8 @@ class FedMVPStrategy:
             if isinstance(fields, str):
                 self._reject(round_number, node, None, fields)
                 continue
-            arrays, metrics = fields
-            identity = metrics  # one merged record: a key told in both had one value
-            if self.policy.sampling == "sites" and metrics.get("num-examples") == 0 and not arrays:
+            arrays, metrics = fields  # metrics and identity merged: a key told in both had one value
+            if self.policy.sampling == "sites" and metrics.get(schema.NUM_EXAMPLES) == 0 and not arrays:
                 continue  # a site not selected this round
             verdict = check_reply(arrays, metrics, rules=rules, global_state=self.global_state,
                                   expected_names=expected, declared_examples=self.declared_examples)
@@ -264,8 +260,10 @@ class FedMVPStrategy:
             if verdict.clipped_from is not None:
                 log(WARNING, "round %s: node %s (%s %s): update norm %.4g clipped to %g", round_number, node,
                     verdict.role, verdict.site, verdict.clipped_from, self.policy.max_update_norm)
-            self.known[node] = {"role": verdict.role, **({k: identity.get(k) for k in EDGE_IDENTITY}
-                                                         if verdict.role == "edge" else {"site": verdict.site})}
+            identity = verdict.identity
+            self.known[node] = {schema.ROLE: verdict.role, **(
+                {schema.BUNDLE_ID: identity.bundle_id, schema.PROMPTFORMER_DIGEST: identity.promptformer_digest}
+                if verdict.role == schema.EDGE else {"site": verdict.site})}
             contents.append((node, verdict, metrics, identity))
         sites = [v.site for _, v, _, _ in contents if v.role == "site"]
         duplicates = sorted({s for s in sites if sites.count(s) > 1})
@@ -277,22 +275,22 @@ class FedMVPStrategy:
             return None, None
         # Arrival order must not change the float sums: sites by id, then edge devices by bundle and node.
         contents.sort(key=lambda c: (0, c[1].site, "", 0) if c[1].role == "site"
-                      else (1, 0, str(c[3].get("bundle-id", "")), c[0]))
-        averaged = weighted_average([(v.arrays, float(m["num-examples"])) for _, v, m, _ in contents])
+                      else (1, 0, str(c[3].bundle_id or ""), c[0]))
+        averaged = weighted_average([(v.arrays, float(m[schema.NUM_EXAMPLES])) for _, v, m, _ in contents])
         bad = next((k for k, v in averaged.items() if not np.all(np.isfinite(v))), None)
         if bad is not None:  # never publish (or train on) a NaN global state
             raise RoundFailed(f"round {round_number}: the averaged tensor {bad} holds NaN or infinite values; "
                               f"the run stops")
         self.global_state = {**self.global_state, **averaged}
         for _, verdict, metrics, _ in contents:
-            if verdict.role == "site" and int(metrics.get("switch-next", 0)):
+            if verdict.role == schema.SITE and int(metrics.get(schema.SWITCH_NEXT, 0)):
                 self.lora_clients.add(verdict.site)
         summary = _loss_summary([m for _, _, m, _ in contents])
         if not math.isfinite(summary["train-loss"]):
             raise RoundFailed(f"round {round_number}: the training loss is {summary['train-loss']}; the run stops "
                               f"(check the preset's lr and the last checkpoint)")
         summary |= {"clients": len(contents), "lora-clients": len(self.lora_clients),
-                    "lora-uploads": sum(int(m.get("lora-active", 1)) for _, _, m, _ in contents),
+                    "lora-uploads": sum(int(m.get(schema.LORA_ACTIVE, 1)) for _, _, m, _ in contents),
                     "edges": sum(v.role == "edge" for _, v, _, _ in contents),
                     "sites": [v.site for _, v, _, _ in contents if v.role == "site"],
                     "replies": [_reply_record(node, v, m, i) for node, v, m, i in contents],
@@ -318,39 +316,41 @@ class FedMVPStrategy:
         Edge devices evaluate the global model on their held-out images: ``edge_acc`` pools their
         counts (``edge_devices`` of them), beside the paper's metrics, never inside them."""
         assignment = evaluation_sites(record)
-        config = ConfigRecord({"round": round_number, "run-id": self.run_id, "prompted": int(state is not None),
-                               "assignment": json.dumps(assignment, sort_keys=True),
-                               "promptformer-digest": promptformer_digest(state) if state is not None else "",
-                               **{k: v for k, v in self.client_config.items() if k in ("preset", "device", "method")}})
-        arrays = array_record(state) if state is not None else ArrayRecord()
+        cc = self.client_config
+        instruction = Instruction(round=round_number, run_id=self.run_id, prompted=state is not None,
+                                  promptformer_digest=promptformer_digest(state) if state is not None else "",
+                                  preset=cc.get("preset"), device=cc.get("device"), method=cc.get("method"),
+                                  assignment=assignment)
+        content = instruction_content(array_record(state) if state is not None else ArrayRecord(), instruction)
         nodes = self._connected(grid, 1)
-        messages = [Message(content=RecordDict({"arrays": arrays, "config": config}),
-                            message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
+        messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
         counts: dict[int, dict[str, tuple[int, int]]] = {}
-        edge_counts_by_node: dict[int, tuple[int, int]] = {}
+        edge_counts: dict[int, tuple[int, int]] = {}
         for msg in grid.send_and_receive(messages, timeout=self.policy.round_timeout):
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
                 log(WARNING, "evaluation of round %s: node %s failed: %s", round_number, node, msg.error.reason)
                 continue
-            identity = dict(msg.content["identity"]) if "identity" in msg.content else {}
-            metrics = dict(msg.content["metrics"]) if "metrics" in msg.content else {}
-            if identity.get("role") == "edge":
-                pair = edge_counts(identity, metrics, self.run_id, round_number)
+            metrics = dict(msg.content[schema.METRICS]) if schema.METRICS in msg.content else {}
+            try:
+                identity = read_identity(dict(msg.content[schema.IDENTITY]) if schema.IDENTITY in msg.content
+                                         else {}, self.run_id, round_number)
+                if identity.site is not None and (identity.site not in range(self.num_clients)
+                                                  or identity.site in counts):
+                    raise MessageError(f"site {identity.site} unknown or told twice")
+            except MessageError as err:
+                log(WARNING, "evaluation of round %s: reply of node %s left out (%s)", round_number, node, err)
+                continue
+            if identity.role == schema.EDGE:
+                pair = schema.count_pair(metrics, schema.EDGE_SET)
                 if pair is not None:
-                    edge_counts_by_node[node] = pair
+                    edge_counts[node] = pair
                 continue
-            site = identity.get("partition-id")
-            if identity.get("run-id") != self.run_id or identity.get("round") != round_number or \
-                    not isinstance(site, int) or site not in range(self.num_clients) or site in counts:
-                log(WARNING, "evaluation of round %s: reply of node %s left out (identity %s)", round_number, node,
-                    shown(identity, 200))
-                continue
-            counts[site] = site_counts(metrics, assignment, site)
+            counts[identity.site] = site_counts(metrics, assignment, identity.site)
         result = {**combine_counts(record, counts), "eval_sites": len(counts)}
-        if edge_counts_by_node:
-            correct, total = (sum(c[i] for c in edge_counts_by_node.values()) for i in (0, 1))
-            result |= {"edge_acc": correct / total if total else None, "edge_devices": len(edge_counts_by_node)}
+        if edge_counts:
+            correct, total = (sum(c[i] for c in edge_counts.values()) for i in (0, 1))
+            result |= {"edge_acc": correct / total if total else None, "edge_devices": len(edge_counts)}
         return result
 
     # ---- the rounds ---------------------------------------------------------------------------------------

@@ -10,10 +10,12 @@ The model is built from the run's method record (``FedMVPConfig``), never from d
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 import torch
+
+from fedmvp_formats.messages import MessageError
 
 from fedmvp.attributes.cache import TextFeatureCache
 from fedmvp.attributes.sentences import build_sentences
@@ -35,12 +37,21 @@ class LocalSettings:
     weight_decay: float
     sigma: float
 
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
+    def to_record(self) -> dict[str, int | float]:
+        """The message's ``local`` record (``fedmvp_formats.messages``)."""
+        return dict(self.__dict__)
 
     @classmethod
-    def from_json(cls, text: str) -> "LocalSettings":
-        return cls(**json.loads(text))
+    def from_record(cls, record: dict) -> "LocalSettings":
+        """From the message's ``local`` record: exactly these fields, integers and numbers as sent."""
+        names = [f.name for f in fields(cls)]
+        if sorted(record) != sorted(names):
+            raise MessageError(f"the local record holds {sorted(record)}, not {names}")
+        for name in names:
+            value, kind = record[name], int if name in ("local_epochs", "batch_size") else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise MessageError(f"local {name} {value!r} is not {'an integer' if kind is int else 'a number'}")
+        return cls(**record)
 
     @classmethod
     def from_train(cls, train: dict) -> "LocalSettings":

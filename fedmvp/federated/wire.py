@@ -1,4 +1,5 @@
-"""Tensors on the wire: Flower ArrayRecords <-> numpy <-> torch, in one place.
+"""The wire, in one place: Flower ArrayRecords <-> numpy <-> torch, and the message schema's plain
+records (``fedmvp_formats.messages``) <-> Flower ConfigRecords.
 
 Every trainable tensor travels under its stable name (``promptformer.*``, ``lora.*``;
 docs/architecture.md "Names that travel"), float32, in sorted order, so a reply's bytes do not
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from fedmvp_formats.messages import ARRAYS, CONFIG, Instruction, read_instruction
 
 from fedmvp_formats.promptformer import promptformer_digest  # noqa: F401  (the round's digest, for callers)
 
@@ -38,3 +41,21 @@ def torch_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
 def record_to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """A message's ArrayRecord as a model state."""
     return to_torch_state(numpy_state(record))
+
+
+def instruction_content(arrays: ArrayRecord, instruction: Instruction, config: ConfigRecord | None = None
+                        ) -> RecordDict:
+    """A message's content: ``arrays`` and the instruction's records, each a ConfigRecord (``config``:
+    an existing ConfigRecord the instruction's scalars are written into)."""
+    records = instruction.records()
+    config = ConfigRecord() if config is None else config
+    for key, value in records.pop(CONFIG).items():
+        config[key] = value
+    others = {name: ConfigRecord(values) for name, values in records.items()}
+    return RecordDict({ARRAYS: arrays, CONFIG: config, **others})
+
+
+def content_instruction(content: RecordDict) -> Instruction:
+    """The instruction a message carries, every value checked (`MessageError` otherwise)."""
+    return read_instruction({name: dict(record) for name, record in content.config_records.items()})
+

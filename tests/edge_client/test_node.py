@@ -51,6 +51,8 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
+    from fedmvp_formats.messages import Instruction, read_identity
+
     from edge_client.node import _record, evaluate, train
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
@@ -60,14 +62,16 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
                           device="cpu", epochs=1, lr=0.05, optimizer="adamw", batch_size=4, threads=1)
     rng = np.random.default_rng(0)
     start = {k: (v + rng.normal(scale=0.05, size=v.shape)).astype(np.float32) for k, v in bundle.lora().items()}
-    config = ConfigRecord({"round": 3, "run-id": "r", "promptformer-digest": bundle.promptformer_digest})
+    config = ConfigRecord(Instruction(round=3, run_id="r", promptformer_digest=bundle.promptformer_digest,
+                                      lr=0.1, lora_clients=(), selected=None).records()["config"])
     context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
                       run_config={})
     message = Message(content=RecordDict({"arrays": _record(start), "config": config}), dst_node_id=5,
                       message_type="train")
     before = {p.name: p.read_bytes() for p in bundle_dir.iterdir() if p.is_file()}
     reply = train(message, context)
-    assert reply.content["identity"]["role"] == "edge" and reply.content["identity"]["refreshed"] == 0
+    identity = read_identity(dict(reply.content["identity"]), "r", 3)  # what the server reads of it
+    assert identity.role == "edge" and not identity.refreshed and identity.bundle_id == bundle.id
     assert reply.content["metrics"]["num-examples"] == 6  # 2 classes x 3 training images (1 held out each)
     trained = {k: v.numpy() for k, v in reply.content["arrays"].items()}
     assert set(trained) == set(start) and any(not np.allclose(trained[k], start[k]) for k in start)
@@ -76,8 +80,9 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     assert len(list((tmp_path / "updates").glob("*.safetensors"))) == 1
 
     message = Message(content=RecordDict({"arrays": reply.content["arrays"],
-                                          "config": ConfigRecord({"round": 3, "run-id": "r", "prompted": 1,
-                                                                  "promptformer-digest": bundle.promptformer_digest})}),
+                                          "config": ConfigRecord(Instruction(
+                                              round=3, run_id="r", promptformer_digest=bundle.promptformer_digest,
+                                              assignment={}).records()["config"])}),
                       dst_node_id=5, message_type="evaluate")
     counts = evaluate(message, context).content["metrics"]
     assert counts["edge:total"] == 2 and 0 <= counts["edge:correct"] <= 2

@@ -129,7 +129,9 @@ ROWS = [
     Hostile("edge-refresh-bytes-negative", "refresh-bytes", identity={"refresh-bytes": -5}, edge=True),
     Hostile("edge-bundle-id-1MB", "bundle-id", identity={"bundle-id": "b" * (1 << 20)}, edge=True),
     Hostile("edge-digest-list", "promptformer-digest", identity={"promptformer-digest": ["d1"]}, edge=True),
-    Hostile("edge-role-ansi", "unknown site", identity={"role": ANSI}, edge=True),
+    Hostile("edge-role-ansi", "is not site or edge", identity={"role": ANSI}, edge=True),
+    Hostile("edge-refreshed-2", "refreshed 2 is not 0 or 1", identity={"refreshed": 2}, edge=True),
+    Hostile("no-identity", "unknown site None", records={"identity": None}, metrics={"partition-id": None}),
 ]
 
 
@@ -226,4 +228,4 @@ def test_a_sites_evaluation_counts_are_kept_only_when_they_make_sense(change, ke
 def test_an_edge_devices_evaluation_counts(metrics, identity, pair):
     from fedmvp.federated.replies import edge_counts
 
-    assert edge_counts({"run-id": "r1", "round": 1, **identity}, metrics, "r1", 1) == pair
+    assert edge_counts({"role": "edge", "run-id": "r1", "round": 1, **identity}, metrics, "r1", 1) == pair
