@@ -10,6 +10,7 @@ smallest install (edge inference, no torch) carries it.
 - ``files``: ``sha256_file``, the writable probe, an OSError as one line.
 - ``lazy``: a package's public API imported on first use (each ``__init__``'s ``__getattr__``).
 - ``names``: tensor name prefixes (``promptformer.``, ``lora.``).
+- ``objective``: the FedMVP loss, CE + alpha * L_con, for the server's model and the device's program.
 - ``promptformer``: the PromptFormer digest a bundle and a run agree on.
 - ``shown``: untrusted text as an error message may show it (escaped, cut short).
 - ``update``: the update file a device trains and a server ingests: one reader, one writer.
