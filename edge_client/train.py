@@ -9,8 +9,9 @@ only the LoRA tensors get ``requires_grad``.
 
 Loss (docs/method.md §5, ``fedmvp_formats.objective``, the one the server's model trains too):
 ``CE(logits, y) + alpha * (1 - cos(f_prompted(x), f_CLIP(x')))``, x' a per-sample random horizontal
-flip of x (probability ``method["flip_prob"]``), f_CLIP frozen; alpha is the bundle's (``Bundle.method["alpha"]``) unless given. Optimiser (docs/method.md §6): SGD with
-momentum and weight decay by default; ``optimizer="adamw"`` learns where the gradients reaching the
+flip of x (probability ``method["flip_prob"]``), f_CLIP frozen; alpha is the bundle's
+(``Bundle.method["alpha"]``) unless given. Optimiser (docs/method.md §6): SGD with momentum and
+weight decay by default; ``optimizer="adamw"`` learns where the gradients reaching the
 LoRA are tiny (a small CLIP, B near 0). Defaults live in `TrainOptions`.
 
 On CUDA: autocast (bf16 where supported, else fp16 with a gradient scaler; fp32 master
@@ -87,7 +88,8 @@ class TrainResult:
 
     def to_json(self) -> dict[str, Any]:
         """The `edge-client train --json` report."""
-        return {"ok": True, "update": str(self.update_path) if self.update_path else None, "bundle": str(self.bundle),
+        return {"ok": True, "update": str(self.update_path) if self.update_path else None,
+                "bundle": str(self.bundle),
                 "num_examples": self.num_examples, "classes": self.classes, "epochs": self.epochs,
                 "batch_size": self.batch_size, "device": self.device, "autocast": self.autocast,
                 "checkpoint_segments": self.checkpoint_segments, "mean_loss": round(self.mean_loss, 6),
@@ -175,10 +177,10 @@ def _train_locked(data: str | os.PathLike | LocalDataset, bundle: Bundle, option
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     try:
-        result, data = _train(torch, bundle, dataset, began, options, alpha, progress, on_step, initial)
+        result, update = _train(torch, bundle, dataset, began, options, alpha, progress, on_step, initial)
     finally:
         torch.set_num_threads(previous_threads)
-    return _keep(result, data, bundle, options, target)
+    return _keep(result, update, bundle, options, target)
 
 
 def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: TrainOptions, alpha: float,
