@@ -6,7 +6,8 @@ sub-directory with its own small, verified state::
 
     bundle/personalised/
       state.json              which LoRA is active, its sha256, and the older ones (newest first)
-      lora-0001.safetensors   update files, byte for byte as `edge-client train` wrote them
+      lora-0001.safetensors   update files, byte for byte as `edge-client train` wrote them (or, with no
+                              update file kept, as it would have: `apply_update_bytes`)
       lora-0002.safetensors
 
 ``state.json``::
@@ -44,7 +45,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,7 @@ from fedmvp_formats.files import sha256_file
 
 from edge_client.bundle import Bundle, BundleError
 from edge_client.bundle_files import plain_name
-from edge_client.update import UpdateError, read_update, utc_now
+from edge_client.update import Update, UpdateError, parse_update, read_update, utc_now
 
 STATE = "state.json"
 FORMAT = "fedmvp-edge-personalisation"
@@ -240,17 +241,34 @@ def _cleanup(bundle: Bundle, state: dict[str, Any]) -> None:
 
 
 def apply_update(bundle: Bundle, update_path: str | os.PathLike, keep: int = DEFAULT_KEEP) -> ActiveLora:
-    """Make the LoRA of ``update_path`` the device's active LoRA; the previous one goes to history."""
+    """Make the LoRA of the update file ``update_path`` the device's active LoRA; the previous one goes
+    to history."""
     update = read_update(update_path, bundle)  # names, shapes, bundle id: refuse before changing anything
+    return _apply(bundle, update, lambda target: copy_file(update.path, target), str(Path(update_path).resolve()),
+                  keep)
+
+
+def apply_update_bytes(bundle: Bundle, data: bytes, source: str | None = None,
+                       keep: int = DEFAULT_KEEP) -> ActiveLora:
+    """`apply_update` for an update held in memory (`edge_client.update.update_bytes`: a training whose
+    result no update file keeps, or the bytes of the file just written, ``source``), stored byte for byte."""
+    update = parse_update(data, bundle)  # the checks `read_update` makes of a file
+    return _apply(bundle, update, lambda target: write_bytes(target, data), source, keep)
+
+
+def _apply(bundle: Bundle, update: Update, store: Callable[[Path], Path], source: str | None,
+           keep: int) -> ActiveLora:
+    """Store ``update`` (``store(target)`` writes its bytes) as the next personalised LoRA and commit it."""
     with personalisation_lock(bundle.path):
         if update.bundle_id != bundle.id:  # a refresh moved the bundle on since the update was read
-            raise PersonalisationError(f"{update.path}: trained on bundle {update.bundle_id[:12]}, which was "
-                                       f"refreshed meanwhile (now {bundle.id[:12]}); not applied")
+            raise PersonalisationError(f"{update.path or 'the trained LoRA'}: trained on bundle "
+                                       f"{update.bundle_id[:12]}, which was refreshed meanwhile (now "
+                                       f"{bundle.id[:12]}); not applied")
         state = read_state(bundle) or _empty_state(bundle)
         name = f"lora-{state['next']:04d}.safetensors"
-        target = copy_file(update.path, state_dir(bundle) / name)
+        target = store(state_dir(bundle) / name)
         entry = {"file": name, "sha256": sha256_file(target), "bytes": target.stat().st_size, "applied": utc_now(),
-                 "update": {"source": str(Path(update_path).resolve()),
+                 "update": {**({"source": source} if source else {}),
                             **{k: update.metadata[k] for k in _UPDATE_KEYS if k in update.metadata}}}
         history = ([state["active"]] if state.get("active") else []) + list(state["history"])
         new_state = {**state, "active": entry, "history": history[:max(0, int(keep))], "next": state["next"] + 1}

@@ -11,7 +11,9 @@ Each train message carries the global tensors and the digest of the global Promp
 has trained it since the export) refreshes the bundle in place from the message's
 ``promptformer.*`` tensors first (``edge_client.refresh``), then trains the global LoRA on its
 training share of ``data`` and replies with the LoRA tensors, its number of examples and its
-bundle id. Images never leave the device. With ``personalise`` the result also becomes the
+bundle id. Images never leave the device. The trained tensors come back from the training in
+memory (`TrainResult.tensors`, checked against the bundle as an update file is); an update file
+is written too only where the node config's ``out`` asks for one. With ``personalise`` the result also becomes the
 device's own active LoRA; by default the device's personal LoRA is left alone.
 
 Evaluate messages: the global model (refreshed first when stale) on the held-out share of
@@ -54,7 +56,7 @@ class EdgeNodeConfig:
     data: Path
     eval_data: Path | None = None
     eval_fraction: float = DEFAULT_EVAL_FRACTION
-    out: Path = Path("updates")
+    out: Path | None = None  # where each round's update file is kept; None: none is (the reply carries the LoRA)
     personalise: bool = False
     device: str = "auto"
     max_memory_gb: float | None = None
@@ -185,7 +187,6 @@ def _global_lora(arrays: dict[str, np.ndarray], bundle: Bundle) -> dict[str, np.
 def train(msg: Message, context: Context) -> Message:
     """One round on the device: sync the bundle, train the global LoRA locally, reply with it."""
     from edge_client.train import train_local
-    from edge_client.update import read_update
 
     node = EdgeNodeConfig.from_node_config(context.node_config)
     instruction = _instruction(msg)
@@ -197,7 +198,7 @@ def train(msg: Message, context: Context) -> Message:
     start = _global_lora(arrays, synced.bundle)
     log(INFO, "edge: round %s, training the global LoRA on %d local images", round_number, len(training))
     result = train_local(training, synced.bundle, node.options(round_number), start_lora=start)
-    trained = read_update(result.update_path, synced.bundle).tensors
+    trained = result.tensors  # in memory, checked against the bundle as an update file would be
     metrics = schema.train_metrics(result.num_examples, result.mean_loss, refresh_seconds=synced.refresh_seconds)
     return _reply(msg, instruction, synced, metrics, trained)
 

@@ -7,10 +7,11 @@ happen before torch loads, and nothing here is imported by the inference path. N
 takes every tensor as an input, the frozen ones from the bundle's ``weights.safetensors``;
 only the LoRA tensors get ``requires_grad``.
 
-Loss (docs/method.md §5): ``CE(logits, y) + alpha * (1 - cos(f_prompted(x), f_CLIP(x')))``, x' a
-per-sample random horizontal flip of x (probability ``method["flip_prob"]``), f_CLIP frozen; alpha
-is the bundle's (``Bundle.method["alpha"]``) unless given. Optimiser (docs/method.md §6): SGD with
-momentum and weight decay by default; ``optimizer="adamw"`` learns where the gradients reaching the
+Loss (docs/method.md §5, ``fedmvp_formats.objective``, the one the server's model trains too):
+``CE(logits, y) + alpha * (1 - cos(f_prompted(x), f_CLIP(x')))``, x' a per-sample random horizontal
+flip of x (probability ``method["flip_prob"]``), f_CLIP frozen; alpha is the bundle's
+(``Bundle.method["alpha"]``) unless given. Optimiser (docs/method.md §6): SGD with momentum and
+weight decay by default; ``optimizer="adamw"`` learns where the gradients reaching the
 LoRA are tiny (a small CLIP, B near 0). Defaults live in `TrainOptions`.
 
 On CUDA: autocast (bf16 where supported, else fp16 with a gradient scaler; fp32 master
@@ -18,10 +19,13 @@ LoRA), activation checkpointing (``edge_client.program`` cuts the graph into seg
 LayerNorm nodes, each recomputed in backward), and ``batch_size="auto"`` measures the
 largest batch under ``max_memory_gb`` (``edge_client.batch_fit``). On CPU it runs too, slowly.
 
-Nothing is written until training has finished: the update file is written atomically
-(``edge_client.update``); personalisation is committed by one rename of
-``personalised/state.json`` (``edge_client.lora_store``). An interrupted run (Ctrl-C, kill)
-leaves the bundle and the output directory as they were. The bundle's lock
+Training ends in memory: `TrainResult.tensors`, the trained LoRA checked as an update file's
+would be (``edge_client.update.update_bytes``: the bundle's names and shapes, float32, finite).
+Only then is anything written, and only what was asked: the update file, atomically, where
+``options.out`` names one (``edge-client train`` always; a federation node only with ``--out``,
+its reply carries the tensors themselves); personalisation (``options.apply``), committed by one
+rename of ``personalised/state.json`` (``edge_client.lora_store``). An interrupted run (Ctrl-C,
+kill) leaves the bundle and the output directory as they were. The bundle's lock
 (``edge_client.bundle_lock``) is held from reading the active LoRA to applying the new one, so
 a second train, a refresh or a rollback meanwhile is refused (or waits), never interleaved.
 """
@@ -41,24 +45,27 @@ from typing import Any
 
 import numpy as np
 
+from fedmvp_formats.atomic import write_bytes
+from fedmvp_formats.objective import fedmvp_objective
+
 from edge_client.batch_fit import auto_batch, probe_step
 from edge_client.bundle import Bundle
 from edge_client.bundle_lock import bundle_lock
 from edge_client.local_data import LocalDataset, decode_dataset, scan_folder
-from edge_client.lora_store import ActiveLora, active_lora, apply_update, bundle_lora, state_dir
+from edge_client.lora_store import ActiveLora, active_lora, apply_update_bytes, bundle_lora, state_dir
 from edge_client.program import GraphRunner, load_program
 from edge_client.safetensors_check import load_safetensors
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
-from edge_client.update import check_lora, write_update
+from edge_client.update import UpdateError, check_lora, update_bytes
 from edge_client.write_guard import WriteTargetError, check_output_file, probe_writable
 
 
 # ---- training ------------------------------------------------------------------------------------------
 @dataclass
 class TrainResult:
-    """What `train_local` did and wrote."""
+    """What `train_local` did and wrote: the trained LoRA itself (``tensors``) and the update file, if any."""
 
-    update_path: Path
+    update_path: Path | None  # None: no update file was asked for (``options.out`` None)
     bundle: Path
     num_examples: int
     classes: list[str]
@@ -77,10 +84,12 @@ class TrainResult:
     skipped: list[str] = field(default_factory=list)
     autocast: str | None = None
     checkpoint_segments: int = 1
+    tensors: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # the trained LoRA, float32
 
     def to_json(self) -> dict[str, Any]:
         """The `edge-client train --json` report."""
-        return {"ok": True, "update": str(self.update_path), "bundle": str(self.bundle),
+        return {"ok": True, "update": str(self.update_path) if self.update_path else None,
+                "bundle": str(self.bundle),
                 "num_examples": self.num_examples, "classes": self.classes, "epochs": self.epochs,
                 "batch_size": self.batch_size, "device": self.device, "autocast": self.autocast,
                 "checkpoint_segments": self.checkpoint_segments, "mean_loss": round(self.mean_loss, 6),
@@ -89,16 +98,6 @@ class TrainResult:
                 "optimizer": self.optimizer, "started_from": self.started_from,
                 "personalised": self.personalised.to_json() if self.personalised else None,
                 "skipped": self.skipped}
-
-
-def fedmvp_loss(features: Any, logits: Any, frozen: Any, labels: Any, alpha: float) -> Any:
-    """CE(logits, y) + alpha * mean(1 - cos(prompted, frozen)) (docs/method.md §5); in float32
-    so autocast's low precision never reaches the loss."""
-    import torch.nn.functional as F
-
-    ce = F.cross_entropy(logits.float(), labels)
-    consistency = (1.0 - F.cosine_similarity(features.float(), frozen.float(), dim=-1)).mean()
-    return ce + alpha * consistency
 
 
 def default_out_path(out: str | os.PathLike, bundle: Bundle) -> Path:
@@ -112,15 +111,17 @@ def default_out_path(out: str | os.PathLike, bundle: Bundle) -> Path:
     return out / f"update-{tag}-{stamp}.safetensors"
 
 
-def check_write_targets(options: TrainOptions, bundle: Bundle, allow_run_dir: bool = False) -> Path:
-    """The update file's path, refused (`TrainInputError`) before training if writing it could
-    replace someone else's file or cannot succeed (edge_client.write_guard); with apply, also
-    the personalisation directory must be writable. ``allow_run_dir``: the caller owns the run
-    directory the update goes into (`fedmvp demo` keeps its updates in RUN/edge/updates)."""
-    target = default_out_path(options.out, bundle)
+def check_write_targets(options: TrainOptions, bundle: Bundle, allow_run_dir: bool = False) -> Path | None:
+    """The update file's path (None: ``options.out`` asks for none), refused (`TrainInputError`)
+    before training if writing it could replace someone else's file or cannot succeed
+    (edge_client.write_guard); with apply, also the personalisation directory must be writable.
+    ``allow_run_dir``: the caller owns the run directory the update goes into (`fedmvp demo`
+    keeps its updates in RUN/edge/updates)."""
+    target = None if options.out is None else default_out_path(options.out, bundle)
     try:
-        check_output_file(target, allow_run_dir=allow_run_dir)
-        probe_writable(target.parent, "update file")
+        if target is not None:
+            check_output_file(target, allow_run_dir=allow_run_dir)
+            probe_writable(target.parent, "update file")
         if options.apply:
             where = state_dir(bundle)
             probe_writable(where if where.is_dir() else Path(bundle.path), "personalised LoRA")
@@ -134,15 +135,17 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
                 on_step: Callable[[int, float], None] | None = None,
                 start_lora: Mapping[str, np.ndarray] | None = None, allow_run_dir: bool = False,
                 wait: float = 0.0, **overrides: Any) -> TrainResult:
-    """Train the bundle's LoRA on ``data`` (ImageFolder of bundle classes); write an update file.
+    """Train the bundle's LoRA on ``data`` (ImageFolder of bundle classes); the result holds the trained
+    tensors (`TrainResult.tensors`) and, where ``options.out`` names one, the update file written.
 
     ``data``: the folder, or an already scanned `LocalDataset` (e.g. a node's training share).
     ``bundle``: a `Bundle`, or a directory resolved by `Bundle.resolve_dir`. ``options``
     (default `TrainOptions()`) with any field overridden by keyword, e.g. ``epochs=20,
     optimizer="adamw"``; see `TrainOptions` for each. ``progress`` shows tqdm bars on stderr;
     ``on_step(step, loss)`` is called after every step. ``start_lora``: start from these LoRA
-    tensors (a federation round's global LoRA) instead of ``options.start``'s. The update file
-    may not land inside a bundle or (unless ``allow_run_dir``) a run directory, nor replace a file.
+    tensors (a federation round's global LoRA) instead of ``options.start``'s. ``options.out`` None:
+    no update file. The update file may not land inside a bundle or (unless ``allow_run_dir``) a run
+    directory, nor replace a file; ``options.apply`` makes the result the device's active LoRA.
     The bundle's lock is held throughout (``edge_client.bundle_lock``): the LoRA it starts from is
     still the active one when the result is applied; ``wait``: seconds to wait for another holder.
     Raises `TrainInputError` (bad data/options), `BundleError` (bad bundle; `BundleBusy`: locked) or
@@ -174,15 +177,19 @@ def _train_locked(data: str | os.PathLike | LocalDataset, bundle: Bundle, option
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     try:
-        return _train(torch, bundle, dataset, began, options, alpha, progress, on_step, initial, target)
+        result, update = _train(torch, bundle, dataset, began, options, alpha, progress, on_step, initial)
     finally:
         torch.set_num_threads(previous_threads)
+    return _keep(result, update, bundle, options, target)
 
 
 def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: TrainOptions, alpha: float,
            progress: bool, on_step: Callable[[int, float], None] | None,
-           initial: ActiveLora | None = None, target: Path | None = None) -> TrainResult:
-    """The training loop proper (torch loaded, options ``o`` checked); writes only after the last step."""
+           initial: ActiveLora | None = None) -> tuple[TrainResult, bytes]:
+    """The training loop proper (torch loaded, options ``o`` checked), in memory: the result and the
+    update's bytes (`update_bytes`, checked against the bundle); nothing is written."""
+    import torch.nn.functional as F
+
     dev = _device(torch, o.device)
     on_cuda = dev.type == "cuda"
     use_autocast = on_cuda if o.autocast is None else bool(o.autocast)
@@ -214,7 +221,7 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
     def forward_loss(x: Any, view: Any, y: Any, tensors: dict[str, Any]) -> Any:
         with torch.autocast(dev.type, dtype=amp_dtype, enabled=use_autocast):
             features, logits, frozen = runner(x, view, tensors, weights, segments=segments)
-        return fedmvp_loss(features, logits, frozen, y, alpha)
+        return fedmvp_objective(features, logits, frozen, y, alpha, F)["loss"]
 
     generator = torch.Generator().manual_seed(int(o.seed))
     if o.batch_size == "auto":
@@ -266,31 +273,40 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
     finally:
         bar.close()
     trained = {k: v.detach().float().cpu().numpy() for k, v in lora.items()}
-    if not all(np.all(np.isfinite(v)) for v in trained.values()):
-        raise TrainingError("the trained LoRA holds NaN or infinite values; nothing was written")
     seconds = time.perf_counter() - began
     mean_loss = total_loss / total_seen
-    target = target or check_write_targets(o, bundle)
-    try:
-        write_update(target, trained, bundle=bundle, num_examples=n, mean_loss=mean_loss,
-                     final_loss=epoch_losses[-1], epochs=o.epochs, train_seconds=round(seconds, 3),
-                     classes=dataset.classes, device=dev.type, alpha=alpha, lr=o.lr, optimizer=o.optimizer,
-                     started_from=initial.source)
-    except OSError as err:  # a full disk, a directory made read-only meanwhile: one line, nothing half-written
-        raise TrainingError(f"{target}: cannot write the update ({err.strerror or err}); nothing was "
-                            f"written, the bundle is unchanged") from None
-    try:
-        personalised = apply_update(bundle, target) if o.apply else None
-    except OSError as err:
-        raise TrainingError(f"{state_dir(bundle)}: cannot apply the update ({err.strerror or err}); the "
-                            f"update file {target} was written, the device's LoRA is unchanged") from None
-    return TrainResult(update_path=target, bundle=bundle.path, num_examples=n, classes=dataset.classes,
-                       epochs=o.epochs, batch_size=batch, device=str(dev), mean_loss=mean_loss,
-                       final_loss=epoch_losses[-1], epoch_losses=epoch_losses, seconds=seconds, alpha=alpha,
-                       lr=o.lr, optimizer=o.optimizer,
-                       started_from=initial.source, personalised=personalised, skipped=list(dataset.skipped),
-                       autocast=str(amp_dtype).replace("torch.", "") if use_autocast else None,
-                       checkpoint_segments=len(runner.plan(segments)))
+    try:  # the checks an update file's reader makes, on the tensors in memory
+        data = update_bytes(trained, bundle=bundle, num_examples=n, mean_loss=mean_loss, final_loss=epoch_losses[-1],
+                            epochs=o.epochs, train_seconds=round(seconds, 3), classes=dataset.classes,
+                            device=dev.type, alpha=alpha, lr=o.lr, optimizer=o.optimizer, started_from=initial.source)
+    except UpdateError as err:
+        raise TrainingError(f"{err}; nothing was written") from None
+    result = TrainResult(update_path=None, bundle=bundle.path, num_examples=n, classes=dataset.classes,
+                         epochs=o.epochs, batch_size=batch, device=str(dev), mean_loss=mean_loss,
+                         final_loss=epoch_losses[-1], epoch_losses=epoch_losses, seconds=seconds, alpha=alpha,
+                         lr=o.lr, optimizer=o.optimizer, started_from=initial.source, skipped=list(dataset.skipped),
+                         autocast=str(amp_dtype).replace("torch.", "") if use_autocast else None,
+                         checkpoint_segments=len(runner.plan(segments)), tensors=trained)
+    return result, data
+
+
+def _keep(result: TrainResult, data: bytes, bundle: Bundle, o: TrainOptions, target: Path | None) -> TrainResult:
+    """Write what was asked for, after training: the update file (``target``: ``o.out``'s) and the
+    personalisation (``o.apply``), both from the update's bytes ``data``, so the two are byte for byte equal."""
+    if target is not None:
+        try:
+            result.update_path = write_bytes(target, data)
+        except OSError as err:  # a full disk, a directory made read-only meanwhile: one line, nothing half-written
+            raise TrainingError(f"{target}: cannot write the update ({err.strerror or err}); nothing was "
+                                f"written, the bundle is unchanged") from None
+    if o.apply:
+        try:
+            result.personalised = apply_update_bytes(bundle, data, source=str(target.resolve()) if target else None)
+        except OSError as err:
+            written = f"the update file {target} was written, " if target is not None else ""
+            raise TrainingError(f"{state_dir(bundle)}: cannot apply the update ({err.strerror or err}); "
+                                f"{written}the device's LoRA is unchanged") from None
+    return result
 
 
 def _torch() -> Any:

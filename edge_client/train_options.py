@@ -38,7 +38,8 @@ class TrainOptions:
         "help": "Images per step; auto: on CUDA the largest that fits the memory limit, on CPU 32."})
     max_memory_gb: float | None = field(default=None, metadata={
         "help": "GPU memory (GiB) batch size auto may use (default: 90% of what is free)."})
-    out: str | os.PathLike = field(default="updates", metadata={
+    # None: keep no update file, the result's tensors are all (a federation node without --out)
+    out: str | os.PathLike | None = field(default="updates", metadata={
         "help": "Directory for the update file (or a new path ending in .safetensors); never inside a bundle "
                 "or run directory, never an existing file."})
     lr: float = field(default=0.003, metadata={

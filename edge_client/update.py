@@ -7,7 +7,9 @@ tensors by the names the bundle uses (``lora.block.attn.to_{q,k,v}.lora_{A,B}.we
 the bundle's shapes), its ``bundle_id`` is `Bundle.id`, ``bundle_round`` `Bundle.round` and
 ``run_id`` `Bundle.run_id` (only when the manifest records it); a file read is capped at the
 bundle's LoRA as float32 plus the header cap, and every tensor's span passes the bundle's gate
-(``safetensors_check``) before safetensors parses the data. Files are written with
+(``safetensors_check``) before safetensors parses the data. An update is made in memory first
+(`update_bytes`: every check a reader makes, before a file, a personalisation or a federation
+reply gets it; `parse_update` reads such bytes back). Files are written with
 ``fedmvp_formats.atomic`` (temp file, fsync, rename), so a reader never sees half a file.
 Only numpy, safetensors and the standard library are used: the smallest install reads it.
 """
@@ -40,9 +42,9 @@ class UpdateError(ValueError):
 
 @dataclass
 class Update:
-    """A read update file: LoRA tensors by name and typed metadata."""
+    """A read update: LoRA tensors by name and typed metadata."""
 
-    path: Path
+    path: Path | None  # None: held in memory (`parse_update`), never written
     tensors: dict[str, np.ndarray]
     metadata: dict[str, Any]
 
@@ -67,23 +69,32 @@ class Update:
         return float(self.metadata["mean_loss"])
 
 
-def write_update(path: str | os.PathLike, tensors: Mapping[str, Any], *, bundle: Bundle, num_examples: int,
-                 mean_loss: float, **extra: Any) -> Path:
-    """Write an update file for ``bundle`` (names and shapes checked against it) atomically."""
-    path = Path(path)
+def update_bytes(tensors: Mapping[str, Any], *, bundle: Bundle, num_examples: int, mean_loss: float,
+                 where: str | os.PathLike = "the trained LoRA", **extra: Any) -> bytes:
+    """An update for ``bundle`` as the bytes of its file, every check a reader makes done first (names,
+    shapes, float32 and finite against the bundle; the metadata as the format types it): what a
+    file, a personalisation and (its tensors) a federation reply are made of. ``where`` names it
+    in an error (the file's path, or what holds it in memory)."""
     arrays = fmt.as_float32(tensors)
-    check_lora(arrays, bundle.lora_shapes, path, UpdateError)
+    check_lora(arrays, bundle.lora_shapes, where, UpdateError)
     metadata = {"bundle_id": bundle.id, "bundle_round": bundle.round, "num_examples": int(num_examples),
                 "mean_loss": float(mean_loss), "created": utc_now(),
                 **({"run_id": bundle.run_id} if bundle.run_id else {}), **extra}
     try:
-        data = fmt.update_bytes(arrays, metadata)
+        return fmt.update_bytes(arrays, metadata)
     except UpdateFormatError as err:
-        raise UpdateError(f"{path}: {err}") from None
-    return write_bytes(path, data)
+        raise UpdateError(f"{where}: {err}") from None
 
 
-def check_lora(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, list[int]], path: Path,
+def write_update(path: str | os.PathLike, tensors: Mapping[str, Any], *, bundle: Bundle, num_examples: int,
+                 mean_loss: float, **extra: Any) -> Path:
+    """Write an update file for ``bundle`` (`update_bytes`: checked against it) atomically."""
+    path = Path(path)
+    return write_bytes(path, update_bytes(tensors, bundle=bundle, num_examples=num_examples, mean_loss=mean_loss,
+                                          where=path, **extra))
+
+
+def check_lora(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, list[int]], path: str | os.PathLike,
                error: type[ValueError]) -> None:
     """Names exactly the bundle's LoRA names, its shapes, float32, all finite (the one tensor check,
     ``fedmvp_formats.tensors``); the bundle adds its path in front and its error type."""
@@ -103,12 +114,26 @@ def read_update(path: str | os.PathLike, bundle: Bundle | None = None, *, check_
                                                  checked=lambda _: check_safetensors(path, UpdateError))
     except UpdateFormatError as err:
         raise UpdateError(f"{path}: {err}") from None
-    update = Update(path=path, tensors=tensors, metadata=metadata)
+    return _against(Update(path=path, tensors=tensors, metadata=metadata), bundle, check_bundle_id, path)
+
+
+def parse_update(data: bytes, bundle: Bundle, where: str = "the trained LoRA") -> Update:
+    """An update held in memory (`update_bytes`), read back as `read_update` reads a file: the format,
+    the bundle's names and shapes, this bundle's id. ``Update.path`` is None."""
+    try:
+        tensors, metadata = fmt.parse_update(data)
+    except UpdateFormatError as err:
+        raise UpdateError(f"{where}: {err}") from None
+    return _against(Update(path=None, tensors=tensors, metadata=metadata), bundle, True, where)
+
+
+def _against(update: Update, bundle: Bundle | None, check_bundle_id: bool, where: str | os.PathLike) -> Update:
+    """``update`` checked against ``bundle`` (or, without one, only finite): `read_update`'s last step."""
     if bundle is not None:
-        check_lora(tensors, bundle.lora_shapes, path, UpdateError)
+        check_lora(update.tensors, bundle.lora_shapes, where, UpdateError)
         if check_bundle_id and update.bundle_id != bundle.id:
-            raise UpdateError(f"{path}: trained on bundle {name_shown(update.bundle_id[:12])}, not on this bundle "
+            raise UpdateError(f"{where}: trained on bundle {name_shown(update.bundle_id[:12])}, not on this bundle "
                               f"({bundle.id[:12]}, {bundle.path})")
     else:
-        check_lora(tensors, shapes_of(tensors), path, UpdateError)
+        check_lora(update.tensors, shapes_of(update.tensors), where, UpdateError)
     return update

@@ -16,6 +16,7 @@ from torch import nn
 
 from fedmvp_formats.method import MethodRecord
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
+from fedmvp_formats.objective import consistency_on, fedmvp_objective
 
 from fedmvp.clip import LoadedClip
 from fedmvp.prompted_vit import encode_tokens, patch_embeds
@@ -165,15 +166,13 @@ class FedMVP(nn.Module):
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor, frozen_targets: torch.Tensor | None = None,
              generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """L = CE + alpha * (1 - cos(f_prompted(x), f_CLIP(x'))), x' a per-sample flipped view."""
+        """L = CE + alpha * (1 - cos(f_prompted(x), f_CLIP(x'))), x' a per-sample flipped view: the one
+        objective of ``fedmvp_formats.objective`` (the device trains the same). The frozen targets (a
+        forward pass and the flip's draws from ``generator``) are computed only when alpha counts."""
         features = self.encode(images)
-        ce = F.cross_entropy(self.logits(features), labels)
-        consistency = torch.zeros((), device=images.device)
-        if self.config.alpha > 0:
-            if frozen_targets is None:
-                frozen_targets = self.encode_frozen(flip_views(images, self.config.flip_prob, generator))
-            consistency = (1 - F.cosine_similarity(features.float(), frozen_targets.float(), dim=-1)).mean()
-        return {"loss": ce + self.config.alpha * consistency, "ce": ce, "consistency": consistency}
+        if consistency_on(self.config.alpha) and frozen_targets is None:
+            frozen_targets = self.encode_frozen(flip_views(images, self.config.flip_prob, generator))
+        return fedmvp_objective(features, self.logits(features), frozen_targets, labels, self.config.alpha, F)
 
     def train(self, mode: bool = True) -> "FedMVP":
         """CLIP stays in eval mode whatever the PromptFormer does."""

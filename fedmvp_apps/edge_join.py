@@ -77,8 +77,9 @@ def _option(*decls: str, name: str, **kwargs):
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True, help="Local epochs per round.")
 @_option("--lr", name="lr", type=click.FloatRange(min=0, min_open=True))
 @_option("--optimizer", name="optimizer", type=click.Choice(OPTIMIZERS, case_sensitive=False))
-@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("updates"), show_default=True,
-              help="Where each round's update file is kept on this device.")
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
+              help="Also keep each round's update file in DIR (default: none is kept; the reply carries the "
+                   "trained LoRA from memory).")
 @click.option("--personalise", is_flag=True,
               help="Also make each round's result this device's own LoRA for `edge-client infer` (default: the "
                    "device's personal LoRA is left alone).")
@@ -87,7 +88,7 @@ def _option(*decls: str, name: str, **kwargs):
               help="Local port of the SuperNode's own API (default: a free one).")
 def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None, eval_fraction: float,
          root_certificates: Path | None, auth_key: Path | None, insecure: bool, device: str,
-         max_memory_gb: float | None, epochs: int, lr: float, optimizer: str, out: Path, personalise: bool,
+         max_memory_gb: float | None, epochs: int, lr: float, optimizer: str, out: Path | None, personalise: bool,
          threads: int | None, port: int | None) -> None:
     """Join a federation as an edge device: each round it is asked, train the global LoRA on DATA.
 
@@ -100,7 +101,7 @@ def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None
     try:
         node = EdgeNodeConfig(bundle=Bundle.resolve_dir(bundle).resolve(), data=data.resolve(),
                               eval_data=eval_data.resolve() if eval_data else None, eval_fraction=eval_fraction,
-                              out=out.resolve(), personalise=personalise, device=device.lower(),
+                              out=out.resolve() if out else None, personalise=personalise, device=device.lower(),
                               max_memory_gb=max_memory_gb, epochs=epochs, lr=lr, optimizer=optimizer.lower(),
                               threads=threads)
         node.options(1)  # the training options are valid (TrainInputError otherwise)

@@ -13,6 +13,7 @@ smallest install (edge inference, no torch) carries it.
 - ``method``: the method record (fields, ranges, help; its version and the migration of older records).
 - ``bundle_manifest``: the bundle manifest's schema, its file names and the refresh's names.
 - ``names``: tensor name prefixes (``promptformer.``, ``lora.``).
+- ``objective``: the FedMVP loss, CE + alpha * L_con, for the server's model and the device's program.
 - ``promptformer``: the PromptFormer digest a bundle and a run agree on.
 - ``shown``: untrusted text as an error message may show it (escaped, cut short).
 - ``update``: the update file a device trains and a server ingests: one reader, one writer.

@@ -263,7 +263,7 @@ def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(bundle_dir, lo
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(train_module, "write_update", full)
+    monkeypatch.setattr(train_module, "write_bytes", full)  # the update file's write
     before = tree_bytes(bundle_dir)
     with pytest.raises(TrainingError, match="No space left on device"):
         train_local(local, bundle_dir, out=tmp_path / "u", epochs=1, batch_size=2)

@@ -3,6 +3,7 @@ share of its images, one round's handler on a real bundle, and `edge-client join
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -46,38 +47,58 @@ def test_the_held_out_share_is_stable_per_class_and_disjoint(edge_bundle, tmp_pa
 
 
 def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_alone(edge_bundle, bundle_dir,
-                                                                                  tmp_path):
-    """The train handler's work (no refresh: the bundle holds the round's PromptFormer)."""
+                                                                                  tmp_path, monkeypatch):
+    """The train handler's work (no refresh: the bundle holds the round's PromptFormer). Without ``out``
+    the reply carries the trained tensors and nothing is written; with it, the round's update file
+    holds exactly what the reply carries."""
     from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedmvp_formats.messages import Instruction, read_identity
 
     from edge_client.node import _record, evaluate, train
+    from edge_client.update import read_update
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     bundle = Bundle.open(bundle_dir)
     root = write_local_data(tmp_path / "local", bundle.class_names[:2], per_class=4)
-    node = EdgeNodeConfig(bundle=bundle_dir, data=root, out=tmp_path / "updates", eval_fraction=0.25,
+    node = EdgeNodeConfig(bundle=bundle_dir, data=root, eval_fraction=0.25,
                           device="cpu", epochs=1, lr=0.05, optimizer="adamw", batch_size=4, threads=1)
+    assert node.out is None and "out=" not in node.to_node_config()  # no update file unless asked for
     rng = np.random.default_rng(0)
     start = {k: (v + rng.normal(scale=0.05, size=v.shape)).astype(np.float32) for k, v in bundle.lora().items()}
     config = ConfigRecord(Instruction(round=3, run_id="r", promptformer_digest=bundle.promptformer_digest,
                                       lr=0.1, lora_clients=(), selected=None).records()["config"])
-    context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
-                      run_config={})
-    message = Message(content=RecordDict({"arrays": _record(start), "config": config}), dst_node_id=5,
-                      message_type="train")
+
+    def one_round(node: EdgeNodeConfig) -> tuple[Message, Context]:
+        context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
+                          run_config={})
+        message = Message(content=RecordDict({"arrays": _record(start), "config": config}), dst_node_id=5,
+                          message_type="train")
+        return train(message, context), context
+
+    monkeypatch.chdir(tmp_path)  # a relative default (./updates) would land here
+    files_before = sorted(tmp_path.rglob("*"))
     before = {p.name: p.read_bytes() for p in bundle_dir.iterdir() if p.is_file()}
-    reply = train(message, context)
+    reply, context = one_round(node)
+    assert sorted(tmp_path.rglob("*")) == files_before  # no update file, nothing else either
     identity = read_identity(dict(reply.content["identity"]), "r", 3)  # what the server reads of it
     assert identity.role == "edge" and not identity.refreshed and identity.bundle_id == bundle.id
     assert reply.content["metrics"]["num-examples"] == 6  # 2 classes x 3 training images (1 held out each)
     trained = {k: v.numpy() for k, v in reply.content["arrays"].items()}
     assert set(trained) == set(start) and any(not np.allclose(trained[k], start[k]) for k in start)
+    assert all(v.dtype == np.float32 and list(v.shape) == bundle.lora_shapes[k] for k, v in trained.items())
     assert before == {p.name: p.read_bytes() for p in bundle_dir.iterdir() if p.is_file()}  # nothing changed
     assert not (bundle_dir / "personalised").exists()  # no --personalise: the device's own LoRA is untouched
-    assert len(list((tmp_path / "updates").glob("*.safetensors"))) == 1
+
+    kept, _ = one_round(dataclasses.replace(node, out=tmp_path / "updates"))  # asked for: the file is kept
+    files = list((tmp_path / "updates").glob("*.safetensors"))
+    assert len(files) == 1
+    update = read_update(files[0], bundle)
+    again = {k: v.numpy() for k, v in kept.content["arrays"].items()}
+    assert set(update.tensors) == set(again) and all(np.array_equal(update.tensors[k], again[k]) for k in again)
+    assert all(np.array_equal(again[k], trained[k]) for k in trained)  # same round, same seed: same tensors
+    assert update.num_examples == kept.content["metrics"]["num-examples"] == 6
 
     message = Message(content=RecordDict({"arrays": reply.content["arrays"],
                                           "config": ConfigRecord(Instruction(

@@ -20,10 +20,11 @@ from edge_client.lora_store import NothingToRollBack, active_lora, apply_update,
 from edge_client.program import GraphRunner, load_program
 from edge_client.batch_fit import find_batch_size
 from edge_client.local_data import decode_dataset, scan_folder
-from edge_client.train import fedmvp_loss, train_local
+from edge_client.train import train_local
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
 from fedmvp_formats.bundle_manifest import manifest_bytes
 from edge_client.update import UpdateError, read_update, write_update
+from fedmvp_formats.objective import fedmvp_objective
 
 LOCAL_CLASSES = ["purple_cross", "orange_ring", "yellow_star"]
 
@@ -45,7 +46,7 @@ def _dataset_loss(bundle, data: Path, lora: dict[str, np.ndarray]) -> float:
     weights = load_file(str(bundle.file("weights")))
     with torch.no_grad():
         out = load_program(bundle)(x, x, {k: torch.from_numpy(v) for k, v in lora.items()}, weights)
-        return float(fedmvp_loss(*out, torch.from_numpy(labels), 10.0))
+        return float(fedmvp_objective(*out, torch.from_numpy(labels), 10.0, torch.nn.functional)["loss"])
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,7 @@ def test_update_file_round_trips(trained):
     assert m["bundle_id"] == bundle.id and update.round == bundle.round == 2 and update.num_examples == 12
     assert abs(update.mean_loss - result.mean_loss) < 1e-9 and m["epochs"] == 4 and m["classes"] == result.classes
     assert m["created"].endswith("Z") and m["train_seconds"] > 0 and m["device"] == "cpu"
+    assert all(np.array_equal(result.tensors[k], update.tensors[k]) for k in LORA)  # the file holds the result
     # The personalised copy is the update, byte for byte, and is what inference now runs.
     assert (trained["bundle"] / "personalised" / "lora-0001.safetensors").read_bytes() == \
         result.update_path.read_bytes()
@@ -107,6 +109,28 @@ def test_update_file_round_trips(trained):
     assert back.num_examples == 7 and back.mean_loss == 0.125 and back.metadata["epochs"] == 2
     torch_tensors = {k: torch.from_numpy(v) for k, v in update.tensors.items()}  # torch tensors are accepted too
     assert read_update(write_update(again, torch_tensors, bundle=bundle, num_examples=1, mean_loss=1.0), bundle)
+
+
+def test_training_without_out_keeps_the_lora_in_memory_and_personalises_from_it(edge_bundle, tmp_path,
+                                                                              monkeypatch):
+    """``out=None`` (a federation node without --out): no update file anywhere, the result holds the
+    trained tensors; with apply, the personalised LoRA is exactly those tensors, stored as an update."""
+    path = tmp_path / "bundle"
+    shutil.copytree(edge_bundle, path)
+    data = write_local_data(tmp_path / "local", ["red_circle", "blue_square"], per_class=2)
+    monkeypatch.chdir(tmp_path)  # a relative default (./updates) would land here
+    before = {p for p in tmp_path.rglob("*") if "personalised" not in p.parts}
+    result = train_local(data, path, epochs=1, batch_size=4, lr=0.05, threads=1, start="bundle", out=None)
+    assert result.update_path is None and result.to_json()["update"] is None
+    assert {p for p in tmp_path.rglob("*") if "personalised" not in p.parts} == before  # no update file
+    bundle = read_bundle(path)
+    assert sorted(result.tensors) == sorted(LORA)
+    assert all(v.dtype == np.float32 and list(v.shape) == bundle.lora_shapes[k] for k, v in result.tensors.items())
+    assert any(not np.array_equal(result.tensors[k], bundle.lora()[k]) for k in LORA)
+    active = active_lora(bundle)
+    assert active.personalised and all(np.array_equal(active.tensors[k], result.tensors[k]) for k in LORA)
+    stored = read_update(active.file, bundle)  # the personalised file is a valid update of this bundle
+    assert stored.num_examples == 4 and "source" not in active.entry["update"]
 
 
 def test_read_update_rejects_bad_files(trained, tmp_path):
@@ -333,7 +357,7 @@ def test_checkpointed_segments_and_cpu_autocast(edge_bundle):
     for segments in (1, 4, runner.max_segments()):
         lora = {k: torch.from_numpy(v).requires_grad_(True) for k, v in bundle.lora().items()}
         out = runner(x, x.flip(-1), lora, weights, segments=segments)
-        fedmvp_loss(*out, labels, 10.0).backward()
+        fedmvp_objective(*out, labels, 10.0, torch.nn.functional)["loss"].backward()
         grads.append({k: v.grad for k, v in lora.items()})
     with torch.no_grad():
         lora = {k: torch.from_numpy(v) for k, v in sorted(bundle.lora().items())}
