@@ -111,7 +111,7 @@ def ray_start_seconds(cpus: int) -> dict:
 def bare_rounds(preset: Path, work: Path, rounds: int, device: str) -> dict:
     """The same rounds without Flower: every client's `local_train`, the server's average, and its
     checkpoint (fedmvp's own server work, also in the Flower rounds)."""
-    from fedmvp.federated.prepare import prepare_run, run_method, run_preset
+    from fedmvp.federated.prepare import prepare_run
     from fedmvp.federated.strategy import cosine_lr, weighted_average
     from fedmvp.federated.task import LocalSettings, local_train, task_context
     from fedmvp.federated.wire import to_numpy_state, to_torch_state
@@ -121,7 +121,7 @@ def bare_rounds(preset: Path, work: Path, rounds: int, device: str) -> dict:
     settings = LocalSettings.from_train(config["train"])
     times, lora_clients = [], set()
     began = time.perf_counter()
-    ctx = task_context(run_preset(run, config), run_method(run), config["client_device"])  # as each worker
+    ctx = task_context(run.preset_file(config), run.method(), config["client_device"])  # as each worker
     state = to_numpy_state(ctx.model.state("all"))
     for round_number in range(1, rounds + 1):
         lr = cosine_lr(float(config["lr"]), round_number, rounds)

@@ -38,8 +38,8 @@ from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scali
 from export.errors import ExportError
 from export.int8 import Int8Plan
 from export.publish import check_out, publish
-from export.run_inputs import (find_run, load_checkpoint, method_config, preprocess_spec, read_config,
-                               rebuild_model, run_federation, run_images, run_training_images, synthetic_images)
+from export.run_inputs import (find_run, load_checkpoint, preprocess_spec, read_config, rebuild_model,
+                               run_federation, run_images, run_training_images, synthetic_images)
 from fedmvp.clip import LoadedClip
 from fedmvp.model import FedMVP
 
@@ -308,8 +308,6 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
                   progress: bool = False, runs_root: str | Path = "runs",
                   discard_device_state: bool = False) -> BundleResult:
     """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest)."""
-    from fedmvp.clip import ClipLoadError, load_clip
-
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if parity_images < parity.MIN_IMAGES:
@@ -321,21 +319,16 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     check_out(target, force, discard_device_state)
     classes = file_class_set(Path(attributes), domain) if attributes else None
     try:
-        federation = run_federation(config, run_dir)
+        federation = run_federation(run_dir)
     except ExportError:
         if classes is None:
             raise
         federation = None  # an explicit class set needs the run's data only for parity images
     if classes is None:
         classes = run_class_set(federation, source="run")
-    torch.manual_seed(int(config.get("seed", 0)))  # a random-init backbone is then the same each export
-    spec = config["model"]
-    try:
-        clip = load_clip(spec["clip"], spec.get("pretrained") or None)
-    except ClipLoadError as err:
-        raise ExportError(str(err)) from None
+    model = rebuild_model(run_dir, checkpoint)  # FedMVP.from_run: the run's seed, CLIP, method record, weights
+    clip = model.clip_info
     ckpt_path = run_dir.round_path(checkpoint.round) / "global.safetensors"
-    model = rebuild_model(clip, method_config(run_dir, checkpoint), checkpoint, ckpt_path)
     images = run_images(federation, clip.preprocess, parity_images) if federation else torch.zeros(0)
     note = {"run": len(images), "synthetic": max(0, parity.MIN_IMAGES - len(images))}
     images = _topped_up(images, clip.image_size, seed=0)

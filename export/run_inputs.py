@@ -2,9 +2,9 @@
 the CLIP's preprocessing, and the run's data (class set and parity / calibration images).
 
 Kept apart from the writer so the export core can be driven with explicit arguments (a model,
-a class set, images) and this layer stays thin: find the run, rebuild the model from the
-round's method record + its tensors (never from defaults or tensor shapes), take the class set
-and images from the run's federation (built once per process).
+a class set, images) and this layer stays thin: find the run, rebuild the model by the one rebuild
+(``FedMVP.from_run``: the round's method record + its tensors, never defaults or tensor shapes),
+take the class set and images from the run's federation (``RunDir.federation``, once per process).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from edge_client.preprocess import PreprocessSpec
 from export.errors import ExportError
-from fedmvp.clip import LoadedClip
-from fedmvp.model import PROMPTFORMER_PREFIX, FedMVP, FedMVPConfig
+from fedmvp.clip import ClipLoadError, LoadedClip
+from fedmvp.model import FedMVP
 from fedmvp.runs import Checkpoint, RunDir, RunError
 
 
@@ -58,12 +58,12 @@ def find_run(run: str | Path | None, runs_root: Path = Path("runs")) -> RunDir:
 
 
 def read_config(run: RunDir) -> dict[str, Any]:
+    """The run's record, its CLIP entry checked before any heavy work."""
     try:
         config = run.read_config()
+        run.clip_spec()
     except RunError as err:
         raise ExportError(str(err)) from None
-    if not isinstance(config.get("model"), dict) or "clip" not in config["model"]:
-        raise ExportError(f"{run.config_path}: no model.clip entry")
     return config
 
 
@@ -76,41 +76,20 @@ def load_checkpoint(run: RunDir, round_number: int | None) -> Checkpoint:
         raise ExportError(str(err)) from None
 
 
-def method_config(run: RunDir, checkpoint: Checkpoint) -> FedMVPConfig:
-    """The method config the round's weights were trained as (its state.json, else config.json)."""
-    from fedmvp.federated.prepare import run_method
-
+def rebuild_model(run: RunDir, checkpoint: Checkpoint) -> FedMVP:
+    """The round's model by the one rebuild (``FedMVP.from_run``: seed, CLIP, method record, weights)."""
     try:
-        return run_method(run, checkpoint)
-    except RunError as err:
+        return FedMVP.from_run(run, checkpoint)
+    except (RunError, ClipLoadError) as err:
         raise ExportError(str(err)) from None
 
 
-def rebuild_model(clip: LoadedClip, config: FedMVPConfig, checkpoint: Checkpoint, where: Path) -> FedMVP:
-    """Frozen CLIP + PromptFormer (+ LoRA) with the round's tensors loaded."""
-    model = FedMVP(clip, config)
+def run_federation(run: RunDir):
+    """The run's Federation from its recorded preset (``RunDir.federation``: once per process)."""
     try:
-        missing = model.load_state(checkpoint.tensors)
-    except (KeyError, ValueError) as err:
-        raise ExportError(f"{where}: checkpoint does not fit {clip.name}: {str(err).strip(chr(39))}") from None
-    lacking = [m for m in missing if m.startswith(PROMPTFORMER_PREFIX)]
-    if lacking:
-        raise ExportError(f"{where}: checkpoint lacks {len(lacking)} PromptFormer tensors "
-                          f"(first: {lacking[0]})")
-    return model.eval()
-
-
-def run_federation(config: dict[str, Any], run: RunDir):
-    """The run's preset turned into a Federation (the process's one, ``load_federation``)."""
-    from fedmvp.data.federation import load_federation
-
-    path = Path(config.get("preset_path") or "")
-    if not path.is_file() and (run.path / "preset.toml").is_file():
-        path = run.path / "preset.toml"
-    try:
-        return load_federation(str(path))[1]
-    except Exception as err:  # PresetError, missing data roots: say which, one line
-        raise ExportError(f"{path}: cannot rebuild the run's data ({str(err).splitlines()[0]})") from None
+        return run.federation()
+    except RunError as err:
+        raise ExportError(str(err)) from None
 
 
 def run_images(federation, preprocess, count: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from fedmvp_formats.method import MethodRecord
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.objective import consistency_on, fedmvp_objective
 
-from fedmvp.clip import LoadedClip
+from fedmvp.clip import LoadedClip, load_clip
 from fedmvp.prompted_vit import encode_tokens, patch_embeds
 from fedmvp.promptformer import PromptFormer, PromptFormerConfig
 
@@ -62,6 +62,41 @@ class FedMVP(nn.Module):
         self.register_buffer("text_features", torch.zeros(0, 1, clip.embed_dim), persistent=False)
         self.lora_active = False
         self._set_trainable(promptformer=True, lora=False)
+
+    # ---- the one rebuild (docs/architecture.md, "Records that travel") ------------------------------
+    @classmethod
+    def build(cls, clip: str, pretrained: str | None, method: FedMVPConfig, seed: int,
+              device: str | torch.device = "cpu") -> "FedMVP":
+        """The initial global model of a run: a function of the seed, the CLIP and the method record alone,
+        so every process (clients, server, exporter) builds the same one. The seed is set before the CLIP
+        (a random-init backbone) and again before the PromptFormer (its initial state)."""
+        torch_device = torch.device(device)
+        torch.manual_seed(seed)
+        loaded = load_clip(clip, pretrained or None, device=torch_device)
+        torch.manual_seed(seed)
+        return cls(loaded, method).to(torch_device)
+
+    @classmethod
+    def from_run(cls, run: "RunDir", round_number: "int | Checkpoint | None" = None,
+                 device: str | torch.device = "cpu") -> "FedMVP":
+        """THE rebuild of a run's model: its seed, its CLIP (config.json ``model``), the method record the
+        round was trained as (its state.json first, then config.json) and the round's weights, in eval mode.
+
+        ``round_number``: a complete round, a loaded ``Checkpoint`` of the run, None (the last round) or 0
+        (the initial model, before any round). Errors are ``RunError`` (or ``ClipLoadError``), one line
+        naming the file. ``run`` is a ``fedmvp.runs.RunDir`` (not imported: the run reads its method
+        record with this module's ``FedMVPConfig``)."""
+        if round_number == 0:
+            checkpoint = None
+        elif round_number is None or isinstance(round_number, int):
+            checkpoint = run.load_checkpoint(round_number)
+        else:
+            checkpoint = round_number
+        clip, pretrained = run.clip_spec()
+        model = cls.build(clip, pretrained, run.method(checkpoint), run.seed, device)
+        if checkpoint is not None:
+            run.load_weights(model, checkpoint)
+        return model.eval()
 
     # ---- trainable tensors and their stable names -------------------------------------------
     def _named_promptformer_tensors(self) -> dict[str, nn.Parameter]:

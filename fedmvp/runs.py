@@ -1,10 +1,14 @@
-"""Run directories: resolved config, one checkpoint per round, metrics, a plot. All writes atomic.
+"""Run directories: the layout, the run's record (config.json) and one checkpoint per round. All writes atomic.
+
+``RunDir`` owns a run: it answers what the record says (the method, the preset, the federation, the
+server rules, the CLIP, the seed) so no caller re-derives them, and ``FedMVP.from_run`` rebuilds the
+model from those answers. The metrics rows and the plot are written by ``fedmvp.run_metrics``.
 
 ```
 runs/<name>/
   config.json                 resolved preset + overrides + the preset's text and sha256 (what was run)
   preset.toml                 the preset's text as recorded in config.json, plus base_dir (its folder);
-                              a resume reads it when the original file changed (prepare.run_preset)
+                              a resume reads it when the original file changed (RunDir.preset_file)
   round-0003/global.safetensors   global trainable tensors (promptformer.*, lora.*)
   round-0003/state.json           round, per-client LoRA flags, schedule, seed, complete: true
                                   (a `fedmvp ingest` round adds source: ingest and its files' records)
@@ -18,24 +22,28 @@ are written into a hidden temp folder that is then renamed (``atomic.atomic_dir`
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
 
+from fedmvp_formats.names import PROMPTFORMER_PREFIX
 from fedmvp_formats.tensors import first_nonfinite
 
 from fedmvp import atomic
+from fedmvp.presets.server import ServerRecordError, ServerSpec
+
+if TYPE_CHECKING:  # the lazy imports below, for type checkers
+    from fedmvp.data.federation import Federation
+    from fedmvp.model import FedMVP, FedMVPConfig
+    from fedmvp.presets.schema import Preset
 
 ROUND_PREFIX = "round-"
-METRIC_COLUMNS = ["round", "train_loss", "train_ce", "train_consistency", "lora_clients", "clients",
-                  "local", "base", "new", "hm", "domain", "edges", "edge_acc", "source", "updates", "examples"]
+MIGRATIONS = "docs/architecture.md, Migrations"
 
 
 class RunError(RuntimeError):
@@ -79,10 +87,6 @@ class RunDir:
     @property
     def config_path(self) -> Path:
         return self.path / "config.json"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.path / "metrics.jsonl"
 
     def round_path(self, round_number: int) -> Path:
         return self.path / round_dir_name(round_number)
@@ -166,81 +170,123 @@ class RunDir:
             raise RunError(f"{weights}: tensor {bad} holds NaN or infinite values")
         return Checkpoint(round=round_number, tensors=tensors, state=state)
 
-    # ---- metrics -------------------------------------------------------------------------------
-    def read_metrics(self) -> list[dict[str, Any]]:
-        """Rows of metrics.jsonl; a line that is no JSON object (e.g. cut short by a full disk) is dropped
-        with a warning: the rounds' own state.json records hold the same rows (``rebuild_metrics``)."""
-        if not self.metrics_path.is_file():
-            return []
-        rows = []
-        for number, line in enumerate(self.metrics_path.read_text(errors="replace").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = None
-            if not isinstance(row, dict):
-                warn(f"{self.metrics_path}: line {number} is not a JSON object (cut short?); dropped")
-                continue
-            rows.append(row)
-        return rows
+    def load_weights(self, model: FedMVP, checkpoint: Checkpoint) -> None:
+        """A round's tensors into a model built from the run's record (``FedMVP.from_run``): a checkpoint of
+        another model, or one lacking PromptFormer tensors, is refused with one line naming its file."""
+        where = self.round_path(checkpoint.round) / "global.safetensors"
+        try:
+            missing = model.load_state(checkpoint.tensors)
+        except (KeyError, ValueError) as err:
+            raise RunError(f"{where}: checkpoint does not fit {model.clip_info.name}: "
+                           f"{str(err).strip(chr(39))}") from None
+        lacking = [m for m in missing if m.startswith(PROMPTFORMER_PREFIX)]
+        if lacking:
+            raise RunError(f"{where}: checkpoint lacks {len(lacking)} PromptFormer tensors (first: {lacking[0]})")
 
-    def append_metrics(self, row: dict[str, Any]) -> None:
-        """Rewrite metrics.jsonl/csv atomically with ``row`` (replacing an older row of the same round)."""
-        rows = [r for r in self.read_metrics() if r.get("round") != row.get("round")] + [row]
-        rows.sort(key=lambda r: r.get("round", 0))
-        atomic.write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic.write_text(self.path / "metrics.csv", buffer.getvalue())
+    # ---- what the record says (docs/architecture.md, "Records that travel") -----------------------
+    def _entry(self, config: dict[str, Any], key: str) -> Any:
+        if key not in config:
+            raise RunError(f"{self.config_path}: no {key} record (a run made by an older fedmvp); train it again")
+        return config[key]
 
-    def truncate_metrics_after(self, round_number: int) -> None:
-        """On resume, forget metrics of rounds that never completed; rows missing from metrics.jsonl (a
-        line cut short) come back from their round's state.json."""
-        kept = {r.get("round"): r for r in self.read_metrics() if r.get("round", 0) <= round_number}
-        for number in self.rounds():
-            if number <= round_number and number not in kept:
-                try:
-                    row = json.loads((self.round_path(number) / "state.json").read_text()).get("metrics")
-                except (OSError, ValueError):
-                    row = None
-                if isinstance(row, dict):
-                    kept[number] = row
-        rows = [kept[k] for k in sorted(kept, key=lambda k: k or 0)]
-        atomic.write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+    @property
+    def seed(self) -> int:
+        """The run's seed: the random-init backbone and the initial global model are functions of it."""
+        return int(self._entry(self.read_config(), "seed"))
 
-    def plot(self) -> Path | None:
-        """accuracy.png: Local/Base/New/HM per evaluated round, zero-shot as dashed lines."""
-        rows = [r for r in self.read_metrics() if r.get("hm") is not None]
-        if not rows:
-            return None
-        import matplotlib
+    def clip_spec(self) -> tuple[str, str | None]:
+        """The frozen CLIP as recorded: open_clip name (or registered config) and tag or weights file."""
+        spec = self.read_config().get("model")
+        if not isinstance(spec, dict) or not isinstance(spec.get("clip"), str):
+            raise RunError(f"{self.config_path}: no model.clip entry")
+        return spec["clip"], spec.get("pretrained") or None
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def method(self, checkpoint: Checkpoint | None = None) -> FedMVPConfig:
+        """The method record (``FedMVPConfig``) a round's weights were trained as: the round's own state.json
+        record first, else config.json's. No record: refused (a default would rebuild another model)."""
+        from fedmvp.model import FedMVPConfig
 
-        zero_shot = self.read_json("zero_shot.json") or {}
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-        for key, colour in (("local", "C0"), ("base", "C1"), ("new", "C2"), ("hm", "C3"), ("domain", "C4")):
-            points = [(r["round"], 100 * r[key]) for r in rows if r.get(key) is not None]
-            if not points:  # e.g. no new classes (domain protocols), no held-out domain
-                continue
-            ax.plot(*zip(*points), marker="o", color=colour, label=key.capitalize() if key != "hm" else "HM")
-            if zero_shot.get(key) is not None:
-                ax.axhline(100 * zero_shot[key], color=colour, linestyle="--", linewidth=0.8)
-        ax.set_xlabel("round")
-        ax.set_ylabel("top-1 accuracy (%)")
-        ax.set_title(f"{self.path.name} (dashed: zero-shot)")
-        ax.legend(loc="lower right")
-        ax.grid(alpha=0.3)
-        target = self.path / "accuracy.png"
-        with atomic.atomic_path(target) as tmp:
-            fig.savefig(tmp, format="png", bbox_inches="tight")
-        plt.close(fig)
-        return target
+        own = checkpoint.state.get("method") if checkpoint is not None else None
+        record = own if own is not None else self.read_config().get("method")
+        where = self.round_path(checkpoint.round) / "state.json" if own is not None else self.config_path
+        if record is None:
+            raise RunError(f"{where}: no method record (a run made by an older fedmvp); train it again")
+        try:
+            return FedMVPConfig.from_dict(record, str(where))
+        except ValueError as err:
+            raise RunError(str(err)) from None
+
+    def server(self, overrides: dict[str, Any] | None = None, where: str = "run-time overrides") -> ServerSpec:
+        """The server rules as recorded (config.json ``server``), with run-time ``overrides`` (None values
+        keep the record's), checked by the one range check. The migration: a record that lacks keys (a
+        run of an older fedmvp) gets this fedmvp's [server] defaults for exactly those keys, with one
+        warning naming them (docs/architecture.md, Migrations)."""
+        record = self.read_config().get("server", {})
+        if isinstance(record, dict):
+            missing = tuple(k for k in ServerSpec.keys() if k not in record)
+            if missing:
+                _warn_once(self, f"{self.config_path}: the server record lacks {', '.join(missing)} (a run of an "
+                                 f"older fedmvp); using the [server] defaults for them ({MIGRATIONS})")
+                record = {**ServerSpec().subset(missing), **record}
+        try:
+            spec = ServerSpec.from_record(record, str(self.config_path))
+            return spec.with_overrides(overrides, where) if overrides else spec
+        except ServerRecordError as err:
+            raise RunError(str(err)) from None
+
+    def federation_record(self) -> dict[str, Any]:
+        """The federation as recorded (client count, each client's id, name, classes; evaluations)."""
+        record = self._entry(self.read_config(), "federation")
+        if not isinstance(record, dict) or not isinstance(record.get("clients"), list):
+            raise RunError(f"{self.config_path}: the federation record is not an object with clients")
+        return record
+
+    def preset_file(self, config: dict[str, Any] | None = None) -> str:
+        """The preset file the run's rounds use: the run's settings are its record (config.json
+        ``preset_text``), so an edit of the original after the start must not change resumed rounds.
+
+        While the original file still holds the recorded text it is used as is (deployed clients load it
+        by that path); else runs/<name>/preset.toml (the recorded text) is, with one warning line. A run
+        made before the record existed uses the original as it is now, with a warning."""
+        config = config if config is not None else self.read_config()
+        original, text = str(config.get("preset_path", "")), config.get("preset_text")
+        if not isinstance(text, str):
+            _warn_once(self, f"{self.config_path}: no recorded preset text (a run of an older fedmvp); "
+                             f"using {original} as it is now")
+            return original
+        try:
+            current = Path(original).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            current = None
+        if current == text:
+            return original
+        copy = self.path / "preset.toml"
+        wanted = recorded_copy(text, Path(config.get("preset_dir") or Path(original).parent))
+        if not copy.is_file() or copy.read_text(encoding="utf-8", errors="replace") != wanted:
+            atomic.write_text(copy, wanted)
+        _warn_once(self, f"{original} {'changed' if current is not None else 'is gone'} since the run started "
+                         f"(sha256 {str(config.get('preset_sha256', ''))[:12]} recorded); using the recorded "
+                         f"preset {copy}")
+        return str(copy)
+
+    def preset(self) -> Preset:
+        """The run's ``Preset`` (``preset_file``), its data roots unchecked (a server without the data)."""
+        from fedmvp.presets.schema import PresetError, load_preset
+
+        try:
+            return load_preset(self.preset_file(), check_roots=False)
+        except PresetError as err:
+            raise RunError(str(err)) from None
+
+    def federation(self) -> Federation:
+        """The run's ``Federation`` from its preset and data (the process's one, ``load_federation``)."""
+        from fedmvp.data.federation import load_federation
+
+        path = self.preset_file()
+        try:
+            return load_federation(path)[1]
+        except Exception as err:  # noqa: BLE001 - a PresetError, a missing data root, ...: one line naming it
+            raise RunError(f"{path}: cannot rebuild the run's data ({str(err).splitlines()[0]})") from None
 
     def read_json(self, name: str) -> dict[str, Any] | None:
         path = self.path / name
@@ -248,3 +294,23 @@ class RunDir:
 
     def write_json(self, name: str, obj: dict[str, Any]) -> None:
         atomic.write_json(self.path / name, obj)
+
+
+def recorded_copy(text: str, folder: Path) -> str:
+    """The run's preset.toml: the preset's text with ``base_dir`` set to its folder, so relative roots
+    resolve as they did (a top-level key first in a TOML file stays top-level)."""
+    import tomllib
+
+    if "base_dir" in tomllib.loads(text):
+        return text
+    return f"base_dir = {json.dumps(str(folder))}  # added by fedmvp: the preset's folder\n{text}"
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(run: RunDir, message: str) -> None:
+    """A resume, the ServerApp and evaluation all ask the record in one process: say it once."""
+    if (str(run.path), message) not in _WARNED:
+        _WARNED.add((str(run.path), message))
+        warn(message)

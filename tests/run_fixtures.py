@@ -15,23 +15,24 @@ def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: in
     ``moved``: round 2's PromptFormer and LoRA differ from round 1's, as after a round of training
     (what a bundle refresh moves a device across); config.json then records a ``run_id``.
     ``lora_targets``: the layers the method record puts LoRA on (the exporter must follow it)."""
-    from fedmvp.clip import load_clip
     from fedmvp.model import FedMVP, FedMVPConfig
+    from fedmvp.presets.server import ServerSpec
     from fedmvp.runs import RunDir
 
-    torch.manual_seed(seed)
-    clip = load_clip("fedmvp-tiny", pretrained or None)
     method = FedMVPConfig(lora_rank=lora_rank, lora_targets=tuple(lora_targets))
-    model = FedMVP(clip, method)
+    model = FedMVP.build("fedmvp-tiny", pretrained, method, seed)  # the one rebuild's initial model
     generator = torch.Generator().manual_seed(seed + 1)
     state = model.state("all")
     for name in state:
         if "lora_B" in name:
             state[name] = torch.randn(state[name].shape, generator=generator) * 0.2
     run = RunDir(run_path)
+    text = preset.read_text(encoding="utf-8") if preset.is_file() else None  # the record prepare_run keeps
     run.write_config({"preset": name, "preset_path": str(preset), "seed": seed, "rounds": 2,
+                      **({"preset_text": text, "preset_dir": str(preset.parent)} if text is not None else {}),
                       "model": {"clip": "fedmvp-tiny", "pretrained": pretrained},
-                      "method": method.to_dict(), **({"run_id": f"moved-run-{seed}"} if moved else {})})
+                      "method": method.to_dict(), "server": ServerSpec().record(),
+                      **({"run_id": f"moved-run-{seed}"} if moved else {})})
     for round_number in (1, 2):
         if moved and round_number == 2:
             state = {k: v + 0.05 * v.std().clamp(min=0.1) * torch.randn(v.shape, generator=generator)
@@ -41,18 +42,13 @@ def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: in
 
 
 def rebuilt_model(run_path: Path, round_number: int = 2):
-    """The PyTorch model exactly as the exporter rebuilds it (same seed, tensors, class set)."""
+    """The PyTorch model as the exporter rebuilds it: the one rebuild (FedMVP.from_run), the run's class set."""
     from export.class_set import run_class_set, text_features
-    from export.run_inputs import load_checkpoint, method_config, read_config, rebuild_model, run_federation
-    from fedmvp.clip import load_clip
+    from fedmvp.model import FedMVP
     from fedmvp.runs import RunDir
 
     run = RunDir(run_path)
-    config = read_config(run)
-    checkpoint = load_checkpoint(run, round_number)
-    classes = run_class_set(run_federation(config, run), "run")
-    torch.manual_seed(int(config["seed"]))
-    clip = load_clip("fedmvp-tiny", config["model"]["pretrained"] or None)
-    model = rebuild_model(clip, method_config(run, checkpoint), checkpoint, run.path)
-    model.set_text_features(text_features(clip, classes))
-    return model, clip
+    model = FedMVP.from_run(run, round_number)
+    classes = run_class_set(run.federation(), "run")
+    model.set_text_features(text_features(model.clip_info, classes))
+    return model, model.clip_info

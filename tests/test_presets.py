@@ -237,3 +237,49 @@ def test_every_float_setting_must_be_finite(tmp_path, table, key, value):
     path = write(tmp_path, text)
     with pytest.raises(PresetError, match=f"{key} must be a finite number"):
         load_preset(path, check_roots=False)
+
+
+# ---- the server rules: one definition (fedmvp/presets/server.py) ------------------------------------------
+SERVER_PRESET = ('name = "f"\nprotocol = "base-to-new"\n[train]\nrounds = 1\n[server]\n{line}\n[[datasets]]\n'
+                 'name = "s"\nlayout = "synthetic"\nroot = ""\n')
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("round_timeout", 0.0, "round_timeout must be a finite number of seconds > 0, got 0.0"),
+    ("min_nodes", 0, "min_nodes must be at least 1, got 0"),
+    ("round_retries", 0, "round_retries must be at least 1, got 0"),
+    ("max_update_norm", -1.0, "max_update_norm must be a finite number > 0, got -1.0"),
+    ("edge_max_examples", 0, "edge_max_examples must be at least 1, got 0"),
+    ("max_staleness", -1, "max_staleness must be 0 or more, got -1"),
+    ("update_norm_action", "drop", "update_norm_action must be 'reject' or 'clip', got 'drop'"),
+])
+def test_a_preset_and_a_run_record_pass_the_same_server_range_check(tmp_path, key, value, message):
+    """A preset's [server] table, a run's recorded one and a run-time override are judged by one check."""
+    from fedmvp.presets.server import ServerRecordError, ServerSpec
+
+    line = f"{key} = {value!r}".replace("'", '"')
+    with pytest.raises(PresetError, match=f"\\[server\\]: {message}"):
+        load_preset(write(tmp_path, SERVER_PRESET.format(line=line)), check_roots=False)
+    with pytest.raises(ServerRecordError, match=f"config.json: server {message}"):
+        ServerSpec.from_record({**ServerSpec().record(), key: value}, "config.json")
+    with pytest.raises(ServerRecordError, match=f"flags: server {message}"):
+        ServerSpec().with_overrides({key: value}, "flags")
+
+
+def test_server_rules_are_recorded_whole_and_read_back_exactly(tmp_path):
+    """What the preset sets is what the strategy's policy and the reply rules see; no reader has defaults
+    of its own (RoundPolicy and ReplyRules hold a ServerSpec)."""
+    from fedmvp.federated.replies import ReplyRules
+    from fedmvp.federated.strategy import RoundPolicy
+    from fedmvp.presets.server import ServerRecordError, ServerSpec
+
+    preset = load_preset(write(tmp_path, SERVER_PRESET.format(line="max_staleness = 2\nround_timeout = 7")),
+                         check_roots=False)
+    assert preset.server == ServerSpec(max_staleness=2, round_timeout=7.0)
+    assert ServerSpec.from_record(preset.server.record(), "x") == preset.server
+    assert set(preset.server.record()) == set(ServerSpec.keys())
+    assert RoundPolicy().server == ReplyRules(run_id="r", round=1).server == ServerSpec()
+    with pytest.raises(ServerRecordError, match="unknown key 'min_node'"):
+        ServerSpec.from_record({**ServerSpec().record(), "min_node": 1}, "x")
+    with pytest.raises(ServerRecordError, match="missing key 'min_nodes'"):
+        ServerSpec.from_record({k: v for k, v in ServerSpec().record().items() if k != "min_nodes"}, "x")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fedmvp.run_metrics import append_metrics, metrics_path, plot, read_metrics, truncate_metrics_after
 from fedmvp.runs import RunDir
 
 
@@ -9,8 +10,8 @@ def test_plot_leaves_out_metrics_a_protocol_does_not_have(tmp_path):
     run = RunDir(tmp_path)
     run.write_json("zero_shot.json", {"local": 0.5, "base": 0.4, "new": None, "hm": 0.45, "domain": None})
     for number in (1, 2):
-        run.append_metrics({"round": number, "local": 0.6, "base": 0.5, "new": None, "hm": 0.55, "domain": None})
-    assert run.plot().read_bytes()[:4] == b"\x89PNG"
+        append_metrics(run, {"round": number, "local": 0.6, "base": 0.5, "new": None, "hm": 0.55, "domain": None})
+    assert plot(run).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_checkpoint_appears_whole_and_replaces_a_round_whole(tmp_path, monkeypatch):
@@ -85,10 +86,43 @@ def test_metrics_cut_short_are_rebuilt_from_the_rounds(tmp_path, capsys):
     run = RunDir(tmp_path)
     for number in (1, 2):
         run.save_checkpoint(number, {"w": torch.zeros(2)}, {"metrics": {"round": number, "train_loss": 0.5}})
-        run.append_metrics({"round": number, "train_loss": 0.5})
-    text = run.metrics_path.read_text()
-    run.metrics_path.write_text(text[:-7])  # the last line cut by a full disk
-    assert [r["round"] for r in run.read_metrics()] == [1]
+        append_metrics(run, {"round": number, "train_loss": 0.5})
+    text = metrics_path(run).read_text()
+    metrics_path(run).write_text(text[:-7])  # the last line cut by a full disk
+    assert [r["round"] for r in read_metrics(run)] == [1]
     assert "metrics.jsonl: line 2 is not a JSON object" in capsys.readouterr().err
-    run.truncate_metrics_after(2)
-    assert [r["round"] for r in run.read_metrics()] == [1, 2]
+    truncate_metrics_after(run, 2)
+    assert [r["round"] for r in read_metrics(run)] == [1, 2]
+
+
+def test_from_run_is_the_one_rebuild_seed_clip_method_and_weights(tmp_path):
+    """FedMVP.from_run (docs/architecture.md): the round's weights on the model its method record
+    describes (the round's own record before config.json's); round 0 is the seed's initial model."""
+    import pytest
+    import torch
+
+    from fedmvp.model import FedMVP
+    from fedmvp.runs import RunError
+    from tests.run_fixtures import write_run
+
+    write_run(tmp_path / "run", tmp_path / "preset.toml", "", "t", seed=3)
+    run = RunDir(tmp_path / "run")
+    checkpoint = run.load_checkpoint(2)
+    model = FedMVP.from_run(run, 2)
+    assert not model.training and model.config.lora_rank == 4 and model.clip_info.name == "fedmvp-tiny"
+    assert all(torch.equal(v, checkpoint.tensors[k]) for k, v in model.state("all").items())
+    initial, built = FedMVP.from_run(run, 0), FedMVP.build("fedmvp-tiny", None, run.method(), 3)
+    assert all(torch.equal(v, built.state_dict()[k]) for k, v in initial.state_dict().items())
+    config = run.read_config()
+    config["method"] = {**config["method"], "lora_rank": 2}
+    run.write_config(config)
+    assert FedMVP.from_run(run, 2).config.lora_rank == 4  # round 2's state.json record, not config.json's
+    assert FedMVP.from_run(run, 0).config.lora_rank == 2
+    del config["method"]
+    run.write_config(config)
+    with pytest.raises(RunError, match="config.json: no method record"):
+        FedMVP.from_run(run, 0)
+    del config["seed"]
+    run.write_config(config)
+    with pytest.raises(RunError, match="config.json: no seed record"):
+        FedMVP.from_run(run, 2)

@@ -66,14 +66,12 @@ def evaluate_global(ctx: TaskContext, global_state: dict[str, torch.Tensor] | No
 
 def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
     """Zero-shot (frozen CLIP, same attribute classifier) and tuned metrics of one round."""
-    from fedmvp.federated.prepare import run_method, run_preset
-
     config = run.read_config()
     checkpoint = run.load_checkpoint(round_number)
     zero_shot = run.read_json("zero_shot.json")
     tuned = checkpoint.state.get("metrics", {})
     if zero_shot is None or tuned.get("hm") is None:
-        ctx = task_context(run_preset(run, config), run_method(run, checkpoint), config.get("server_device", "cpu"))
+        ctx = task_context(run.preset_file(config), run.method(checkpoint), config.get("server_device", "cpu"))
         if zero_shot is None:
             zero_shot = evaluate_global(ctx, None)
             run.write_json("zero_shot.json", zero_shot)

@@ -33,52 +33,27 @@ from fedmvp_formats.shown import shown
 from fedmvp_formats.tensors import shapes_of, tensor_problem
 from fedmvp_formats.update import UpdateFormatError
 
-from fedmvp.federated.replies import bound_update
+from fedmvp.federated.replies import ReplyRules, bound_update
 from fedmvp.federated.strategy import weighted_average
 from fedmvp.federated.wire import to_numpy_state, to_torch_state
-from fedmvp.presets.schema import ServerSpec
 from fedmvp.run_lock import run_lock
+from fedmvp.run_metrics import append_metrics
 from fedmvp.runs import RunDir, RunError
 
 SOURCE = "ingest"  # state.json "source" and the metrics row's "source" of an ingested round
 MAX_REASON = 300  # a rejection reason is one line of at most this many characters
 
 
-@dataclass(frozen=True)
-class IngestRules:
-    """What an update file must satisfy to count in round ``round + 1`` (config.json's ``server``)."""
+# The server rules an ingest applies (fedmvp/presets/server.py), recorded with the round it writes.
+INGEST_RULES = ("max_staleness", "edge_max_examples", "max_update_norm", "update_norm_action")
 
-    round: int
-    run_id: str | None
-    max_staleness: int
-    max_examples: int
-    max_update_norm: float | None = None
-    norm_action: str = "reject"
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any], round_number: int, where: Path,
-                    max_staleness: int | None = None) -> "IngestRules":
-        """The run record's ``server`` table (defaults: the preset schema's); ``max_staleness`` overrides."""
-        server, defaults = config.get("server") or {}, ServerSpec()
-        try:
-            rules = cls(round=round_number, run_id=config.get("run_id"),
-                        max_staleness=int(server.get("max_staleness", defaults.max_staleness)
-                                          if max_staleness is None else max_staleness),
-                        max_examples=int(server.get("edge_max_examples", defaults.edge_max_examples)),
-                        max_update_norm=None if server.get("max_update_norm") is None
-                        else float(server["max_update_norm"]),
-                        norm_action=str(server.get("update_norm_action", defaults.update_norm_action)))
-        except (TypeError, ValueError) as err:
-            raise RunError(f"{where}: malformed server table ({err})") from None
-        if rules.max_staleness < 0 or rules.max_examples < 1 or rules.norm_action not in ("reject", "clip"):
-            raise RunError(f"{where}: server table out of range (max_staleness {rules.max_staleness}, "
-                           f"edge_max_examples {rules.max_examples}, update_norm_action {rules.norm_action!r})")
-        return rules
-
-    def record(self) -> dict[str, Any]:
-        """The settings this ingest ran with (state.json ``ingest_rules``: an override is seen later too)."""
-        return {"max_staleness": self.max_staleness, "edge_max_examples": self.max_examples,
-                "max_update_norm": self.max_update_norm, "update_norm_action": self.norm_action}
+def ingest_rules(run: RunDir, config: dict[str, Any], round_number: int,
+                 max_staleness: int | None = None) -> ReplyRules:
+    """What an update file must satisfy to count in round ``round_number + 1``: the run's recorded server
+    rules (``RunDir.server``), ``max_staleness`` (`--max-staleness`) overriding the record's."""
+    server = run.server({"max_staleness": max_staleness}, "--max-staleness")
+    return ReplyRules(run_id=config.get("run_id"), round=round_number, server=server)
 
 
 @dataclass
@@ -161,7 +136,7 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
     if not lora:
         raise RunError(f"{run.round_path(base)}: round {base} holds no {LORA_PREFIX}* tensors (use_lora = false): "
                        f"edge updates have nothing to go into")
-    rules = IngestRules.from_config(config, base, run.config_path, max_staleness)
+    rules = ingest_rules(run, config, base, max_staleness)
     seen = accepted_before(run)
     verdicts = []
     for path in files:
@@ -181,10 +156,10 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
            "train_loss": result.mean_loss}
     state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete")}
     state |= {key: [] for key in ("sites", "rejected") if key in state}  # those describe a Flower round
-    state |= {"source": SOURCE, "ingested_onto": base, "metrics": row, "ingest_rules": rules.record(),
-              "ingest": [v.record() for v in verdicts]}
+    state |= {"source": SOURCE, "ingested_onto": base, "metrics": row,
+              "ingest_rules": rules.server.subset(INGEST_RULES), "ingest": [v.record() for v in verdicts]}
     run.save_checkpoint(result.round, {**checkpoint.tensors, **to_torch_state(averaged)}, state, replace=False)
-    run.append_metrics(row)
+    append_metrics(run, row)
     return result
 
 
@@ -202,7 +177,7 @@ def accepted_before(run: RunDir) -> dict[str, str]:
     return seen
 
 
-def check_file(path: Path, rules: IngestRules, lora: dict[str, np.ndarray], seen: dict[str, str]) -> FileVerdict:
+def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen: dict[str, str]) -> FileVerdict:
     """One update file judged against round ``rules.round``'s LoRA ``lora``; ``seen``: sha256s refused as
     duplicates. The checks run in order and the first that fails is the reason: one line, at most
     ``MAX_REASON`` characters, what the file says escaped (``fedmvp_formats.shown``)."""
@@ -223,7 +198,8 @@ def check_file(path: Path, rules: IngestRules, lora: dict[str, np.ndarray], seen
             raise _Rejected(problem)
         arrays = {k: tensors[k].astype(np.float32) for k in sorted(tensors)}  # native byte order
         _check_run(metadata, rules)
-        kept, reason, verdict.clipped_from = bound_update(arrays, lora, rules.max_update_norm, rules.norm_action)
+        kept, reason, verdict.clipped_from = bound_update(arrays, lora, rules.server.max_update_norm,
+                                                                rules.server.update_norm_action)
         if reason is not None:
             raise _Rejected(reason)
         verdict.arrays = kept
@@ -233,7 +209,7 @@ def check_file(path: Path, rules: IngestRules, lora: dict[str, np.ndarray], seen
     return verdict
 
 
-def _check_run(metadata: dict[str, Any], rules: IngestRules) -> None:
+def _check_run(metadata: dict[str, Any], rules: ReplyRules) -> None:
     """The run's rules (the format's are checked by ``fedmvp_formats.update``): a bundle exported from a
     round of this run, not newer than its last nor staler than ``max_staleness``, and a FedAvg weight
     within ``edge_max_examples``."""
@@ -241,14 +217,14 @@ def _check_run(metadata: dict[str, Any], rules: IngestRules) -> None:
     if bundle_round is None or bundle_round < 0:
         raise _Rejected(f"bundle_round {shown(metadata['bundle_round'])} is not a round number "
                         f"(the bundle was not exported from a run's round)")
-    if examples > rules.max_examples:
-        raise _Rejected(f"num_examples {examples} exceeds edge_max_examples ({rules.max_examples})")
+    if examples > rules.server.edge_max_examples:
+        raise _Rejected(f"num_examples {examples} exceeds edge_max_examples ({rules.server.edge_max_examples})")
     behind = rules.round - bundle_round
     if behind < 0:
         raise _Rejected(f"bundle round {bundle_round} is newer than the run's last round {rules.round}")
-    if behind > rules.max_staleness:
+    if behind > rules.server.max_staleness:
         raise _Rejected(f"stale: bundle round {bundle_round} is {behind} round{'s' * (behind != 1)} behind "
-                        f"round {rules.round} (max_staleness {rules.max_staleness})")
+                        f"round {rules.round} (max_staleness {rules.server.max_staleness})")
     run_id = metadata.get("run_id") or None
     if run_id is not None and run_id != rules.run_id:
         raise _Rejected(f"update of another run (run_id {shown(run_id)}, this run's is {shown(rules.run_id)})")

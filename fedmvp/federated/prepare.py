@@ -1,4 +1,6 @@
-"""A run directory from a preset: shared by `fedmvp train` (simulation) and the deployed ServerApp.
+"""Create (or reopen) a run directory from a preset: shared by `fedmvp train` (simulation) and the
+deployed ServerApp. Readers of an existing run ask ``RunDir`` (its method, preset, federation, server
+rules) and ``FedMVP.from_run`` (its model); this module only writes the record.
 
 Validation happens here, before any round starts: the preset and its data are checked and the
 federation is built (once per process, ``load_federation``), so a bad preset costs one clear
@@ -10,7 +12,6 @@ client's and evaluation's classes), so none of them rebuilds those from defaults
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 import uuid
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 from fedmvp import atomic
 from fedmvp.model import FedMVPConfig
 from fedmvp.presets.schema import method_keys
-from fedmvp.runs import Checkpoint, RunDir, RunError, warn
+from fedmvp.runs import RunDir, RunError, recorded_copy
 
 RECORD_VERSION = 2
 
@@ -42,70 +43,9 @@ def method_config(train: Any) -> FedMVPConfig:
     return FedMVPConfig(**{name: getattr(train, key) for key, name in method_keys().items()})
 
 
-def run_method(run: RunDir, checkpoint: Checkpoint | None = None) -> FedMVPConfig:
-    """The method config a run's weights were trained as: the round's own record, else config.json's."""
-    record = (checkpoint.state.get("method") if checkpoint is not None else None) or run.read_config().get("method")
-    where = run.round_path(checkpoint.round) / "state.json" if checkpoint is not None and \
-        checkpoint.state.get("method") else run.config_path
-    if record is None:
-        raise RunError(f"{where}: no method record (a run made by an older fedmvp); train it again")
-    try:
-        return FedMVPConfig.from_dict(record, str(where))
-    except ValueError as err:
-        raise RunError(str(err)) from None
-
-
-def recorded_copy(text: str, folder: Path) -> str:
-    """The run's preset.toml: the preset's text with ``base_dir`` set to its folder, so relative roots
-    resolve as they did (a top-level key first in a TOML file stays top-level)."""
-    import tomllib
-
-    if "base_dir" in tomllib.loads(text):
-        return text
-    return f"base_dir = {json.dumps(str(folder))}  # added by fedmvp: the preset's folder\n{text}"
-
-
-_WARNED: set[tuple[str, str]] = set()
-
-
-def _warn_once(run: RunDir, message: str) -> None:
-    """A resume, the ServerApp and evaluation all ask for the preset in one process: say it once."""
-    if (str(run.path), message) not in _WARNED:
-        _WARNED.add((str(run.path), message))
-        warn(message)
-
-
-def run_preset(run: RunDir, config: dict[str, Any] | None = None) -> str:
-    """The preset file a run's rounds use: the run's settings are its record (config.json
-    ``preset_text``), so an edit of the original after the start must not change resumed rounds.
-
-    While the original file still holds the recorded text it is used as is (deployed clients load it by
-    that path); else runs/<name>/preset.toml (the recorded text) is, with one warning line. A run made
-    before the record existed uses the original as it is now, with a warning."""
-    config = config if config is not None else run.read_config()
-    original, text = str(config.get("preset_path", "")), config.get("preset_text")
-    if not isinstance(text, str):
-        _warn_once(run, f"{run.config_path}: no recorded preset text (a run of an older fedmvp); "
-                        f"using {original} as it is now")
-        return original
-    try:
-        current = Path(original).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        current = None
-    if current == text:
-        return original
-    copy = run.path / "preset.toml"
-    wanted = recorded_copy(text, Path(config.get("preset_dir") or Path(original).parent))
-    if not copy.is_file() or copy.read_text(encoding="utf-8", errors="replace") != wanted:
-        atomic.write_text(copy, wanted)
-    _warn_once(run, f"{original} {'changed' if current is not None else 'is gone'} since the run started "
-                    f"(sha256 {str(config.get('preset_sha256', ''))[:12]} recorded); using the recorded preset {copy}")
-    return str(copy)
-
-
 def check_same_preset(run: RunDir, config: dict[str, Any], given: str) -> None:
     """Resuming with another preset than the run's is refused (RunError): its rounds would mix settings.
-    The original path itself is fine even if edited since (``run_preset`` then warns and uses the record)."""
+    The original path itself is fine even if edited since (``RunDir.preset_file`` then warns and uses the record)."""
     from fedmvp.presets.schema import preset_path
 
     path = Path(preset_path(given))
@@ -139,14 +79,14 @@ def _resume(preset_arg: str, run_dir: str | None, rounds: int | None, with_data:
     if rounds is not None and rounds != config.get("rounds"):
         raise RunError(f"{run.path}: was started with {config.get('rounds')} rounds; resume keeps them")
     check_same_preset(run, config, preset_arg)
-    effective = run_preset(run, config)
+    effective = run.preset_file(config)
     if with_data:
         from fedmvp.data.federation import load_federation
 
         load_federation(effective)  # the recorded preset and its data, checked before anything starts
     else:
         load_preset(effective, check_roots=False)
-    run_method(run)  # refuses a run without a usable method record before anything starts
+    run.method()  # refuses a run without a usable method record before anything starts
     last = run.last_round()
     if last is not None:
         try:
@@ -166,7 +106,7 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
 
     ``with_data=False`` (the server of a federation across machines): the federation's shape comes
     from class lists alone (``plan_record``), so this machine needs none of the sites' images.
-    config.json records the preset's text and sha256: a resumed run uses that record (``run_preset``)."""
+    config.json records the preset's text and sha256: a resumed run uses that record (``RunDir.preset_file``)."""
     if resume:
         return _resume(preset_path, run_dir, rounds, with_data)
     if with_data:
@@ -203,7 +143,7 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
         "model": {"clip": preset.model.clip, "pretrained": preset.model.pretrained},
         "method": method_config(train).to_dict(),
         "train": dict(vars(train)),
-        "server": dict(vars(preset.server)),
+        "server": preset.server.record(),
         "federation": record,
         "client_device": dev, "server_device": dev,
     })

@@ -39,21 +39,21 @@ from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.shown import name_shown, shown
 from fedmvp_formats.tensors import names_problem, shape_text, tensor_problem
 
-NORM_ACTIONS = ("reject", "clip")
+from fedmvp.presets.server import ServerSpec
+
 MAX_NPY_HEADER = 4096  # np.save writes 128 bytes for these shapes
 
 
 @dataclass(frozen=True)
 class ReplyRules:
-    """What a reply must satisfy. ``max_update_norm``: the largest L2 distance of a reply's tensors to
-    the round's global tensors (None: no bound); beyond it the reply is clipped back onto the
-    bound or rejected (``norm_action``)."""
+    """What a reply (or an ingested update file) must satisfy in round ``round`` of run ``run_id``: the
+    run's server rules (one definition, fedmvp/presets/server.py). ``server.max_update_norm``: the
+    largest L2 distance of a reply's tensors to the round's global tensors (None: no bound); beyond
+    it the reply is clipped back onto the bound or rejected (``server.update_norm_action``)."""
 
-    run_id: str
+    run_id: str | None
     round: int
-    max_update_norm: float | None = None
-    norm_action: str = "reject"
-    edge_max_examples: int = 10000
+    server: ServerSpec = field(default_factory=ServerSpec)
 
 
 @dataclass
@@ -122,7 +122,7 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
     """Check one train reply. ``expected_names[site]``: the tensors that site was asked to send
     (LoRA only after its switch, else the PromptFormer); ``declared_examples[site]``: the most
     training images that site can hold (from the run record). An edge device (``role`` ``edge``)
-    must send exactly the round's LoRA tensors and at most ``rules.edge_max_examples`` images.
+    must send exactly the round's LoRA tensors and at most ``rules.server.edge_max_examples`` images.
     ``arrays`` as they came (an ArrayRecord: converted by `wire_arrays` once the names are right)."""
     try:
         identity = read_identity(metrics, rules.run_id, rules.round)
@@ -137,7 +137,7 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
     if not is_int(examples) or examples <= 0:
         return Verdict(site, role=role,
                        reason=f"num-examples {shown(metrics.get(schema.NUM_EXAMPLES))} is not a positive integer")
-    bound = rules.edge_max_examples if edge else declared_examples.get(site, 0)
+    bound = rules.server.edge_max_examples if edge else declared_examples.get(site, 0)
     if examples > bound:
         whose = f"an edge device's bound ([server] edge_max_examples {bound})" if edge \
             else f"the site's {bound} training images"
@@ -151,7 +151,8 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
     if problem is not None:
         return Verdict(site, role=role, reason=problem)
     as_float32 = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(arrays)}
-    kept, reason, clipped_from = bound_update(as_float32, global_state, rules.max_update_norm, rules.norm_action)
+    kept, reason, clipped_from = bound_update(as_float32, global_state, rules.server.max_update_norm,
+                                               rules.server.update_norm_action)
     return Verdict(site, arrays=kept, reason=reason, clipped_from=clipped_from, role=role, identity=identity)
 
 

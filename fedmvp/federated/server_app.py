@@ -20,11 +20,13 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedmvp.federated.evaluation import evaluate_global
-from fedmvp.federated.prepare import check_same_preset, prepare_run, run_method, run_preset
+from fedmvp.federated.prepare import check_same_preset, prepare_run
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
-from fedmvp.federated.task import LocalSettings, build_model, task_context
+from fedmvp.federated.task import LocalSettings, task_context
 from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
+from fedmvp.model import FedMVP
 from fedmvp.run_lock import lock_existing, run_lock
+from fedmvp.run_metrics import append_metrics, plot, truncate_metrics_after
 from fedmvp.runs import RunDir, RunError
 
 log = logging.getLogger("fedmvp.server")
@@ -48,8 +50,10 @@ class ServerSettings:
                    progress=False, sampling="nodes", evaluation="federated", overrides=overrides)
 
 
-# Run-config keys that override the run record's [server] table at run time (0: keep the record's).
+# Run-config keys that override the run record's [server] table at run time (0: keep the record's);
+# the overrides pass the server rules' one range check (``ServerSpec.with_overrides``).
 RUN_TIME_KEYS = ("min-nodes", "round-timeout", "fraction")
+RUN_TIME_WHERE = "fedmvp serve flags (run config min-nodes, round-timeout)"
 
 
 EXAMPLE = "flwr run app/ <superlink> --run-config \"preset='demo' run-dir='runs/deployed'\""
@@ -126,9 +130,9 @@ class RoundRecorder:
                                   "method": self.method, "sites": summary["sites"],
                                   "replies": summary.get("replies", []), "rejected": summary["rejected"],
                                   "metrics": row})
-        self.run.append_metrics(row)
+        append_metrics(self.run, row)
         if "hm" in row:
-            self.run.plot()
+            plot(self.run)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{row['train_loss']:.3f}", lora=row["lora_clients"])
@@ -146,16 +150,22 @@ def run_server(grid: Grid, settings: ServerSettings) -> None:
         _run_rounds(grid, settings)
 
 
+def round_policy(run: RunDir, config: dict, settings: ServerSettings) -> RoundPolicy:
+    """The run's recorded server rules with this start's overrides (`fedmvp serve` flags), checked by the
+    one range check (fedmvp/presets/server.py); ``fraction`` overrides the record's [train] fraction_fit."""
+    overrides = dict(settings.overrides)
+    fraction = float(overrides.pop("fraction", None) or config.get("fraction", 1.0))
+    return RoundPolicy(settings.sampling, fraction, run.server(overrides, RUN_TIME_WHERE))
+
+
 def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     run = RunDir(settings.run_dir)
     config = run.read_config()
-    preset_path, total = run_preset(run, config), int(config["rounds"])
-    method = run_method(run)
+    preset_path, total = run.preset_file(config), int(config["rounds"])
+    method, federation = run.method(), run.federation_record()
     device = config.get("server_device", "cpu")
     if settings.evaluation == "federated":  # the nodes evaluate: this machine needs no site's data
-        from fedmvp.presets.schema import load_preset
-
-        ctx, model = None, build_model(load_preset(preset_path, check_roots=False), method, device)[1]
+        ctx, model = None, FedMVP.from_run(run, 0, device)  # round 0: the initial model, no weights
     else:
         ctx = task_context(preset_path, method, device)
         model = ctx.model
@@ -166,23 +176,21 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     if start:
         checkpoint = run.load_checkpoint(start)
         initial, lora_clients = to_numpy_state(checkpoint.tensors), checkpoint.state.get("lora_clients", [])
-        run.truncate_metrics_after(start)
+        truncate_metrics_after(run, start)
     else:
         initial, lora_clients = to_numpy_state(model.state("all")), []
     strategy_ref: list = []
 
     def evaluate(round_number: int, state: dict[str, np.ndarray] | None) -> dict:
         if settings.evaluation == "federated":
-            return strategy_ref[0].federated_evaluate(grid, state, round_number, config["federation"])
+            return strategy_ref[0].federated_evaluate(grid, state, round_number, federation)
         return evaluate_global(ctx, to_torch_state(state) if state is not None else None)
 
     recorder = RoundRecorder(run, evaluate, total, settings, strategy_ref, method.to_dict())
     client_config = {"preset": client_preset(preset_path), "device": config.get("client_device", "cpu"),
                      "method": method.to_dict(), "local": LocalSettings.from_train(config["train"]).to_record()}
-    declared = {c["id"]: int(c["train_images"]) for c in config["federation"]["clients"]}
-    server = {**config.get("server", {}), **settings.overrides}
-    fraction = float(server.get("fraction", config.get("fraction", 1.0)))
-    policy = RoundPolicy.from_record(server, settings.sampling, fraction)
+    declared = {c["id"]: int(c["train_images"]) for c in federation["clients"]}
+    policy = round_policy(run, config, settings)
     strategy = FedMVPStrategy(
         client_config=client_config, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),

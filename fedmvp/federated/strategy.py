@@ -29,7 +29,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any
 
@@ -46,6 +46,7 @@ from fedmvp_formats.promptformer import promptformer_digest
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
 from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields, site_counts
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
+from fedmvp.presets.server import ServerSpec
 
 
 # ---- server maths ----------------------------------------------------------------------------------
@@ -80,27 +81,12 @@ def weighted_average(replies: list[tuple[dict[str, np.ndarray], float]]) -> dict
 
 @dataclass(frozen=True)
 class RoundPolicy:
-    """How rounds run (the run record's ``server`` table, docs/architecture.md)."""
+    """How rounds run: who is asked (``sampling``, ``fraction``) and the run's server rules (the run
+    record's ``server``, one definition: fedmvp/presets/server.py; docs/architecture.md)."""
 
     sampling: str = "sites"  # "sites" (simulation) or "nodes" (deployment)
     fraction: float = 1.0
-    min_nodes: int | None = None  # None: every sampled client must answer
-    round_timeout: float = 3600.0
-    node_wait: float = 600.0
-    round_retries: int = 3
-    max_update_norm: float | None = None
-    norm_action: str = "reject"
-    edge_max_examples: int = 10000
-
-    @classmethod
-    def from_record(cls, server: dict, sampling: str, fraction: float) -> "RoundPolicy":
-        return cls(sampling=sampling, fraction=fraction, min_nodes=server.get("min_nodes"),
-                   round_timeout=float(server.get("round_timeout", 3600.0)),
-                   node_wait=float(server.get("node_wait", 600.0)),
-                   round_retries=int(server.get("round_retries", 3)),
-                   max_update_norm=server.get("max_update_norm"),
-                   norm_action=str(server.get("update_norm_action", "reject")),
-                   edge_max_examples=int(server.get("edge_max_examples", 10000)))
+    server: ServerSpec = field(default_factory=ServerSpec)
 
 
 def _loss_summary(metrics: list[dict]) -> dict[str, float]:
@@ -177,19 +163,19 @@ class FedMVPStrategy:
         """Usable replies that close a round: ``min_nodes``, by default every client sampled."""
         if self.policy.sampling == "sites":
             selected = len(self.selected_clients(round_number))
-            return min(self.policy.min_nodes or selected, selected)
-        return self.policy.min_nodes or max(1, round(self.fraction * self.num_clients))
+            return min(self.policy.server.min_nodes or selected, selected)
+        return self.policy.server.min_nodes or max(1, round(self.fraction * self.num_clients))
 
     # ---- who trains ---------------------------------------------------------------------------------
     def _connected(self, grid: Grid, needed: int) -> list[int]:
-        deadline = time.monotonic() + self.policy.node_wait
+        deadline = time.monotonic() + self.policy.server.node_wait
         while True:
             nodes = sorted(grid.get_node_ids())
             if len(nodes) >= needed:
                 return nodes
             if time.monotonic() >= deadline:
                 raise RoundFailed(f"only {len(nodes)} of the {needed} nodes a round needs connected within "
-                                  f"{self.policy.node_wait:g} s; start more SuperNodes (fedmvp join) or lower "
+                                  f"{self.policy.server.node_wait:g} s; start more SuperNodes (fedmvp join) or lower "
                                   f"min_nodes")
             time.sleep(1.0)
 
@@ -235,8 +221,7 @@ class FedMVPStrategy:
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check and average one round's replies; (None, None) when fewer than needed were usable."""
         round_number = self.global_round(server_round)
-        rules = ReplyRules(run_id=self.run_id, round=round_number, max_update_norm=self.policy.max_update_norm,
-                           norm_action=self.policy.norm_action, edge_max_examples=self.policy.edge_max_examples)
+        rules = ReplyRules(run_id=self.run_id, round=round_number, server=self.policy.server)
         expected = self._expected_names()
         contents, self.rejected = [], []
         for msg in replies:
@@ -259,7 +244,7 @@ class FedMVPStrategy:
                 continue
             if verdict.clipped_from is not None:
                 log(WARNING, "round %s: node %s (%s %s): update norm %.4g clipped to %g", round_number, node,
-                    verdict.role, verdict.site, verdict.clipped_from, self.policy.max_update_norm)
+                    verdict.role, verdict.site, verdict.clipped_from, self.policy.server.max_update_norm)
             identity = verdict.identity
             self.known[node] = {schema.ROLE: verdict.role, **(
                 {schema.BUNDLE_ID: identity.bundle_id, schema.PROMPTFORMER_DIGEST: identity.promptformer_digest}
@@ -326,7 +311,7 @@ class FedMVPStrategy:
         messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
         counts: dict[int, dict[str, tuple[int, int]]] = {}
         edge_counts: dict[int, tuple[int, int]] = {}
-        for msg in grid.send_and_receive(messages, timeout=self.policy.round_timeout):
+        for msg in grid.send_and_receive(messages, timeout=self.policy.server.round_timeout):
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
                 log(WARNING, "evaluation of round %s: node %s failed: %s", round_number, node, msg.error.reason)
@@ -359,17 +344,17 @@ class FedMVPStrategy:
         arrays = initial_arrays
         for server_round in range(1, num_rounds + 1):
             round_number = self.global_round(server_round)
-            for attempt in range(self.policy.round_retries):
+            for attempt in range(self.policy.server.round_retries):
                 messages = self.configure_train(server_round, arrays, ConfigRecord(), grid, attempt)
-                replies = list(grid.send_and_receive(messages, timeout=self.policy.round_timeout))
+                replies = list(grid.send_and_receive(messages, timeout=self.policy.server.round_timeout))
                 aggregated, _ = self.aggregate_train(server_round, replies)
                 if aggregated is not None:
                     arrays = aggregated
                     break
                 log(WARNING, "round %s: %s replies of %s nodes, %s rejected, %s usable ones needed (try %s of %s)",
                     round_number, len(replies), len(messages), len(self.rejected), self.needed_replies(round_number),
-                    attempt + 1, self.policy.round_retries)
+                    attempt + 1, self.policy.server.round_retries)
             else:
                 raise RoundFailed(f"round {round_number}: fewer than {self.needed_replies(round_number)} usable "
-                                  f"replies in {self.policy.round_retries} tries (see the log for each reply)")
+                                  f"replies in {self.policy.server.round_retries} tries (see the log for each reply)")
         return arrays

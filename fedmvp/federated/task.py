@@ -4,7 +4,8 @@ A worker process (a Ray actor in simulation, a SuperNode in deployment, the Serv
 process for evaluation) builds ONE context per (preset, method, device): the frozen CLIP is
 loaded once, the federation's data is indexed once (``load_federation``), images and frozen
 consistency targets are cached, attribute text features are computed once per class set.
-The model is built from the run's method record (``FedMVPConfig``), never from defaults.
+The model is built from the run's method record (``FedMVPConfig``) by ``FedMVP.build``, the same
+seed-CLIP-method sequence as ``FedMVP.from_run``, never from defaults.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fedmvp_formats.messages import MessageError
 
 from fedmvp.attributes.cache import TextFeatureCache
 from fedmvp.attributes.sentences import build_sentences
-from fedmvp.clip import LoadedClip, load_clip
+from fedmvp.clip import LoadedClip
 from fedmvp.data.dataset import stack_samples
 from fedmvp.federated.strategy import derived_seed
 from fedmvp.model import FedMVP, FedMVPConfig, autocast_for
@@ -107,22 +108,15 @@ def task_context(preset_path: str, method: FedMVPConfig, device: str = "cpu") ->
     return _task_context(preset_path, json.dumps(method.to_dict(), sort_keys=True), device)
 
 
-def build_model(preset, method: FedMVPConfig, device: str = "cpu") -> tuple[LoadedClip, FedMVP]:
-    """The frozen CLIP and the global model of a preset: needs no data (a server of a federation)."""
-    torch_device = torch.device(device)
-    torch.manual_seed(preset.seed)  # a random-init backbone must be the same in every process
-    clip = load_clip(preset.model.clip, preset.model.pretrained or None, device=torch_device)
-    torch.manual_seed(preset.seed)  # the global model's initial state is a function of the seed alone
-    return clip, FedMVP(clip, method).to(torch_device)
-
-
 @lru_cache(maxsize=2)
 def _task_context(preset_path: str, method_json: str, device: str) -> TaskContext:
     from fedmvp.data.federation import load_federation
 
     preset, federation = load_federation(preset_path)
-    clip, model = build_model(preset, FedMVPConfig.from_dict(json.loads(method_json)), device)
-    return TaskContext(preset=preset, federation=federation, clip=clip, model=model, device=torch.device(device))
+    model = FedMVP.build(preset.model.clip, preset.model.pretrained, FedMVPConfig.from_dict(json.loads(method_json)),
+                         preset.seed, device)  # the one rebuild's first half (FedMVP.from_run adds a round)
+    return TaskContext(preset=preset, federation=federation, clip=model.clip_info, model=model,
+                       device=torch.device(device))
 
 
 # ---- local training -------------------------------------------------------------------------------

@@ -18,13 +18,18 @@ import math
 import os
 import re
 import tomllib
-import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from fedmvp_formats.method import field_problem, method_field
+
+from fedmvp.presets.fields import is_float
+from fedmvp.presets.fields import spec_field as _help
+from fedmvp.presets.fields import type_name as _type_name
+from fedmvp.presets.fields import type_ok as _type_ok
+from fedmvp.presets.server import ServerSpec
 
 PRESET_DIR = Path(__file__).parent
 PROTOCOLS = ("base-to-new", "msst", "ssmt")
@@ -37,12 +42,6 @@ EVAL_KINDS = ("base", "new", "domain")
 
 class PresetError(ValueError):
     """A preset that cannot be used; the one-line message starts with the preset file path."""
-
-
-def _help(text: str, default: Any = MISSING, **kw: Any) -> Any:
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": text}, **kw)
-    return field(default=default, metadata={"help": text}, **kw)
 
 
 def _method(name: str) -> Any:
@@ -83,26 +82,6 @@ class TrainSpec:
     lora_rank: int = _method("lora_rank")
     num_attributes: int = _help("attribute phrases per class (K)", 10)
     fraction_fit: float = _help("fraction of clients sampled each round", 1.0)
-
-
-@dataclass
-class ServerSpec:
-    """How the server runs rounds across machines and which replies it accepts (docs/architecture.md)."""
-
-    min_nodes: int | None = _help("replies a round needs (and nodes that must be connected before it "
-                                  "starts); default: the clients sampled per round", None)
-    round_timeout: float = _help("seconds a round waits for replies; then it closes with what came back "
-                                 "if at least min_nodes did, else it is tried again", 3600.0)
-    node_wait: float = _help("seconds to wait for min_nodes connected nodes before giving up", 600.0)
-    round_retries: int = _help("tries of a round that got fewer than min_nodes replies", 3)
-    max_update_norm: float | None = _help("largest L2 distance of a reply's tensors to the round's "
-                                          "global tensors (none: no bound)", None)
-    update_norm_action: str = _help("beyond max_update_norm: 'reject' the reply or 'clip' it onto "
-                                    "the bound", "reject")
-    edge_max_examples: int = _help("most images an edge device's reply or update file may count (its "
-                                   "FedAvg weight); a site's bound is its own training set", 10000)
-    max_staleness: int = _help("`fedmvp ingest`: rounds an update's bundle may be behind the run's "
-                               "last round (0: only updates of bundles exported from that round)", 5)
 
 
 @dataclass
@@ -202,28 +181,6 @@ def preset_path(name_or_path: str | os.PathLike) -> Path:
 
 # ---- parsing --------------------------------------------------------------------------------
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if origin is list:
-        return isinstance(value, list) and all(_type_ok(v, args[0]) for v in value)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _type_name(hint: Any) -> str:
-    if isinstance(hint, type):
-        return {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}.get(
-            hint.__name__, hint.__name__)
-    return str(hint).replace("typing.", "").replace("NoneType", "none").replace(" | none", " (optional)")
-
-
 def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = None) -> Any:
     """``cls(**table)`` with unknown keys, missing keys and wrong types reported as one line."""
     if not isinstance(table, dict):
@@ -247,8 +204,7 @@ def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = Non
             raise err(f"{where}: {key} must be {_type_name(hints[key])}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value):  # TOML allows nan and inf; no range check sees NaN
             raise err(f"{where}: {key} must be a finite number, got {value!r}")
-        values[key] = float(value) if hints[key] is float or (
-            typing.get_args(hints[key]) == (float, type(None)) and value is not None) else value
+        values[key] = float(value) if is_float(hints[key]) and value is not None else value
     return cls(**values, **(extra or {}))
 
 
@@ -265,22 +221,9 @@ def _check_values(preset: Preset, err: Any) -> None:
     for key in ("lr", "momentum", "weight_decay", "sigma"):
         if not (math.isfinite(getattr(t, key)) and getattr(t, key) >= 0):
             raise err(f"[train]: {key} must be a finite number >= 0, got {getattr(t, key)}")
-    srv = preset.server
-    for key in ("round_timeout", "node_wait"):
-        if not (math.isfinite(getattr(srv, key)) and getattr(srv, key) > 0):
-            raise err(f"[server]: {key} must be a finite number of seconds > 0, got {getattr(srv, key)}")
-    if srv.min_nodes is not None and srv.min_nodes < 1:
-        raise err(f"[server]: min_nodes must be at least 1, got {srv.min_nodes}")
-    if srv.round_retries < 1:
-        raise err(f"[server]: round_retries must be at least 1, got {srv.round_retries}")
-    if srv.max_update_norm is not None and not (math.isfinite(srv.max_update_norm) and srv.max_update_norm > 0):
-        raise err(f"[server]: max_update_norm must be a finite number > 0, got {srv.max_update_norm}")
-    if srv.edge_max_examples < 1:
-        raise err(f"[server]: edge_max_examples must be at least 1, got {srv.edge_max_examples}")
-    if srv.max_staleness < 0:
-        raise err(f"[server]: max_staleness must be 0 or more, got {srv.max_staleness}")
-    if srv.update_norm_action not in ("reject", "clip"):
-        raise err(f"[server]: update_norm_action must be 'reject' or 'clip', got {srv.update_norm_action!r}")
+    problem = preset.server.problem()  # the server rules' one range check (fedmvp/presets/server.py)
+    if problem:
+        raise err(f"[server]: {problem}")
     if not 0 < t.fraction_fit <= 1:
         raise err(f"[train]: fraction_fit must be in (0, 1], got {t.fraction_fit}")
     if not preset.datasets:

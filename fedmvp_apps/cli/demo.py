@@ -49,9 +49,8 @@ def new_class_folders(run: RunDir, shots: int) -> tuple[Path, Path, list[str]]:
 
     Needs only the run's federation (image paths), not a CLIP."""
     from fedmvp.data.federation import load_federation
-    from fedmvp.federated.prepare import run_preset
 
-    _, federation = load_federation(run_preset(run))
+    _, federation = load_federation(run.preset_file())
     new_sets = [ev for ev in federation.evaluations if ev.kind == "new"]
     if not new_sets:
         raise RuntimeError("the preset has no new classes to personalise on")

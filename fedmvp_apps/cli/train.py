@@ -90,7 +90,8 @@ def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, ev
         run = train_or_resume(config, rounds, run_dir, resume, eval_every, device)
     except RunError as err:
         raise click.ClickException(str(err)) from err
-    metrics = run.read_metrics()[-1] if run.read_metrics() else {}
+    from fedmvp.run_metrics import read_metrics
+    metrics = (read_metrics(run) or [{}])[-1]
     if as_json:
         emit_json({"run_dir": str(run.path), "final": metrics})
     else:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fedmvp.run_lock import run_lock
+from fedmvp.run_metrics import read_metrics
 from fedmvp.runs import RunDir
 from tests.concurrency.processes import finish, leftovers, one_error_line, reached, run, start, stderr_line
 from tests.federated.test_ingest import good_update, lora_of
@@ -63,7 +64,7 @@ def test_second_ingest_is_refused_or_waits_and_builds_on_the_first(run_dir, upda
     done = finish(waiting)
     assert done.returncode == 0 and "round 4 written" in done.stdout, done.stderr[-2000:]
     assert (ingested(run_dir, 3), ingested(run_dir, 4)) == ((["a.safetensors"], 2), (["b.safetensors"], 3))
-    assert {3, 4} <= {row["round"] for row in RunDir(run_dir).read_metrics()}
+    assert {3, 4} <= {row["round"] for row in read_metrics(RunDir(run_dir))}
     assert leftovers(run_dir) == []
 
 

@@ -8,6 +8,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from fedmvp.federated.metrics import harmonic_mean
 from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, cosine_lr, weighted_average
+from fedmvp.presets.server import ServerSpec
 from fedmvp.federated.wire import array_record
 
 
@@ -108,7 +109,8 @@ def test_deployment_asks_a_fraction_of_the_connected_nodes_and_at_least_min_node
 
     def asked(fraction: float, min_nodes: int | None) -> list[int]:
         strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=8, run_id=RUN,
-                                  policy=RoundPolicy(sampling="nodes", fraction=fraction, min_nodes=min_nodes))
+                                  policy=RoundPolicy(sampling="nodes", fraction=fraction,
+                                                     server=ServerSpec(min_nodes=min_nodes)))
         messages = strategy.configure_train(1, ArrayRecord(), ConfigRecord(), Grid())
         assert "selected" not in messages[0].content["config"]  # whoever is asked trains
         return [m.metadata.dst_node_id for m in messages]
@@ -124,7 +126,7 @@ def test_too_few_connected_nodes_fail_with_a_clear_message():
             return [21]
 
     strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=4, run_id=RUN,
-                              policy=RoundPolicy(sampling="nodes", min_nodes=3, node_wait=0.01))
+                              policy=RoundPolicy(sampling="nodes", server=ServerSpec(min_nodes=3, node_wait=0.01)))
     with pytest.raises(RoundFailed, match="only 1 of the 3 nodes a round needs connected"):
         strategy.configure_train(1, ArrayRecord(), ConfigRecord(), Grid())
 
@@ -132,7 +134,7 @@ def test_too_few_connected_nodes_fail_with_a_clear_message():
 def test_bad_replies_are_left_out_and_recorded_and_the_round_goes_on():
     strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=4, run_id=RUN,
                               declared_examples={0: 10, 1: 10, 2: 10, 3: 10}, lora_clients=range(4),
-                              policy=RoundPolicy(sampling="nodes", min_nodes=1))
+                              policy=RoundPolicy(sampling="nodes", server=ServerSpec(min_nodes=1)))
     strategy.global_state = {"lora.a": np.zeros(3, np.float32)}
     good = {"lora.a": np.ones(3, np.float32)}
     replies = [reply(0, good, 5, lora=True), reply(1, {"lora.a": np.array([np.nan, 0, 0], np.float32)}, 5, True),
@@ -142,7 +144,7 @@ def test_bad_replies_are_left_out_and_recorded_and_the_round_goes_on():
     reasons = {r["site"]: r["reason"] for r in strategy.rejected}
     assert set(reasons) == {1, 2, 3}
     assert "NaN" in reasons[1] and "round 7" in reasons[2] and "another run" in reasons[3]
-    strategy.policy = RoundPolicy(sampling="nodes", min_nodes=2)
+    strategy.policy = RoundPolicy(sampling="nodes", server=ServerSpec(min_nodes=2))
     assert strategy.aggregate_train(1, replies) == (None, None)  # one usable reply, two needed: try again
 
 
@@ -169,7 +171,7 @@ def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node(
 
     strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=2, run_id=RUN,
                               declared_examples={0: 50, 1: 50}, lora_clients=[1],
-                              policy=RoundPolicy.from_record({"min_nodes": 1, "edge_max_examples": 40}, "nodes", 1.0))
+                              policy=RoundPolicy("nodes", 1.0, ServerSpec(min_nodes=1, edge_max_examples=40)))
     strategy.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(3, np.float32)}
     rng = np.random.default_rng(3)
     site0 = {"promptformer.w": rng.normal(size=2).astype(np.float32)}  # the PromptFormer: no LoRA
@@ -203,7 +205,7 @@ def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node(
 
 def test_edge_replies_record_what_the_round_state_lists():
     strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
-                              policy=RoundPolicy(sampling="nodes", min_nodes=1))
+                              policy=RoundPolicy(sampling="nodes", server=ServerSpec(min_nodes=1)))
     strategy.global_state = {"lora.a": np.zeros(3, np.float32)}
     summary = {}
     strategy.on_aggregated = lambda number, state, s: summary.update(s)

@@ -74,14 +74,13 @@ def test_federated_evaluation_agrees_with_the_central_one_on_the_demo(demo_run):
     does in a deployment, the counts give the run's (central) numbers exactly."""
     from fedmvp.federated.evaluation import site_counts
     from fedmvp.federated.metrics import combine_counts, evaluation_sites
-    from fedmvp.federated.prepare import run_method
     from fedmvp.federated.task import task_context
     from fedmvp.runs import RunDir
 
     run = RunDir(demo_run)
     config, checkpoint = run.read_config(), run.load_checkpoint(ROUNDS)
     record = config["federation"]
-    ctx = task_context(config["preset_path"], run_method(run, checkpoint))
+    ctx = task_context(config["preset_path"], run.method(checkpoint))
     assignment = evaluation_sites(record)
     counts = {c["id"]: site_counts(ctx, c["id"], checkpoint.tensors, assignment) for c in record["clients"]}
     central = {k: checkpoint.state["metrics"][k] for k in ("local", "base", "new", "hm", "domain")}

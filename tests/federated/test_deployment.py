@@ -8,6 +8,7 @@ FLWR_HOME (the CLI's SuperLink connection is a config.toml there), nothing touch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +21,8 @@ import pytest
 from safetensors.torch import load_file
 
 from fedmvp.federated.server_app import client_preset, deployment_settings
-from fedmvp.runs import RunDir
+from fedmvp.run_metrics import read_metrics
+from fedmvp.runs import RunDir, RunError
 from fedmvp_apps.deploy.flower_app import write_app_dir
 from fedmvp_apps.deploy.supernode import QUIET_ENV, LaunchError, executable, free_port
 from tests.federated.conftest import write_preset
@@ -164,7 +166,7 @@ def test_superlink_and_supernodes_train_and_checkpoint(deployment, small_world, 
     state = json.loads((run_dir.round_path(ROUNDS) / "state.json").read_text())
     assert state["complete"] and state["lora_clients"] == [0, 1]  # both partitions trained and reported
 
-    rows = run_dir.read_metrics()
+    rows = read_metrics(run_dir)
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
     assert all(r["clients"] == 2 and math.isfinite(r["train_loss"]) and r["train_loss"] > 0 for r in rows)
     assert all(0.0 <= rows[-1][k] <= 1.0 for k in ("local", "base", "new", "hm"))
@@ -218,18 +220,23 @@ def test_clients_get_a_shipped_preset_by_name_and_any_other_by_path(preset_file)
 def test_server_settings_reach_the_round_policy(preset_file, tmp_path):
     """A preset's [server] table is recorded with the run and shapes the rounds; `fedmvp serve` flags
     (run-config keys) override it at run time."""
-    from fedmvp.federated.server_app import ServerSettings
-    from fedmvp.federated.strategy import RoundPolicy
+    from fedmvp.federated.server_app import ServerSettings, round_policy
+    from fedmvp.presets.server import ServerSpec
 
     text = preset_file.read_text() + ("\n[server]\nmin_nodes = 2\nround_timeout = 45.0\nnode_wait = 5.0\n"
                                       "max_update_norm = 3.5\nupdate_norm_action = \"clip\"\n")
     preset_file.write_text(text)
     deployment_settings({"run-dir": str(tmp_path / "r"), "preset": str(preset_file)})
-    record = RunDir(tmp_path / "r").read_config()["server"]
-    policy = RoundPolicy.from_record(record, "nodes", 1.0)
-    assert (policy.min_nodes, policy.round_timeout, policy.node_wait, policy.max_update_norm,
-            policy.norm_action) == (2, 45.0, 5.0, 3.5, "clip")
+    run = RunDir(tmp_path / "r")
+    recorded = ServerSpec(min_nodes=2, round_timeout=45.0, node_wait=5.0, max_update_norm=3.5,
+                          update_norm_action="clip")
+    assert run.read_config()["server"] == recorded.record()
+    policy = round_policy(run, run.read_config(), ServerSettings(run_dir=str(run.path), sampling="nodes"))
+    assert policy.server == recorded and policy.sampling == "nodes"
     settings = ServerSettings.from_run_config({"run-dir": "r", "min-nodes": 1, "round-timeout": 9.0, "fraction": 0})
     assert settings.overrides == {"min_nodes": 1, "round_timeout": 9.0} and settings.evaluation == "federated"
-    merged = RoundPolicy.from_record({**record, **settings.overrides}, "nodes", 1.0)
-    assert (merged.min_nodes, merged.round_timeout, merged.max_update_norm) == (1, 9.0, 3.5)
+    merged = round_policy(run, run.read_config(), settings)
+    assert merged.server == dataclasses.replace(recorded, min_nodes=1, round_timeout=9.0) and merged.fraction == 1.0
+    bad = ServerSettings.from_run_config({"run-dir": "r", "round-timeout": -1.0})
+    with pytest.raises(RunError, match="round_timeout must be a finite number of seconds > 0, got -1.0"):
+        round_policy(run, run.read_config(), bad)

@@ -45,16 +45,13 @@ sys.meta_path.insert(0, _EdgeInstall())
 def prepare_run(tmp_path: Path, world: Path) -> tuple[Path, Path]:
     """A run of 4 rounds with rounds 1 and 2 done (different PromptFormers), the site never switching."""
     from fedmvp.federated.prepare import prepare_run as prepare
-    from fedmvp.federated.task import build_model
-    from fedmvp.presets.schema import load_preset
+    from fedmvp.model import FedMVP
 
     preset = write_preset(tmp_path, world, sigma=0.0)
     preset.write_text(preset.read_text().replace('pretrained = ""', 'pretrained = "synthetic"'))
     run = prepare(str(preset), str(tmp_path / "runs" / "edge"), 4, resume=False, device="cpu")
     config = run.read_config()
-    from fedmvp.model import FedMVPConfig
-
-    model = build_model(load_preset(str(preset)), FedMVPConfig.from_dict(config["method"], "test"), "cpu")[1]
+    model = FedMVP.from_run(run, 0)  # the run's initial model
     state = model.state("all")
     generator = torch.Generator().manual_seed(5)
     for number in (1, 2):

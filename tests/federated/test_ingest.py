@@ -17,7 +17,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from fedmvp.federated.ingest import IngestRules, ingest
+from fedmvp.federated.ingest import ingest, ingest_rules
+from fedmvp.presets.server import ServerSpec
+from fedmvp.run_metrics import read_metrics
 from fedmvp.runs import RunDir, RunError
 
 RUN_ID = "a" * 32
@@ -36,10 +38,12 @@ def base_run(tmp_path_factory) -> Path:
 
 
 def configure(run: Path, server: dict | None = None, run_id: str | None = RUN_ID) -> None:
-    """The run record's run_id and [server] table, as prepare_run writes them."""
+    """The run record's run_id and [server] table, as prepare_run writes them (every key: ``server``
+    names those that differ from the [server] defaults)."""
     config = RunDir(run).read_config()
     config.pop("run_id", None)
-    config |= ({"run_id": run_id} if run_id else {}) | ({"server": server} if server is not None else {})
+    config |= ({"run_id": run_id} if run_id else {}) | \
+        ({"server": ServerSpec(**server).record()} if server is not None else {})
     RunDir(run).write_config(config)
 
 
@@ -165,12 +169,11 @@ def test_only_the_good_updates_are_averaged_into_the_next_round(run, tmp_path):
     assert (record["num_examples"], record["bundle_round"], record["mean_loss"]) == (10, 2, 1.5)
     assert len(record["bundle_id"]) == 64 and len(record["sha256"]) == 64
     row = {"round": 3, "source": "ingest", "updates": 2, "examples": 40, "train_loss": (10 * 1.5 + 30 * 0.5) / 40}
-    assert RunDir(run).read_metrics()[-1] == row and state["metrics"] == row
+    assert read_metrics(RunDir(run))[-1] == row and state["metrics"] == row
 
     # fedmvp-export rebuilds the model from the round's own method record (export/run_inputs.py).
-    from fedmvp.federated.prepare import run_method
 
-    assert run_method(RunDir(run), after).to_dict() == before.state["method"]
+    assert RunDir(run).method(after).to_dict() == before.state["method"]
 
     again = ingest(run, [good_a])  # accepted in round 3: a second command refuses it too, writes nothing
     assert again.round is None and "duplicate: the same file was accepted in round 3" in again.files[0].reason
@@ -207,7 +210,7 @@ def test_an_interrupted_ingest_leaves_no_half_round(run, tmp_path, monkeypatch):
         ingest(run, [good])
     assert RunDir(run).rounds() == [1, 2]
     assert sorted(p.name for p in run.iterdir() if "0003" in p.name) == []  # no folder, no temp folder
-    assert not (run / "metrics.jsonl").exists() or all(r["round"] != 3 for r in RunDir(run).read_metrics())
+    assert not (run / "metrics.jsonl").exists() or all(r["round"] != 3 for r in read_metrics(RunDir(run)))
     monkeypatch.setattr(atomic, "write_json", real)
     assert ingest(run, [good]).round == 3  # the file was not recorded as accepted: it counts now
 
@@ -225,7 +228,7 @@ def test_max_staleness_decides_whether_an_old_bundle_counts(run, tmp_path, serve
     assert (result.round == 3) is accepted, result.files[0].reason
     if accepted:
         assert RunDir(run).load_checkpoint(3).state["ingest_rules"]["max_staleness"] == \
-            (override if override is not None else server.get("max_staleness", 5))
+            (override if override is not None else server.get("max_staleness", ServerSpec().max_staleness))
 
 
 @pytest.mark.parametrize("limit, accepted", [(100, False), (101, True), (None, True)])
@@ -271,10 +274,28 @@ def test_preset_server_keys_reach_the_ingest_rules(preset_file, tmp_path):
     preset_file.write_text(preset_file.read_text() + "\n[server]\nmax_staleness = 2\nedge_max_examples = 7\n"
                            "max_update_norm = 0.5\nupdate_norm_action = \"clip\"\n")
     run = prepare_run(str(preset_file), str(tmp_path / "r"), None, False, "cpu", with_data=False)
-    rules = IngestRules.from_config(run.read_config(), 4, run.config_path)
-    assert (rules.max_staleness, rules.max_examples, rules.max_update_norm, rules.norm_action) == (2, 7, 0.5, "clip")
+    rules = ingest_rules(run, run.read_config(), 4)
+    assert rules.server == ServerSpec(max_staleness=2, edge_max_examples=7, max_update_norm=0.5,
+                                      update_norm_action="clip")
     assert rules.run_id == run.read_config()["run_id"] and rules.round == 4
-    assert IngestRules.from_config(run.read_config(), 4, run.config_path, max_staleness=9).max_staleness == 9
+    assert ingest_rules(run, run.read_config(), 4, max_staleness=9).server.max_staleness == 9
+    with pytest.raises(RunError, match="--max-staleness: server max_staleness must be 0 or more, got -1"):
+        ingest_rules(run, run.read_config(), 4, max_staleness=-1)
+
+
+def test_an_older_server_record_is_migrated_with_a_warning(run, tmp_path, capsys):
+    """docs/architecture.md, Migrations: a record lacking keys (a run of an older fedmvp) gets the [server]
+    defaults for exactly those keys, and the reader says so; a record out of range is refused."""
+    config = RunDir(run).read_config()
+    config["server"] = {"max_staleness": 0}
+    RunDir(run).write_config(config)
+    assert RunDir(run).server() == ServerSpec(max_staleness=0)
+    warning = capsys.readouterr().err
+    assert "config.json: the server record lacks min_nodes" in warning and "max_staleness" not in warning
+    config["server"] = {**ServerSpec().record(), "edge_max_examples": 0}
+    RunDir(run).write_config(config)
+    with pytest.raises(RunError, match="server edge_max_examples must be at least 1, got 0"):
+        ingest(run, [good_update(tmp_path / "u.st", lora_of(run), 0.01, 10, 1.0)])
 
 
 def test_bad_runs_are_refused_before_anything_is_read(tmp_path, run):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fedmvp.federated.replies import ReplyRules, check_reply
+from fedmvp.presets.server import ServerSpec
 
 GLOBAL = {"lora.a": np.zeros((2, 3), np.float32), "lora.b": np.zeros(4, np.float32)}
 GOOD = {"lora.a": np.full((2, 3), 0.1, np.float32), "lora.b": np.full(4, 0.1, np.float32)}
@@ -35,7 +36,7 @@ def check(arrays=None, rules=None, **identity):
     ({"arrays": {**GOOD, "lora.b": np.zeros(4, np.int32)}}, "lora.b: dtype int32 is not float32"),
     ({"arrays": {**GOOD, "lora.b": np.array([0, np.nan, 0, 0], np.float32)}}, "lora.b: holds NaN or infinite"),
     ({"arrays": {**GOOD, "lora.a": np.full((2, 3), np.inf, np.float32)}}, "lora.a: holds NaN or infinite"),
-    ({"rules": ReplyRules(run_id="r1", round=5, max_update_norm=0.1)}, "update norm 0.3162 exceeds the bound 0.1"),
+    ({"rules": ReplyRules(run_id="r1", round=5, server=ServerSpec(max_update_norm=0.1))}, "update norm 0.3162 exceeds the bound 0.1"),
 ])
 def test_a_reply_breaking_a_rule_is_left_out_with_the_reason(change, reason):
     verdict = check(change.get("arrays"), change.get("rules"), **change.get("identity", {}))
@@ -49,7 +50,7 @@ def test_a_good_reply_is_accepted_as_float32():
 
 
 def test_an_oversized_update_is_clipped_onto_the_bound_when_so_configured():
-    verdict = check(rules=ReplyRules(run_id="r1", round=5, max_update_norm=0.1, norm_action="clip"))
+    verdict = check(rules=ReplyRules(run_id="r1", round=5, server=ServerSpec(max_update_norm=0.1, update_norm_action="clip")))
     assert verdict.accepted and verdict.clipped_from == pytest.approx(math.sqrt(10 * 0.01))
     norm = math.sqrt(sum(float(np.sum((verdict.arrays[k] - GLOBAL[k]) ** 2)) for k in GLOBAL))
     assert norm == pytest.approx(0.1, rel=1e-5)

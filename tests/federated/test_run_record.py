@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from fedmvp_apps.cli import main
-from fedmvp.federated.prepare import prepare_run, run_preset
+from fedmvp.federated.prepare import prepare_run
 from fedmvp.federated.strategy import RoundFailed
 from fedmvp.presets.schema import load_preset
 from fedmvp.runs import RunDir
@@ -22,11 +22,11 @@ def test_resume_uses_the_recorded_preset_and_says_the_file_changed(preset_file, 
     original = preset_file.read_text()
     assert config["preset_text"] == original
     assert config["preset_sha256"] == hashlib.sha256(original.encode()).hexdigest()
-    assert run_preset(run) == str(preset_file.resolve())  # unchanged: the original path (deployed clients)
+    assert run.preset_file() == str(preset_file.resolve())  # unchanged: the original path (deployed clients)
     preset_file.write_text(original.replace("shots = 2", "shots = 1").replace("sigma = 1000.0", "sigma = 0.0"))
     capsys.readouterr()
     resumed = prepare_run(str(preset_file), str(run.path), None, True, "cpu")
-    used = run_preset(resumed)
+    used = resumed.preset_file()
     err = capsys.readouterr().err
     assert err.count("changed since the run started") == 1 and err.startswith("warning: ")
     assert used == str(run.path / "preset.toml")
@@ -59,7 +59,7 @@ def test_an_old_run_without_the_record_falls_back_with_a_warning(preset_file, tm
     config = run.read_config()
     del config["preset_text"]
     RunDir(run.path).write_config(config)
-    assert run_preset(run) == config["preset_path"]
+    assert run.preset_file() == config["preset_path"]
     assert "no recorded preset text" in capsys.readouterr().err
     json.loads(run.config_path.read_text())
 

@@ -157,14 +157,13 @@ def test_federated_evaluation_equals_the_central_one(finished_run):
 
     from fedmvp.federated.evaluation import evaluate_global, site_counts
     from fedmvp.federated.metrics import combine_counts, evaluation_sites
-    from fedmvp.federated.prepare import run_method
     from fedmvp.federated.task import task_context
     from fedmvp.runs import RunDir
 
     _, run_dir = finished_run
     run = RunDir(run_dir)
     config, checkpoint = run.read_config(), run.load_checkpoint(3)
-    ctx = task_context(config["preset_path"], run_method(run, checkpoint))
+    ctx = task_context(config["preset_path"], run.method(checkpoint))
     record = config["federation"]
     assignment = evaluation_sites(record)
     assert sorted(assignment) == sorted(e["name"] for e in record["evaluations"])

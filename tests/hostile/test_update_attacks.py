@@ -236,13 +236,15 @@ def test_the_device_reader_refuses(root: Path, tmp_path: Path, attack: Attack) -
 def test_a_huge_file_is_refused_on_its_size_before_it_is_read(root: Path, tmp_path: Path) -> None:
     """256 MiB (sparse on disk): a file is never read whole when round R's LoRA cannot be that big."""
     from edge_client.update import UpdateError, read_update
-    from fedmvp.federated.ingest import IngestRules, check_file
+    from fedmvp.federated.ingest import check_file
+    from fedmvp.federated.replies import ReplyRules
+    from fedmvp.presets.server import ServerSpec
 
     path = tmp_path / "huge.safetensors"
     with path.open("wb") as f:
         f.write(update(lora_of(root / "run")))
         f.truncate(256 << 20)
-    rules = IngestRules(round=2, run_id=RUN_ID, max_staleness=0, max_examples=100)
+    rules = ReplyRules(run_id=RUN_ID, round=2, server=ServerSpec(max_staleness=0, edge_max_examples=100))
     tracemalloc.start()
     try:
         verdict = check_file(path, rules, lora_of(root / "run"), {})
