@@ -36,6 +36,7 @@ from fedmvp_formats.bundle_manifest import (CONTEXT_LAYERS, MANIFEST, PERSONALIS
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
+from fedmvp_formats.tensors import tensor_problem
 
 from edge_client import journal
 from edge_client.bundle import Bundle, BundleError, read_bundle
@@ -268,12 +269,9 @@ def _checked_tensors(bundle: Bundle, arrays: dict[str, np.ndarray]) -> tuple[dic
     if lora and set(lora) != set(bundle.lora_shapes):
         raise BundleError(f"{root}: refused: the LoRA tensors are not the bundle's "
                           f"({', '.join(sorted(set(lora) ^ set(bundle.lora_shapes))[:4])})")
-    for name, value in sorted({**promptformer, **lora}.items()):
-        if list(value.shape) != list(shapes[name]):
-            raise BundleError(f"{root}: refused: {name} has shape {list(value.shape)}, the bundle needs "
-                              f"{list(shapes[name])}")
-        if not np.all(np.isfinite(value)):
-            raise BundleError(f"{root}: refused: {name} holds NaN or infinite values")
+    problem = tensor_problem({**promptformer, **lora}, shapes, of="the bundle", dtype=None)  # the one check
+    if problem is not None:
+        raise BundleError(f"{root}: refused: {problem}")
     as32 = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
     return {k: as32[k] for k in promptformer}, {k: as32[k] for k in lora}
 

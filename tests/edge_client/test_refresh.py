@@ -98,7 +98,7 @@ def _nan(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 REFUSALS = {
     "digest mismatch": (lambda t: t, "0" * 64, "announced digest"),
     "wrong shape": (lambda t: {**t, "promptformer.text_proj.weight": t["promptformer.text_proj.weight"][:, :-1]},
-                    None, "promptformer.text_proj.weight has shape"),
+                    None, "promptformer.text_proj.weight: shape"),
     "NaN": (_nan, None, "NaN or infinite"),
     "missing": (lambda t: {k: v for k, v in t.items() if k != "promptformer.block.attn.to_v.bias"}, None,
                 "missing promptformer.block.attn.to_v.bias"),
@@ -110,7 +110,7 @@ REFUSALS = {
     "LoRA names": (lambda t: {k: v for k, v in t.items() if k != "lora.block.attn.to_q.lora_A.weight"}, None,
                    "LoRA tensors are not the bundle's"),
     "LoRA shape": (lambda t: {**t, "lora.block.attn.to_q.lora_A.weight": t["lora.block.attn.to_q.lora_A.weight"][:3]},
-                   None, "lora.block.attn.to_q.lora_A.weight has shape"),
+                   None, "lora.block.attn.to_q.lora_A.weight: shape"),
 }
 
 
