@@ -38,10 +38,10 @@ from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scali
 from export.errors import ExportError
 from export.int8 import Int8Plan
 from export.publish import check_out, publish
-from export.run_inputs import (find_run, load_checkpoint, preprocess_spec, read_config, rebuild_model,
-                               run_federation, run_images, run_training_images, synthetic_images)
+from export.run_inputs import export_images, find_run, images_folder, load_checkpoint, preprocess_spec, read_config, rebuild_model
 from fedmvp.clip import LoadedClip
 from fedmvp.model import FedMVP
+from fedmvp.runs import warn
 
 # 256: with 64 images "99% top-1 agreement" means all of them, and one near-tie decides; 256 lets the
 # fp16/int8 criterion mean what it says. The same count of training images calibrates int8.
@@ -265,14 +265,6 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
 
 
 # ---- the run-reading layer ------------------------------------------------------------------------
-def _topped_up(images: torch.Tensor, image_size: int, seed: int) -> torch.Tensor:
-    """The run's images, with noise images added only up to parity's minimum: noise has near-tied
-    logits, so more of it would only make the fp16/int8 agreement meaningless."""
-    images = images.reshape(-1, 3, image_size, image_size)
-    missing = max(0, parity.MIN_IMAGES - len(images))
-    return torch.cat([images, synthetic_images(missing, image_size, seed=seed)]) if missing else images
-
-
 def point_default_bundle(path: Path, cwd: Path | None = None) -> str:
     """Point ``./bundle`` (edge-client's default bundle) at ``path`` with a relative symlink; one line saying so.
 
@@ -306,8 +298,12 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
                   *, precision: str = "fp32", force: bool = False, attributes: str | Path | None = None,
                   domain: str | None = None, parity_images: int = DEFAULT_PARITY_IMAGES, training: bool = True,
                   progress: bool = False, runs_root: str | Path = "runs",
-                  discard_device_state: bool = False) -> BundleResult:
-    """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest)."""
+                  discard_device_state: bool = False, images: str | Path | None = None) -> BundleResult:
+    """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest).
+
+    Needs the run directory only: the class set is the run's record; parity runs on ``images`` (a folder,
+    walked recursively) when given, else on the run's test images where reachable, else on generated
+    pixels with one warning line (``export.run_inputs.export_images``)."""
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if parity_images < parity.MIN_IMAGES:
@@ -317,29 +313,19 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     checkpoint = load_checkpoint(run_dir, round_number)
     target = Path(out) if out is not None else default_out(run_dir.path, checkpoint.round, precision)
     check_out(target, force, discard_device_state)
-    classes = file_class_set(Path(attributes), domain) if attributes else None
-    try:
-        federation = run_federation(run_dir)
-    except ExportError:
-        if classes is None:
-            raise
-        federation = None  # an explicit class set needs the run's data only for parity images
-    if classes is None:
-        classes = run_class_set(federation, source="run")
+    folder = images_folder(images)
+    # the class set: the given file's, else the run's record (docs/architecture.md, Records that travel)
+    classes = file_class_set(Path(attributes), domain) if attributes else run_class_set(run_dir)
     model = rebuild_model(run_dir, checkpoint)  # FedMVP.from_run: the run's seed, CLIP, method record, weights
     clip = model.clip_info
     ckpt_path = run_dir.round_path(checkpoint.round) / "global.safetensors"
-    images = run_images(federation, clip.preprocess, parity_images) if federation else torch.zeros(0)
-    note = {"run": len(images), "synthetic": max(0, parity.MIN_IMAGES - len(images))}
-    images = _topped_up(images, clip.image_size, seed=0)
-    calibration = None
-    if precision == "int8":  # the run's training images (another seed for any top-up)
-        calibration = run_training_images(federation, clip.preprocess, parity_images) if federation \
-            else torch.zeros(0)
-        calibration = _topped_up(calibration, clip.image_size, seed=1)
+    chosen = export_images(run_dir, clip.preprocess, clip.image_size, parity_images,
+                           folder, int8=precision == "int8")
+    if chosen.warning:
+        warn(chosen.warning)
     source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "run_id": config.get("run_id"),
               "round": checkpoint.round,
               "checkpoint_sha256": sha256_file(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
-    return write_bundle(model, clip, classes, target, images=images, precision=precision, force=force,
-                        source=source, image_note=note, calibration=calibration, training=training,
+    return write_bundle(model, clip, classes, target, images=chosen.parity, precision=precision, force=force,
+                        source=source, image_note=chosen.note, calibration=chosen.calibration, training=training,
                         progress=progress, discard_device_state=discard_device_state)

@@ -1,7 +1,7 @@
 """The class set a bundle bakes in: class names in label order, their attribute phrases and sentence
 styles, and their [C, K, E] text features.
 
-From the run (``run_class_set``: base then new classes of every dataset) or from any
+From the run (``run_class_set``: its recorded class set, base then new classes of every dataset) or from any
 ``{class: [phrases]}`` file (``file_class_set``: classes nobody trained on included).
 """
 
@@ -16,6 +16,8 @@ import torch
 from export.errors import ExportError
 from fedmvp.attributes.sentences import SentenceStyle, build_sentences
 from fedmvp.clip import LoadedClip
+from fedmvp.run_classes import CLASSES_FILE, RunClass, federation_classes
+from fedmvp.runs import MIGRATIONS, RunDir, RunError, warn
 
 
 @dataclass
@@ -68,29 +70,26 @@ def text_features(clip: LoadedClip, classes: ClassSet, cache=None) -> torch.Tens
     return torch.cat(groups)
 
 
-def run_class_set(federation, source: str) -> ClassSet:
-    """Base then new classes of every dataset (deduplicated, first occurrence wins).
+def run_class_set(run: RunDir) -> ClassSet:
+    """The run's class set, base then new classes in the set's order: the run's record
+    (RUN/classes.json, ``RunDir.class_set``), so the run directory alone suffices. A run made before
+    that record existed is migrated: the same order rebuilt from its recorded preset and data
+    (``federation_classes`` of ``RunDir.federation``), with one warning (docs/architecture.md, Migrations)."""
+    try:
+        recorded = run.class_set()
+        if recorded is None:
+            warn(f"{run.path / CLASSES_FILE}: no class record (a run of an older fedmvp); rebuilding the class "
+                 f"set from the run's preset and data ({MIGRATIONS})")
+            recorded = federation_classes(run.federation())
+    except RunError as err:
+        raise ExportError(str(err)) from None
+    return class_set_of(recorded)
 
-    Without base/new evaluations (domain protocols) every evaluated or trained class is taken."""
-    evals = [e for e in federation.evaluations if e.kind in ("base", "new")]
-    groups = [(e.class_names, e.attributes, e.style) for e in evals]
-    if not groups:
-        groups = [(e.class_names, e.attributes, e.style) for e in federation.evaluations]
-        groups += [(c.class_names, c.attributes, c.style) for c in federation.clients]
-    known: dict[str, list[str]] = {}
-    for group in [*groups, *((c.class_names, c.attributes, c.style) for c in federation.clients)]:
-        for name, phrases in group[1].items():
-            known.setdefault(name, list(phrases))
-    names: list[str] = []
-    styles: dict[str, SentenceStyle] = {}
-    for class_names, attrs, style in groups:
-        for name in class_names:
-            if name not in styles:
-                names.append(name)
-                styles[name] = style
-    k = getattr(getattr(federation.preset, "train", None), "num_attributes", None)
-    attributes = {n: known.get(n, [])[:k] if k else known.get(n, []) for n in names}
-    return ClassSet(names=names, attributes=attributes, styles=styles, source=source)
+
+def class_set_of(classes: list[RunClass], source: str = "run") -> ClassSet:
+    """A ``ClassSet`` of the run's classes (the record's or the migration's: one shape, one order)."""
+    return ClassSet(names=[c.name for c in classes], attributes={c.name: list(c.phrases) for c in classes},
+                    styles={c.name: c.style for c in classes}, source=source)
 
 
 def file_class_set(path: Path, domain: str | None = None) -> ClassSet:

@@ -1,15 +1,17 @@
 """What an export reads from a run: its directory, the round's checkpoint and method record,
-the CLIP's preprocessing, and the run's data (class set and parity / calibration images).
+the CLIP's preprocessing, and the parity / calibration images.
 
 Kept apart from the writer so the export core can be driven with explicit arguments (a model,
 a class set, images) and this layer stays thin: find the run, rebuild the model by the one rebuild
 (``FedMVP.from_run``: the round's method record + its tensors, never defaults or tensor shapes),
-take the class set and images from the run's federation (``RunDir.federation``, once per process).
+take the class set from the run's record (``export.class_set.run_class_set``) and the parity and
+calibration images from ``--images``, the run's data where reachable, or generated pixels (``export_images``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch
 
 from edge_client.preprocess import PreprocessSpec
 from export.errors import ExportError
+from export.parity import MIN_IMAGES
 from fedmvp.clip import ClipLoadError, LoadedClip
 from fedmvp.model import FedMVP
 from fedmvp.runs import Checkpoint, RunDir, RunError
@@ -84,14 +87,6 @@ def rebuild_model(run: RunDir, checkpoint: Checkpoint) -> FedMVP:
         raise ExportError(str(err)) from None
 
 
-def run_federation(run: RunDir):
-    """The run's Federation from its recorded preset (``RunDir.federation``: once per process)."""
-    try:
-        return run.federation()
-    except RunError as err:
-        raise ExportError(str(err)) from None
-
-
 def run_images(federation, preprocess, count: int) -> torch.Tensor:
     """Up to ``count`` preprocessed test images, evenly spread over the run's evaluation sets.
 
@@ -123,7 +118,90 @@ def _spread_images(paths: list[str], preprocess, count: int) -> torch.Tensor:
     return torch.stack(images) if images else torch.zeros(0)
 
 
+def images_folder(folder: str | Path | None) -> Path | None:
+    """``--images`` checked before any heavy work: a directory, or None when not given."""
+    if folder is not None and not Path(folder).is_dir():
+        raise ExportError(f"{folder}: --images needs a directory of images")
+    return Path(folder) if folder is not None else None
+
+
+def folder_images(folder: Path, preprocess, count: int) -> torch.Tensor:
+    """Up to ``count`` preprocessed images of ``folder`` (``--images``: walked recursively, evenly spread)."""
+    from edge_client.images import ImageReadError, iter_image_paths
+
+    try:
+        paths = [str(p) for p in iter_image_paths([folder])]
+    except ImageReadError as err:
+        raise ExportError(f"{folder}: --images: {err}") from None
+    images = _spread_images(paths, preprocess, count)
+    if not len(images):
+        raise ExportError(f"{folder}: --images holds no readable image")
+    return images
+
+
 def synthetic_images(count: int, image_size: int, seed: int = 0) -> torch.Tensor:
     """Deterministic normalised noise images (tops up parity when the run's data is short)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(count, 3, image_size, image_size, generator=generator)
+
+
+def topped_up(images: torch.Tensor, image_size: int, seed: int) -> torch.Tensor:
+    """Real images, with noise images added only up to parity's minimum: noise has near-tied
+    logits, so more of it would only make the fp16/int8 agreement meaningless."""
+    images = images.reshape(-1, 3, image_size, image_size)
+    missing = max(0, MIN_IMAGES - len(images))
+    return torch.cat([images, synthetic_images(missing, image_size, seed=seed)]) if missing else images
+
+
+# ---- which images judge parity and calibrate int8 ----------------------------------------------
+@dataclass
+class ExportImages:
+    """Parity images (at least ``MIN_IMAGES``), int8 calibration images (None: the parity ones), the
+    manifest's note of where they came from, and the one warning line when generated pixels stand in."""
+
+    parity: torch.Tensor
+    calibration: torch.Tensor | None
+    note: dict[str, int]
+    warning: str | None = None
+
+
+def export_images(run: RunDir, preprocess, image_size: int, count: int, folder: Path | None,
+                  int8: bool) -> ExportImages:
+    """Parity on ``folder`` (``--images``) when given, else on the run's test images where they are
+    reachable (rebuilt from the recorded preset, ``RunDir.federation``), else on generated pixels.
+    int8 calibration: the run's training images where reachable, else ``folder``'s, else generated.
+    A machine holding the run alone gets generated pixels and one warning line saying so."""
+    federation, reason = None, "no readable image"
+    if folder is None or int8:  # the run's images are asked for only where they are used
+        try:
+            federation = run.federation()
+        except RunError as err:
+            reason = str(err)
+    if folder is not None:
+        real, kind, source = folder_images(folder, preprocess, count), "folder", str(folder)
+    else:
+        real = run_images(federation, preprocess, count) if federation else torch.zeros(0)
+        kind, source = "run", "the run's test images"
+    parity_images = topped_up(real, image_size, seed=0)
+    generated = len(parity_images) - len(real)
+    said = [_said("parity", len(real), generated, source, reason)]
+    calibration = None
+    if int8:
+        train = run_training_images(federation, preprocess, count) if federation else torch.zeros(0)
+        if len(train) or folder is None:  # the run's training images (another seed for any top-up)
+            calibration = topped_up(train, image_size, seed=1)
+            said.append(_said("int8 calibration", len(train), len(calibration) - len(train),
+                              "the run's training images", reason))
+    parts = [s for s in said if s]
+    hint = "" if folder is not None else "; pass --images DIR for real ones"
+    return ExportImages(parity_images, calibration, {kind: len(real), "synthetic": generated},
+                        "; ".join(parts) + hint if parts else None)
+
+
+def _said(purpose: str, real: int, generated: int, source: str, reason: str) -> str | None:
+    """What one purpose's generated images stand in for (None: none generated)."""
+    if not generated:
+        return None
+    if not real:
+        return f"{purpose} on {generated} generated images ({source} not reachable: {reason})"
+    return f"{purpose} on {real} of {source} and {generated} generated images (fewer than {MIN_IMAGES})"

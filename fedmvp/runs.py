@@ -6,6 +6,7 @@ model from those answers. The metrics rows and the plot are written by ``fedmvp.
 
 ```
 runs/<name>/
+  classes.json                the federation's whole class set: names in order, phrases, styles (run_classes.py)
   config.json                 resolved preset + overrides + the preset's text and sha256 (what was run)
   preset.toml                 the preset's text as recorded in config.json, plus base_dir (its folder);
                               a resume reads it when the original file changed (RunDir.preset_file)
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # the lazy imports below, for type checkers
     from fedmvp.data.federation import Federation
     from fedmvp.model import FedMVP, FedMVPConfig
     from fedmvp.presets.schema import Preset
+    from fedmvp.run_classes import RunClass
 
 ROUND_PREFIX = "round-"
 MIGRATIONS = "docs/architecture.md, Migrations"
@@ -240,6 +242,17 @@ class RunDir:
         if not isinstance(record, dict) or not isinstance(record.get("clients"), list):
             raise RunError(f"{self.config_path}: the federation record is not an object with clients")
         return record
+
+    def class_set(self) -> list[RunClass] | None:
+        """The federation's whole class set as recorded (RUN/classes.json: names in the set's order, phrases,
+        sentence styles); None for a run made before the record existed (its readers migrate:
+        docs/architecture.md, Migrations)."""
+        from fedmvp.run_classes import ClassRecordError, read_classes
+
+        try:
+            return read_classes(self.path)
+        except ClassRecordError as err:
+            raise RunError(str(err)) from None
 
     def preset_file(self, config: dict[str, Any] | None = None) -> str:
         """The preset file the run's rounds use: the run's settings are its record (config.json

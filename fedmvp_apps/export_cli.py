@@ -35,8 +35,12 @@ def _quiet_libraries() -> None:
               help="{class: [phrases]} JSON: bake this class set instead of the run's (untrained classes too).")
 @click.option("--domain", default=None, help="With --attributes: sentence prefix of this domain (e.g. sketch).")
 @click.option("--parity-images", type=click.IntRange(min=32), default=256, show_default=True,
-              help="Up to this many test images of the run are compared between ONNX Runtime and PyTorch "
-                   "(noise images only fill up to 32); int8 calibrates on as many training images.")
+              help="Up to this many test images of the run (or of --images) are compared between ONNX Runtime "
+                   "and PyTorch (noise images only fill up to 32); int8 calibrates on as many training images.")
+@click.option("--images", "images", type=click.Path(path_type=Path), default=None,
+              help="Folder of images (walked recursively) that the parity check judges on, and int8 calibrates "
+                   "on when the run's training images are not reachable. Default: the run's test images where "
+                   "this machine holds them, else generated pixels (with a warning).")
 @click.option("--inference-only", is_flag=True,
               help="Leave out what only on-device training needs: the training program, and for fp16/int8 "
                    "the fp32 frozen weights (the ONNX model then holds its own). `edge-client train` refuses it.")
@@ -46,8 +50,8 @@ def _quiet_libraries() -> None:
                    "previous/ bundle (refused otherwise: they would be lost).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def main(run: Path | None, round_number: int | None, out: Path | None, precision: str, attributes: Path | None,
-         domain: str | None, parity_images: int, inference_only: bool, force: bool, discard_device_state: bool,
-         as_json: bool) -> None:
+         domain: str | None, parity_images: int, images: Path | None, inference_only: bool, force: bool,
+         discard_device_state: bool, as_json: bool) -> None:
     """Compile a round of a fedmvp run into an edge bundle.
 
     The bundle holds one ONNX model (frozen CLIP + PromptFormer + the attribute text features
@@ -62,7 +66,7 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
     try:
         result = export_bundle(run, round_number, out, precision=precision, force=force, attributes=attributes,
                                domain=domain, parity_images=parity_images, training=not inference_only,
-                               progress=not as_json, discard_device_state=discard_device_state)
+                               progress=not as_json, discard_device_state=discard_device_state, images=images)
     except ParityError as err:
         _fail(as_json, EXIT_PARITY, f"parity failed, no bundle written: {err}",
               {"parity": {k: r.to_manifest() for k, r in err.results.items()}})

@@ -8,13 +8,15 @@ import torch
 
 def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: int = 0,
               lora_rank: int = 4, moved: bool = False,
-              lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v")) -> None:
+              lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v"), classes: bool = True) -> None:
     """config.json + rounds 1 and 2; LoRA B perturbed so LoRA changes the outputs.
 
     Rank 4, not the default 8: every export and edge test then shows the recorded rank travels.
     ``moved``: round 2's PromptFormer and LoRA differ from round 1's, as after a round of training
     (what a bundle refresh moves a device across); config.json then records a ``run_id``.
-    ``lora_targets``: the layers the method record puts LoRA on (the exporter must follow it)."""
+    ``lora_targets``: the layers the method record puts LoRA on (the exporter must follow it).
+    ``classes``: write RUN/classes.json as ``prepare_run`` does, from the preset's federation when there is
+    a preset file (False: a run of an older fedmvp)."""
     from fedmvp.model import FedMVP, FedMVPConfig
     from fedmvp.presets.server import ServerSpec
     from fedmvp.runs import RunDir
@@ -33,6 +35,10 @@ def write_run(run_path: Path, preset: Path, pretrained: str, name: str, seed: in
                       "model": {"clip": "fedmvp-tiny", "pretrained": pretrained},
                       "method": method.to_dict(), "server": ServerSpec().record(),
                       **({"run_id": f"moved-run-{seed}"} if moved else {})})
+    if classes and text is not None:  # the record prepare_run writes, by the same function
+        from fedmvp.run_classes import federation_classes, write_classes
+
+        write_classes(run_path, federation_classes(run.federation()))
     for round_number in (1, 2):
         if moved and round_number == 2:
             state = {k: v + 0.05 * v.std().clamp(min=0.1) * torch.randn(v.shape, generator=generator)
@@ -49,6 +55,6 @@ def rebuilt_model(run_path: Path, round_number: int = 2):
 
     run = RunDir(run_path)
     model = FedMVP.from_run(run, round_number)
-    classes = run_class_set(run.federation(), "run")
+    classes = run_class_set(run)
     model.set_text_features(text_features(model.clip_info, classes))
     return model, model.clip_info

@@ -20,6 +20,7 @@ from typing import Any
 from fedmvp import atomic
 from fedmvp.model import FedMVPConfig
 from fedmvp.presets.schema import method_keys
+from fedmvp.run_classes import federation_classes, write_classes
 from fedmvp.runs import RunDir, RunError, recorded_copy
 
 RECORD_VERSION = 2
@@ -114,12 +115,14 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
 
         preset, federation = load_federation(preset_path)
         record = federation.record()
+        classes = federation_classes(federation)
     else:
         from fedmvp.data.federation_plan import plan_record
         from fedmvp.presets.schema import load_preset
 
         preset = load_preset(preset_path, check_roots=False)
         record = plan_record(preset)
+        classes = None  # no attribute phrases without the data: an export migrates (docs/architecture.md)
     run = RunDir(Path(run_dir) if run_dir else default_run_dir(preset.name))
     if run.exists() and run.rounds():
         raise RunError(f"{run.path}: already holds rounds {run.rounds()[0]}..{run.rounds()[-1]}; "
@@ -147,4 +150,6 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
         "federation": record,
         "client_device": dev, "server_device": dev,
     })
+    if classes is not None:  # what an export bakes in, so the run alone can be exported
+        write_classes(run.path, classes)
     return run

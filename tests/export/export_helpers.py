@@ -50,11 +50,12 @@ classes_per_client = 4
 
 
 def write_run(run_path: Path, preset: Path, seed: int = 0,
-              lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v")) -> None:
-    """config.json + rounds 1 and 2; LoRA B perturbed so LoRA changes the outputs."""
+              lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v"), classes: bool = True) -> None:
+    """config.json (+ classes.json unless ``classes=False``) + rounds 1 and 2; LoRA B perturbed so LoRA
+    changes the outputs."""
     from tests.run_fixtures import write_run as shared
 
-    shared(run_path, preset, pretrained_tag(), "exporttest", seed, lora_targets=lora_targets)
+    shared(run_path, preset, pretrained_tag(), "exporttest", seed, lora_targets=lora_targets, classes=classes)
 
 
 def rebuilt_model(run_path: Path, round_number: int = 2):

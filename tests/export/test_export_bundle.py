@@ -15,7 +15,6 @@ from export_helpers import NUM_CLASSES, rebuilt_model
 
 from edge_client.bundle import read_bundle
 from fedmvp_apps.export_cli import main
-from export.run_inputs import run_federation
 from fedmvp.runs import RunDir
 
 LORA = [f"lora.block.attn.to_{t}.lora_{p}.weight" for t in "qkv" for p in "AB"]
@@ -36,7 +35,7 @@ def test_bundle_manifest_and_files(tiny_bundle, tiny_run):
     assert bundle.method["lora_rank"] == 4 and bundle.round == 2 and len(bundle.id) == 64  # the run recorded rank 4
     assert m["source"]["round"] == 2 and m["source"]["run"] == tiny_run.name
     assert m["model"]["clip"] == "fedmvp-tiny"
-    federation = run_federation(RunDir(tiny_run))
+    federation = RunDir(tiny_run).federation()
     base, new = (next(e.class_names for e in federation.evaluations if e.kind == k) for k in ("base", "new"))
     assert bundle.class_names == base + new and len(base) == 8 and len(new) == 4  # base first, then new
     assert bundle.preprocess.image_size == 32 and m["preprocess"]["resize"] == "bicubic-shortest-side"
@@ -170,7 +169,7 @@ def test_attributes_file_bakes_untrained_classes(tiny_run, tmp_path):
 
 
 def test_noise_images_only_fill_up_to_the_parity_minimum():
-    from export.bundle_writer import _topped_up
+    from export.run_inputs import topped_up as _topped_up
     from export.parity import MIN_IMAGES
 
     real = torch.ones(10, 3, 32, 32)

@@ -102,3 +102,30 @@ def test_deployment_resume_refuses_another_preset_and_accepts_the_original(prese
         deployment_settings({"run-dir": str(run.path), "preset": str(other)})
     preset_file.write_text(preset_file.read_text().replace("shots = 2", "shots = 1"))  # edited: a warning later
     assert deployment_settings({"run-dir": str(run.path), "preset": str(preset_file)}).run_dir == str(run.path)
+
+
+def test_the_run_records_its_whole_class_set(preset_file, tmp_path):
+    """RUN/classes.json (fedmvp/run_classes.py): the federation's base then new classes in the set's order,
+    each with its K phrases and sentence style, as the exporter bakes them in (docs/architecture.md)."""
+    from fedmvp.data.federation import load_federation
+    from fedmvp.run_classes import CLASSES_FILE
+    from fedmvp.runs import RunError
+
+    run = prepare_run(str(preset_file), str(tmp_path / "run"), None, False, "cpu")
+    preset, federation = load_federation(str(preset_file))
+    base, new = (next(e for e in federation.evaluations if e.kind == k) for k in ("base", "new"))
+    recorded = run.class_set()
+    assert [c.name for c in recorded] == base.class_names + new.class_names  # 4 base, then 2 new
+    assert all(list(c.phrases) == base.attributes.get(c.name, new.attributes.get(c.name))[:preset.train.num_attributes]
+               for c in recorded)
+    assert {c.style for c in recorded} == {base.style}
+    path = run.path / CLASSES_FILE
+    record = json.loads(path.read_text())
+    record["format_version"] = 99  # a newer fedmvp's record: refused, not misread
+    path.write_text(json.dumps(record))
+    with pytest.raises(RunError, match="classes.json: format_version 99"):
+        run.class_set()
+    path.unlink()
+    assert run.class_set() is None  # a run of an older fedmvp: its readers migrate
+    served = prepare_run(str(preset_file), str(tmp_path / "served"), None, False, "cpu", with_data=False)
+    assert served.class_set() is None  # no phrases without the data: the exporter migrates
