@@ -31,7 +31,7 @@ from typing import Any
 
 # The SuperExec auth (HMAC) guards AcquireTask: only the holder of the join's secret claims tasks.
 PROTECTED_METHODS = ("/flwr.proto.Runtime/AcquireTask",)
-POLL_SECONDS = 0.1  # between two AcquireTask calls while idle (Flower's SuperExec: 1 s)
+POLL_SECONDS = 0.2  # between two AcquireTask calls while idle (Flower's SuperExec: 1 s)
 EXIT_FLOWER_CHANGED = 3
 
 
