@@ -31,6 +31,7 @@ SECTIONS = {
     "train": "benchmarks.train",
     "comm": "benchmarks.comm",
     "flower": "benchmarks.flower",
+    "deploy": "benchmarks.deploy",
 }
 # single-purpose scripts folded in as subcommands (their own flags; `python -m benchmarks NAME --help`)
 SCRIPTS = {

@@ -17,7 +17,11 @@ _PROGRAMS: dict[str, Any] = {}
 
 
 def load_program(bundle: Bundle) -> GraphRunner:
-    """The bundle's training program as a `GraphRunner` (cached per file hash in this process)."""
+    """The bundle's training program as a `GraphRunner` (cached per file hash in this process).
+
+    The program holds no weights (each call passes weights.safetensors' tensors), so a refresh that
+    rewrites only the weights keeps it valid; an edge node's warm executor
+    (fedmvp_apps/deploy/warm_executor.py) therefore loads it once, not every round."""
     import torch
 
     path = bundle.file("training")
@@ -29,6 +33,7 @@ def load_program(bundle: Bundle) -> GraphRunner:
         except Exception as err:  # noqa: BLE001 - torch raises many kinds for a bad or too-new archive
             raise BundleError(f"{path}: cannot load the training program with torch {torch.__version__} "
                               f"({' '.join(str(err).split())[:300]})") from None
+        _PROGRAMS.clear()  # one program per process: a refresh that replaced the file drops the old one
         _PROGRAMS[key] = GraphRunner(module)
     return _PROGRAMS[key]
 

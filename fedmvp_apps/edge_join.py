@@ -2,9 +2,9 @@
 
 Everything is checked before the SuperNode starts (bundle verified and trainable, the local
 folder holds images of the bundle's classes, the held-out share is not empty, certificates
-exist); then the process becomes ``flower-supernode`` through the one SuperNode launch that
-`fedmvp join` uses too (``fedmvp_apps.deploy.supernode``), so signals, output and exit code are
-Flower's. The node config tells the federation's ClientApp (``node_app.client_app``) that
+exist); then ``flower-supernode`` starts through the one SuperNode launch that `fedmvp join` uses
+too (``fedmvp_apps.deploy.supernode``), with one warm process that runs every round's message, so
+the training program is loaded once, not every round. The node config tells the federation's ClientApp (``node_app.client_app``) that
 this node is an edge device and where its bundle and images are; each round it is asked, the
 device trains the global LoRA on its images (``edge_client.node``). Needs ``flwr`` and torch:
 ``pip install fedmvp[cpu,edge-join]`` (no open_clip, no peft, no training core).

@@ -1,25 +1,38 @@
 """The one SuperNode launch: `fedmvp join` (a site) and `edge-client join` (an edge device).
 
-Both become Flower's ``flower-supernode`` (exec: signals, exit code and output are Flower's from
-then on) with the same checks first (address, certificates, key), the same quiet environment and a
-free local port for the SuperNode's own API; only the node config differs (a site's
-``partition-id``, an edge device's ``role='edge'``, built by each command). This module imports
-neither ``fedmvp`` nor torch: an edge install (docs/architecture.md) has no training core.
+Both start Flower's ``flower-supernode`` with the same checks first (address, certificates, key),
+the same quiet environment and a free local port for the SuperNode's own Runtime API; only the node
+config differs (a site's ``partition-id``, an edge device's ``role='edge'``, built by each command).
+The SuperNode runs in ``--isolation process``: it starts no ClientApp process per message; the
+join's one warm executor (``warm_executor.py``) runs every message in one long-lived process, so a
+site loads CLIP and its data once (issue 24). The join supervises the two: Ctrl-C, the SuperNode
+ending or the executor dying stops both (an executor's death: one line, a non-zero exit).
+This module imports neither ``fedmvp`` nor torch: an edge install (docs/architecture.md) has no
+training core.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import NoReturn
 
 from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
 
 # Every deployed Flower process (SuperLink, SuperExec, SuperNodes): Flower quiet, and no model hub
 # download behind the operator's back (CLIP loads offline first, docs/architecture.md).
 QUIET_ENV = {**FLOWER_QUIET_ENV, "HF_HUB_OFFLINE": "1"}
+RUNTIME_HOST = "127.0.0.1"  # the SuperNode's Runtime API: only this machine's executor reaches it
+STOP_SECONDS = 15  # a stopped process's grace before it is killed
+EXECUTOR_MODULE = "fedmvp_apps.deploy.warm_executor"
 
 
 class LaunchError(RuntimeError):
@@ -67,13 +80,74 @@ def supernode_command(superlink: str, node_config: str, root_certificates: Path 
     if auth_key is not None and insecure:
         raise LaunchInputError("--auth-key needs TLS: drop --insecure and give --root-certificates")
     args = [executable("flower-supernode", install), "--superlink", superlink, "--node-config", node_config,
-            "--port", str(port or free_port())]
+            "--isolation", "process", "--host", RUNTIME_HOST, "--port", str(port or free_port())]
     args += ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
     if auth_key is not None:
         args += ["--auth-supernode-private-key", str(auth_key)]
     return args
 
 
-def become_supernode(args: list[str]) -> None:
-    """Become the SuperNode (exec): signals, exit code and output are Flower's own from here on."""
-    os.execve(args[0], args, {**os.environ, **QUIET_ENV})
+def become_supernode(args: list[str]) -> NoReturn:
+    """Run this node until it ends: the SuperNode ``args`` and the warm executor of its ClientApp
+    messages, both children of this process, stopped together; exits with the SuperNode's code
+    (1 where the executor died)."""
+    env = {**os.environ, **QUIET_ENV}
+    runtime = f"{RUNTIME_HOST}:{args[args.index('--port') + 1]}"
+    with tempfile.TemporaryDirectory(prefix="fedmvp-node-") as private:
+        secret = Path(private) / "superexec.secret"  # only this join's executor may claim the node's tasks
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(secrets.token_bytes(32))
+        supernode = subprocess.Popen([*args, "--superexec-auth-secret-file", str(secret)], env=env,
+                                     preexec_fn=_die_with_parent)
+        executor = subprocess.Popen([sys.executable, "-m", EXECUTOR_MODULE, "--runtime-api-address", runtime,
+                                     "--secret-file", str(secret), "--parent-pid", str(os.getpid())], env=env,
+                                    preexec_fn=_die_with_parent)
+        code = supervise(supernode, executor)
+    sys.exit(code)
+
+
+def supervise(supernode: subprocess.Popen, executor: subprocess.Popen) -> int:
+    """Wait until one of the two ends (or this process is told to stop), then stop the other."""
+    def stop_both(signum: int, _frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop_both)
+    try:
+        while True:
+            if supernode.poll() is not None:
+                _stop(executor)
+                return supernode.returncode
+            if executor.poll() is not None:
+                print(f"error: the ClientApp executor (pid {executor.pid}) exited with code {executor.returncode}; "
+                      f"stopping the SuperNode", file=sys.stderr, flush=True)
+                _stop(supernode)
+                return executor.returncode or 1
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        _stop(executor)
+        _stop(supernode)
+        return supernode.returncode if supernode.returncode and supernode.returncode > 0 else 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child (Linux): end when the join is killed outright, so nothing is left running."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass

@@ -58,3 +58,20 @@ def test_train_quick_rows_follow_the_plan(train_section: Section) -> None:
     assert all(_is_flat(r) for r in rows)
     assert len(train_section.goals) == 2
     json.dumps(train_section.to_json())
+
+
+@pytest.mark.timeout(900)
+def test_deploy_quick_runs_each_sites_messages_in_one_warm_process() -> None:
+    """A real TLS deployment (serve + 2 joins): every message of a site ran in one process, and the
+    steady round is measured against the same local training (issue 24 §5)."""
+    from benchmarks import deploy
+
+    section = deploy.run(Options(quick=True))
+    assert section.config["warm_processes_per_site"] == [1, 1]  # CLIP and the data index loaded once per site
+    assert all(tasks >= 3 for tasks in section.config["warm_tasks_per_site"])
+    assert section.config["warm_failed_tasks"] == 0
+    assert [r["kind"] for r in section.rows if r["runtime"] == "deployment (warm)"] == [
+        "first (start-up)", "steady", "last (final evaluation)"]
+    assert section.ratios["deploy_round_vs_local_train"] > 0
+    assert section.goals[0].target == "<= 1.3x"
+    json.dumps(section.to_json())
