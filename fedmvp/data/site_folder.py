@@ -55,8 +55,7 @@ def _class_folders(root: Path, classes: list[str], problems: list[str]) -> dict[
         return {}
     known = set(classes)
     found: dict[str, list[str]] = {}
-    entries = sorted(e for e in os.scandir(root) if not e.name.startswith("."))
-    for entry in sorted(entries, key=lambda e: e.name):
+    for entry in sorted((e for e in os.scandir(root) if not e.name.startswith(".")), key=lambda e: e.name):
         path = Path(entry.path)
         if not entry.is_dir():
             continue
