@@ -27,10 +27,10 @@ checked lazily (``ImageDataset``). Every failure is a one-line ``PresetError`` (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from fedmvp_formats.files import sha256_file
 
@@ -40,79 +40,16 @@ from fedmvp.data.dataset import is_readable
 from fedmvp.data.layouts import LayoutError, read_coop_split, read_imagefolder
 from fedmvp.data.federation_plan import (ClientPlan, DatasetPlan, EvalPlan, eval_set_name, plan_dataset,
                                          plan_federation)
+from fedmvp.data.federation_types import ClientData, EvalSet, Federation, relabel
 from fedmvp.data.sampling import dirichlet_label_skew, k_shot
-from fedmvp.data.catalog import (ClassPlan, Pool, align, class_plan, domain_images, names_file,
+from fedmvp.data.site_federation import build_named_site, build_sites
+from fedmvp.data.catalog import (ClassPlan, Pool, align, domain_images, names_file,
                                  preset_failure, source_pools, test_folder, world_root)
 from fedmvp.presets.schema import DatasetSpec, Preset, PresetError, load_preset, preset_path
 
 Sample = tuple[str, int]
 __all__ = ["ClientData", "EvalSet", "Federation", "build_federation", "build_site", "eval_set_name",
-           "load_federation", "load_site"]
-
-
-@dataclass
-class ClientData:
-    """One client: its own label space (labels 0..c-1), k-shot train set, local test set, phrases."""
-
-    client_id: int
-    name: str
-    dataset: str
-    domain: str | None
-    class_names: list[str]
-    train: list[Sample]
-    test: list[Sample]
-    attributes: dict[str, list[str]]
-    style: SentenceStyle
-    global_labels: list[int] = field(default_factory=list)  # dataset label of each own class
-
-
-@dataclass
-class EvalSet:
-    """A global-model test set: ``samples`` labelled in ``class_names``' space."""
-
-    kind: str  # "base" | "new" | "domain"
-    dataset: str
-    domain: str | None
-    class_names: list[str]
-    samples: list[Sample]
-    style: SentenceStyle
-    attributes: dict[str, list[str]] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return eval_set_name(self.dataset, self.kind, self.domain)
-
-
-@dataclass
-class Federation:
-    """Clients, evaluation sets and round sampling of one preset."""
-
-    clients: list[ClientData]
-    evaluations: list[EvalSet]
-    fraction_per_round: float
-    protocol: str
-    seed: int = 0
-    preset: Preset | None = field(default=None, repr=False)
-
-    @property
-    def clients_per_round(self) -> int:
-        return max(1, round(len(self.clients) * self.fraction_per_round))
-
-    def record(self) -> dict[str, Any]:
-        """What later readers of a run need of the federation (config.json), without building it."""
-        return {
-            "clients": [{"id": c.client_id, "name": c.name, "dataset": c.dataset, "domain": c.domain,
-                         "classes": list(c.class_names), "train_images": len(c.train), "test_images": len(c.test)}
-                        for c in self.clients],
-            "evaluations": [{"name": e.name, "kind": e.kind, "dataset": e.dataset, "domain": e.domain,
-                             "classes": list(e.class_names), "images": len(e.samples)} for e in self.evaluations],
-        }
-
-
-def _relabel(samples: list[Sample], labels: list[int]) -> list[Sample]:
-    """Samples of ``labels`` only, relabelled to positions in ``labels``."""
-    pos = {y: i for i, y in enumerate(labels)}
-    return [(p, pos[y]) for p, y in samples if y in pos]
+           "load_federation", "SiteRequest"]
 
 
 class _Attributes:
@@ -152,8 +89,8 @@ def _client(preset: Preset, spec: DatasetSpec, plan: ClassPlan, cp: ClientPlan, 
                          f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     own = list(cp.labels)
     return ClientData(client_id=cp.client_id, name=cp.name, dataset=spec.name, domain=cp.domain,
-                      class_names=list(cp.class_names), train=_relabel(picked, own),
-                      test=_relabel([s for p in sources for s in p.test], own),
+                      class_names=list(cp.class_names), train=relabel(picked, own),
+                      test=relabel([s for p in sources for s in p.test], own),
                       attributes=attrs.get(cp.domain, list(cp.class_names)),
                       style=SentenceStyle.for_domain(cp.domain, spec.name), global_labels=own)
 
@@ -179,7 +116,7 @@ def _drawn_clients(preset: Preset, spec: DatasetSpec, plan: ClassPlan, pools: li
             names = [plan.class_names[y] for y in own]
             clients.append(ClientData(
                 client_id=first_id + len(clients), name=f"{prefix}/dir-{j}", dataset=spec.name, domain=domain,
-                class_names=names, train=_relabel(share, own), test=_relabel(test, own),
+                class_names=names, train=relabel(share, own), test=relabel(test, own),
                 attributes=attrs.get(domain, names), style=SentenceStyle.for_domain(domain, spec.name),
                 global_labels=own))
     covered = {y for c in clients for y in c.global_labels}
@@ -206,7 +143,7 @@ def _eval_set(preset: Preset, spec: DatasetSpec, plan: ClassPlan, ev: EvalPlan, 
     else:
         samples = [s for p in pools([ev.domain], set(labels)) for s in p.test]
     names = list(ev.class_names)
-    return EvalSet(ev.kind, spec.name, ev.domain, names, _relabel(samples, labels),
+    return EvalSet(ev.kind, spec.name, ev.domain, names, relabel(samples, labels),
                    SentenceStyle.for_domain(ev.domain, spec.name), attrs.get(ev.domain, names))
 
 
@@ -238,8 +175,6 @@ def build_federation(preset: Preset) -> Federation:
     """Every planned client and evaluation set of ``preset`` materialised (reads all the data; renders
     the default world if needed): the simulation's and a central evaluation's federation."""
     if preset.federation is not None:
-        from fedmvp.data.site_federation import build_sites
-
         return build_sites(preset)
     clients: list[ClientData] = []
     evaluations: list[EvalSet] = []
@@ -324,8 +259,6 @@ def _federation(path: str, digest: str, site: SiteRequest | None) -> tuple[Prese
         if preset.federation is None:
             raise PresetError(f"{preset.path}: a site folder (--data) needs a [federation] preset; "
                               f"a [[datasets]] preset's site is chosen by --site N")
-        from fedmvp.data.site_federation import build_named_site
-
         return preset, build_named_site(preset, str(site.name), site.data, site.eval_fraction)
     if site.site is None:
         raise PresetError(f"{preset.path}: no site given (a site number, or a name and its folder)")

@@ -16,7 +16,7 @@ from pathlib import Path
 from fedmvp.attributes.files import AttributeFileError, load_attributes
 from fedmvp.attributes.sentences import SentenceStyle
 from fedmvp.data.dataset import is_readable
-from fedmvp.data.federation import ClientData, EvalSet, Federation, _relabel
+from fedmvp.data.federation_types import ClientData, EvalSet, Federation, relabel
 from fedmvp.data.federation_plan import ClientPlan, DatasetPlan, plan_federation
 from fedmvp.data.sampling import k_shot
 from fedmvp.data.site_folder import SiteFolderError, SiteImages, read_site_folder
@@ -32,11 +32,11 @@ def _materialise(preset: Preset, plan: DatasetPlan, cp: ClientPlan, images: Site
     style = SentenceStyle.for_domain(None, preset.name)
     names = [classes.class_names[y] for y in own]
     client = ClientData(client_id=cp.client_id, name=cp.name, dataset=preset.name, domain=cp.domain,
-                        class_names=names, train=_relabel(train, own), test=_relabel(images.test, own),
+                        class_names=names, train=relabel(train, own), test=relabel(images.test, own),
                         attributes={c: attributes[c] for c in names}, style=style, global_labels=own)
     sets = []
     for kind, labels in (("base", classes.trained), ("new", classes.new)):
-        samples = _relabel(images.test, labels)
+        samples = relabel(images.test, labels)
         if labels and samples:  # a set this site holds no image of is evaluated elsewhere
             set_names = [classes.class_names[y] for y in labels]
             sets.append(EvalSet(kind, preset.name, cp.domain, set_names, samples, style,
