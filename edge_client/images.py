@@ -17,15 +17,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from fedmvp_formats.image_folder import IMAGE_EXTENSIONS as EXTENSIONS
+
 # 100 MP is about 300 MB once decoded to RGB: bearable on a Jetson, and above most
 # camera photos (108/200 MP phone sensors need a higher `max_pixels`). Pillow's own bomb guard (Image.MAX_IMAGE_PIXELS, ~89 MP warns,
 # ~179 MP raises) still applies on top; we turn its error into ImageReadError too.
 DEFAULT_MAX_PIXELS = 100_000_000
 
-IMAGE_EXTENSIONS = frozenset(
-    {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp",
-     ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"}
-)
+IMAGE_EXTENSIONS = frozenset(EXTENSIONS)  # the one list: fedmvp_formats.image_folder
 
 _GLOB_CHARS = frozenset("*?[")
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from fedmvp_formats.image_folder import held_out, stable_order
+
 from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, is_image_path, iter_image_paths, load_image
 from edge_client.preprocess import PreprocessSpec, resize_crop_rgb
 from edge_client.train_options import TrainInputError
@@ -106,12 +108,9 @@ def _progress(items: list, progress: bool, desc: str) -> Any:
 
 
 def held_out_split(dataset: LocalDataset, fraction: float) -> tuple[LocalDataset, LocalDataset]:
-    """(train, evaluation) shares of ``dataset``: per class, the first ``ceil(fraction * n)`` files
-    in the order of their path's sha256 are held out (a class with one image keeps it for
-    training). Stable: the same folder gives the same split every round and on every restart."""
-    import hashlib
-    import math
-
+    """(train, evaluation) shares of ``dataset``: per class, ``fedmvp_formats.image_folder.held_out``
+    (by the sha256 of each path; a class with one image keeps it for training). Stable: the same
+    folder gives the same split every round and on every restart."""
     if not 0.0 < fraction < 1.0:
         raise TrainInputError(f"the held-out fraction must be in (0, 1), got {fraction}")
     by_class: dict[int, list[Path]] = {}
@@ -119,8 +118,9 @@ def held_out_split(dataset: LocalDataset, fraction: float) -> tuple[LocalDataset
         by_class.setdefault(label, []).append(path)
     train, held = LocalDataset(dataset.root, [], [], [], list(dataset.skipped)), LocalDataset(dataset.root, [], [], [])
     for label, paths in sorted(by_class.items()):
-        ordered = sorted(paths, key=lambda p: hashlib.sha256(str(p.relative_to(dataset.root)).encode()).hexdigest())
-        cut = math.ceil(fraction * len(ordered)) if len(ordered) > 1 else 0
+        by_name = {str(p.relative_to(dataset.root)): p for p in paths}
+        ordered = [by_name[n] for n in stable_order(by_name)]  # the one rule (fedmvp_formats.image_folder)
+        cut = len(held_out(by_name, fraction))
         for part, chosen in ((held, ordered[:cut]), (train, ordered[cut:])):
             part.files.extend(chosen)
             part.labels.extend([label] * len(chosen))

@@ -40,6 +40,7 @@ METRICS, IDENTITY = "metrics", "identity"
 ROUND, RUN_ID, PROMPTFORMER_DIGEST = "round", "run-id", "promptformer-digest"  # instruction and identity
 LR, PRESET, DEVICE, LORA_CLIENTS, SELECTED, PROMPTED = "lr", "preset", "device", "lora-clients", "selected", "prompted"
 PARTITION_ID, ROLE, BUNDLE_ID = "partition-id", "role", "bundle-id"
+SITE_NAME = "site-name"  # a [federation] site's name (`fedmvp join --name`): its identity and node config key
 REFRESHED, REFRESH_BYTES = "refreshed", "refresh-bytes"
 NUM_EXAMPLES, TRAIN_LOSS, TRAIN_CE, TRAIN_CONSISTENCY = "num-examples", "train-loss", "train-ce", "train-consistency"
 LORA_ACTIVE, SWITCH_NEXT, REFRESH_SECONDS = "lora-active", "switch-next", "refresh-seconds"
@@ -178,13 +179,14 @@ def _string(fields: Mapping[str, Any], key: str) -> str | None:
 # ---- who replies: the one identity record ---------------------------------------------------------------
 @dataclass(frozen=True)
 class Identity:
-    """A reply's identity: a site (``site``, its partition id) or an edge device (``site`` None; its
+    """A reply's identity: a site (``site``, its partition id; ``name`` too where sites are named) or an edge device (``site`` None; its
     bundle, the PromptFormer it holds, whether this round refreshed it and what that cost), for
     ``run_id`` and ``round``. The server checks it before using the reply and keeps it per node."""
 
     round: int
     run_id: str
     site: int | None = None
+    name: str | None = None  # a named site's name ([federation] presets; its site is its place among them)
     bundle_id: str | None = None
     promptformer_digest: str | None = None
     refreshed: bool = False
@@ -198,7 +200,8 @@ class Identity:
         """The ``identity`` record: a site's partition id, or role edge and (when it has synced a bundle)
         the bundle's id and digest, the refresh flag (0/1) and bytes; then round and run id."""
         if self.site is not None:
-            return {PARTITION_ID: self.site, ROUND: self.round, RUN_ID: self.run_id}
+            return {PARTITION_ID: self.site, ROUND: self.round, RUN_ID: self.run_id,
+                    **({SITE_NAME: self.name} if self.name is not None else {})}
         out: dict[str, Any] = {ROLE: EDGE, ROUND: self.round, RUN_ID: self.run_id}
         if self.bundle_id is not None:
             out |= {BUNDLE_ID: self.bundle_id, PROMPTFORMER_DIGEST: str(self.promptformer_digest),
@@ -209,7 +212,7 @@ class Identity:
 def read_identity(fields: Mapping[str, Any], run_id: str | None = None, round_number: int | None = None) -> Identity:
     """A reply's identity, every field checked (texts bounded, the flag 0 or 1, a byte count, a site an
     integer); with ``run_id`` and ``round_number``, also that the reply is of this run and round."""
-    for key in (RUN_ID, ROLE, BUNDLE_ID, PROMPTFORMER_DIGEST):
+    for key in (RUN_ID, ROLE, BUNDLE_ID, PROMPTFORMER_DIGEST, SITE_NAME):
         _text(fields, key)
     refreshed = _flag(fields, REFRESHED)
     refresh_bytes = fields.get(REFRESH_BYTES, 0)
@@ -227,7 +230,8 @@ def read_identity(fields: Mapping[str, Any], run_id: str | None = None, round_nu
     if not is_int(got) or (round_number is not None and got != round_number):
         raise MessageError(f"reply of round {shown(got)}" + (f", not of round {round_number}"
                                                              if round_number is not None else ""))
-    return Identity(round=got, run_id=str(fields.get(RUN_ID)), site=site, bundle_id=fields.get(BUNDLE_ID),
+    return Identity(round=got, run_id=str(fields.get(RUN_ID)), site=site,
+                    name=fields.get(SITE_NAME) if role == SITE else None, bundle_id=fields.get(BUNDLE_ID),
                     promptformer_digest=fields.get(PROMPTFORMER_DIGEST), refreshed=refreshed,
                     refresh_bytes=refresh_bytes)
 

@@ -135,8 +135,22 @@ def domain_images(spec: DatasetSpec, root: Path, domain: str) -> list[Sample]:
     return read_domainbed(root, domain).samples
 
 
-def source_pools(preset: Preset, spec: DatasetSpec, plan: ClassPlan, root: Path) -> list[Pool]:
-    """Training and local-test images per source domain, in the dataset's label space."""
+def source_pools(preset: Preset, spec: DatasetSpec, plan: ClassPlan, root: Path,
+                 domains: list[str | None] | None = None, labels: set[int] | None = None) -> list[Pool]:
+    """Training and local-test images per source domain, in the dataset's label space; ``domains`` and
+    ``labels`` keep only those (one site's pools: a synthetic world then lists only its class folders).
+    Every split below is per class, so a site's images are the same listed alone or among all."""
+    pools = _source_pools(preset, spec, plan, root, domains, labels)
+    if domains is not None:
+        pools = [p for p in pools if p.domain in domains]
+    if labels is not None:
+        pools = [Pool(p.domain, [s for s in p.train if s[1] in labels], [s for s in p.test if s[1] in labels])
+                 for p in pools]
+    return pools
+
+
+def _source_pools(preset: Preset, spec: DatasetSpec, plan: ClassPlan, root: Path,
+                  domains: list[str | None] | None, labels: set[int] | None) -> list[Pool]:
     if spec.layout == "imagefolder":
         classes = names_file(spec)
         train = align(read_imagefolder(spec.file_path(spec.train_split), classes), plan.class_names)
@@ -147,10 +161,13 @@ def source_pools(preset: Preset, spec: DatasetSpec, plan: ClassPlan, root: Path)
         return [Pool(spec.domain, read_coop_split(split, images, spec.train_split).samples,
                       read_coop_split(split, images, spec.test_split).samples)]
     pools = []
+    only = None if labels is None else {plan.class_names[y] for y in labels}
     for domain in spec.train_domains or [spec.domain or "photo"]:
+        if domains is not None and domain not in domains:
+            continue
         if spec.layout == "synthetic":
-            pools.append(Pool(domain, read_synthetic(root, domain, spec.train_split).samples,
-                               read_synthetic(root, domain, spec.test_split).samples))
+            pools.append(Pool(domain, read_synthetic(root, domain, spec.train_split, only).samples,
+                               read_synthetic(root, domain, spec.test_split, only).samples))
         else:
             rest, held = holdout_split(read_domainbed(root, domain).samples, spec.holdout_fraction,
                                        preset.seed)

@@ -27,10 +27,10 @@ checked lazily (``ImageDataset``). Every failure is a one-line ``PresetError`` (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Callable
 
 from fedmvp_formats.files import sha256_file
 
@@ -38,91 +38,18 @@ from fedmvp.attributes.files import AttributeFileError, load_attributes
 from fedmvp.attributes.sentences import SentenceStyle
 from fedmvp.data.dataset import is_readable
 from fedmvp.data.layouts import LayoutError, read_coop_split, read_imagefolder
-from fedmvp.data.partitions import contiguous_clients, groups_from_names, uncovered
+from fedmvp.data.federation_plan import (ClientPlan, DatasetPlan, EvalPlan, eval_set_name, plan_dataset,
+                                         plan_federation)
+from fedmvp.data.federation_types import ClientData, EvalSet, Federation, relabel
 from fedmvp.data.sampling import dirichlet_label_skew, k_shot
-from fedmvp.data.catalog import (ClassPlan, Pool, align, class_plan, domain_images, names_file,
+from fedmvp.data.site_federation import build_named_site, build_sites
+from fedmvp.data.catalog import (ClassPlan, Pool, align, domain_images, names_file,
                                  preset_failure, source_pools, test_folder, world_root)
-from fedmvp.presets.schema import DatasetSpec, Preset, load_preset, preset_path
+from fedmvp.presets.schema import DatasetSpec, Preset, PresetError, load_preset, preset_path
 
 Sample = tuple[str, int]
-DEFAULT_CLASSES_PER_CLIENT = {"base-to-new": 20, "ssmt": 5}
-
-
-@dataclass
-class ClientData:
-    """One client: its own label space (labels 0..c-1), k-shot train set, local test set, phrases."""
-
-    client_id: int
-    name: str
-    dataset: str
-    domain: str | None
-    class_names: list[str]
-    train: list[Sample]
-    test: list[Sample]
-    attributes: dict[str, list[str]]
-    style: SentenceStyle
-    global_labels: list[int] = field(default_factory=list)  # dataset label of each own class
-
-
-@dataclass
-class EvalSet:
-    """A global-model test set: ``samples`` labelled in ``class_names``' space."""
-
-    kind: str  # "base" | "new" | "domain"
-    dataset: str
-    domain: str | None
-    class_names: list[str]
-    samples: list[Sample]
-    style: SentenceStyle
-    attributes: dict[str, list[str]] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return eval_set_name(self.dataset, self.kind, self.domain)
-
-
-@dataclass
-class Federation:
-    """Clients, evaluation sets and round sampling of one preset."""
-
-    clients: list[ClientData]
-    evaluations: list[EvalSet]
-    fraction_per_round: float
-    protocol: str
-    seed: int = 0
-    preset: Preset | None = field(default=None, repr=False)
-
-    @property
-    def clients_per_round(self) -> int:
-        return max(1, round(len(self.clients) * self.fraction_per_round))
-
-    def record(self) -> dict[str, Any]:
-        """What later readers of a run need of the federation (config.json), without building it."""
-        return {
-            "clients": [{"id": c.client_id, "name": c.name, "dataset": c.dataset, "domain": c.domain,
-                         "classes": list(c.class_names), "train_images": len(c.train), "test_images": len(c.test)}
-                        for c in self.clients],
-            "evaluations": [{"name": e.name, "kind": e.kind, "dataset": e.dataset, "domain": e.domain,
-                             "classes": list(e.class_names), "images": len(e.samples)} for e in self.evaluations],
-        }
-
-
-def eval_set_name(dataset: str, kind: str, domain: str | None) -> str:
-    """The name an evaluation set travels under (run record, assignment to sites)."""
-    return f"{dataset}/{kind}" + (f"/{domain}" if domain else "")
-
-
-def client_name(preset: Preset, spec: DatasetSpec, domain: str | None, groups: int, j: int) -> str:
-    """The name of class group ``j`` of ``groups`` in ``domain`` (None: mixed domains)."""
-    prefix = spec.name + (f"/{domain}" if spec.train_domains and domain else "")
-    kind = "base" if preset.protocol == "base-to-new" else "part"
-    return prefix if preset.protocol == "msst" and groups == 1 else f"{prefix}/{kind}-{j}"
-
-
-def _relabel(samples: list[Sample], labels: list[int]) -> list[Sample]:
-    """Samples of ``labels`` only, relabelled to positions in ``labels``."""
-    pos = {y: i for i, y in enumerate(labels)}
-    return [(p, pos[y]) for p, y in samples if y in pos]
+__all__ = ["ClientData", "EvalSet", "Federation", "build_federation", "build_site", "eval_set_name",
+           "load_federation", "SiteRequest"]
 
 
 class _Attributes:
@@ -149,68 +76,49 @@ class _Attributes:
         return {c: self.cache[path][c] for c in classes}
 
 
-def class_groups(preset: Preset, spec: DatasetSpec, plan: ClassPlan) -> list[list[int]]:
-    if spec.clients is not None:
-        groups = groups_from_names(spec.clients, plan.class_names)
-        extra = [plan.class_names[y] for g in groups for y in g if y not in set(plan.trained)]
-        if extra:
-            raise ValueError(f"clients name classes that are not trained (new/unused): {', '.join(extra[:5])}")
-    else:
-        per = spec.classes_per_client or DEFAULT_CLASSES_PER_CLIENT.get(preset.protocol, len(plan.trained))
-        groups = contiguous_clients(plan.trained, per, spec.num_clients)
-    missing = uncovered(plan.trained, groups)
+def _client(preset: Preset, spec: DatasetSpec, plan: ClassPlan, cp: ClientPlan, pools: list[Pool],
+            attrs: _Attributes) -> ClientData:
+    """One planned client materialised: ``shots`` per class from each source pool, seeded by its id."""
+    sources = [p for p in pools if p.domain in cp.sources]
+    picked = [s for p in sources for s in k_shot([x for x in p.train if x[1] in set(cp.labels)],
+                                                   preset.train.shots, cp.seed, keep=is_readable)]
+    have = {y for _, y in picked}
+    missing = [plan.class_names[y] for y in cp.labels if y not in have]
     if missing:
-        raise ValueError(f"{len(missing)} classes are in no client: "
-                         f"{', '.join(plan.class_names[y] for y in missing[:5])}"
-                         f"{' ...' if len(missing) > 5 else ''}")
-    return groups
+        raise ValueError(f"{len(missing)} classes are in no client (no readable training images): "
+                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    own = list(cp.labels)
+    return ClientData(client_id=cp.client_id, name=cp.name, dataset=spec.name, domain=cp.domain,
+                      class_names=list(cp.class_names), train=relabel(picked, own),
+                      test=relabel([s for p in sources for s in p.test], own),
+                      attributes=attrs.get(cp.domain, list(cp.class_names)),
+                      style=SentenceStyle.for_domain(cp.domain, spec.name), global_labels=own)
 
 
-def _clients(preset: Preset, spec: DatasetSpec, plan: ClassPlan, pools: list[Pool],
-             attrs: _Attributes, first_id: int) -> list[ClientData]:
-    """One client set per pool (source domain), or one over all pools with ``mix_domains``."""
-    shots = preset.train.shots
-    trained = set(plan.trained)
-    groups = None if spec.dirichlet_alpha is not None else class_groups(preset, spec, plan)
+def _drawn_clients(preset: Preset, spec: DatasetSpec, plan: ClassPlan, pools: list[Pool],
+                   attrs: _Attributes, first_id: int) -> list[ClientData]:
+    """``dirichlet_alpha``: the k-shot set of the base classes split over clients with Dir(alpha)
+    label proportions; the clients come from the images, so they cannot be planned without them."""
     pool_sets = [pools] if spec.mix_domains and len(pools) > 1 else [[p] for p in pools]
     clients: list[ClientData] = []
-
-    by_class: dict[int, dict[int, list[Sample]]] = {}  # id(pool) -> label -> samples (ImageNet: 1.3M)
-    for p in pools:
-        by_class[id(p)] = {}
-        for s in p.train:
-            by_class[id(p)].setdefault(s[1], []).append(s)
-
-    def pick(members: set[int], seed: int, sources: list[Pool]) -> list[Sample]:
-        """k shots per class from each source (so per class and domain when mixed)."""
-        return [s for p in sources for s in k_shot(
-            [x for y in sorted(members) for x in by_class[id(p)].get(y, [])], shots, seed, keep=is_readable)]
-
     for sources in pool_sets:
         domain = sources[0].domain if len(sources) == 1 else None
-        prefix = spec.name + (f"/{domain}" if spec.train_domains and domain else "")  # dirichlet parts
+        prefix = spec.name + (f"/{domain}" if spec.train_domains and domain else "")
+        picked = [s for p in sources for s in k_shot([x for x in p.train if x[1] in set(plan.trained)],
+                                                       preset.train.shots, preset.seed + first_id + len(clients),
+                                                       keep=is_readable)]
+        shares = dirichlet_label_skew(picked, spec.num_clients, spec.dirichlet_alpha, preset.seed)
         test = [s for p in sources for s in p.test]
-        if groups is None:
-            picked = pick(trained, preset.seed + first_id + len(clients), sources)
-            shares = dirichlet_label_skew(picked, spec.num_clients, spec.dirichlet_alpha, preset.seed)
-            parts = [(f"{prefix}/dir-{j}", sorted({y for _, y in s}), s) for j, s in enumerate(shares)]
-        else:
-            parts = []
-            for j, group in enumerate(groups):
-                picked = pick(set(group), preset.seed + first_id + len(clients) + j, sources)
-                have = {y for _, y in picked}
-                parts.append((client_name(preset, spec, domain, len(groups), j), [y for y in group if y in have],
-                              picked))
-        for name, own, picked in parts:
+        for j, share in enumerate(shares):
+            own = sorted({y for _, y in share})
             if not own:
                 continue
             names = [plan.class_names[y] for y in own]
             clients.append(ClientData(
-                client_id=first_id + len(clients), name=name,
-                dataset=spec.name, domain=domain, class_names=names,
-                train=_relabel(picked, own), test=_relabel(test, own),
-                attributes=attrs.get(domain, names),
-                style=SentenceStyle.for_domain(domain, spec.name), global_labels=own))
+                client_id=first_id + len(clients), name=f"{prefix}/dir-{j}", dataset=spec.name, domain=domain,
+                class_names=names, train=relabel(share, own), test=relabel(test, own),
+                attributes=attrs.get(domain, names), style=SentenceStyle.for_domain(domain, spec.name),
+                global_labels=own))
     covered = {y for c in clients for y in c.global_labels}
     missing = [plan.class_names[y] for y in plan.trained if y not in covered]
     if missing:
@@ -219,62 +127,116 @@ def _clients(preset: Preset, spec: DatasetSpec, plan: ClassPlan, pools: list[Poo
     return clients
 
 
-def _eval(kind: str, spec: DatasetSpec, plan: ClassPlan, labels: list[int], samples: list[Sample],
-          domain: str | None, attrs: _Attributes) -> EvalSet:
-    names = [plan.class_names[y] for y in labels]
-    return EvalSet(kind, spec.name, domain, names, _relabel(samples, labels),
-                   SentenceStyle.for_domain(domain, spec.name), attrs.get(domain, names))
-
-
-def _evaluations(preset: Preset, spec: DatasetSpec, plan: ClassPlan, pools: list[Pool], root: Path,
-                 attrs: _Attributes) -> list[EvalSet]:
-    sets: list[EvalSet] = []
-    if spec.role == "test":
-        if spec.layout in ("synthetic", "domainbed"):
-            for d in spec.test_domains or [spec.domain or "photo"]:
-                sets.append(_eval(spec.eval_kind, spec, plan, plan.used,
-                                  domain_images(spec, root, d), d, attrs))
-        elif spec.layout == "imagefolder":
-            images = read_imagefolder(test_folder(spec), names_file(spec))
-            sets.append(_eval(spec.eval_kind, spec, plan, plan.used, align(images, plan.class_names),
-                              spec.domain, attrs))
+def _eval_set(preset: Preset, spec: DatasetSpec, plan: ClassPlan, ev: EvalPlan, root: Path,
+              pools: Callable[[list[str | None], set[int]], list[Pool]], attrs: _Attributes) -> EvalSet:
+    """One planned evaluation set materialised (a held-out domain, a test dataset, or a training
+    domain's test split restricted to the set's classes)."""
+    labels = list(ev.labels)
+    if spec.role == "test" and spec.layout not in ("synthetic", "domainbed"):
+        if spec.layout == "imagefolder":
+            samples = align(read_imagefolder(test_folder(spec), names_file(spec)), plan.class_names)
         else:
             samples = read_coop_split(spec.file_path(spec.split_file), spec.file_path(spec.image_dir),
                                       spec.test_split).samples
-            sets.append(_eval(spec.eval_kind, spec, plan, plan.used, samples, spec.domain, attrs))
-        return sets
-    # Base (and New) on the test split of every training domain; evaluate_global averages them.
-    for pool in pools:
-        if preset.protocol in ("base-to-new", "ssmt"):
-            sets.append(_eval("base", spec, plan, plan.trained, pool.test, pool.domain, attrs))
-        if preset.protocol == "base-to-new" and plan.new:
-            sets.append(_eval("new", spec, plan, plan.new, pool.test, pool.domain, attrs))
-    for d in spec.test_domains:
-        sets.append(_eval("domain", spec, plan, plan.used,
-                          domain_images(spec, root, d), d, attrs))
-    return sets
+    elif spec.role == "test" or ev.kind == "domain":
+        samples = domain_images(spec, root, ev.domain)
+    else:
+        samples = [s for p in pools([ev.domain], set(labels)) for s in p.test]
+    names = list(ev.class_names)
+    return EvalSet(ev.kind, spec.name, ev.domain, names, relabel(samples, labels),
+                   SentenceStyle.for_domain(ev.domain, spec.name), attrs.get(ev.domain, names))
+
+
+class _Dataset:
+    """One dataset's plan and the means to read its images (pools listed once, or per site)."""
+
+    def __init__(self, preset: Preset, plan: DatasetPlan, whole: bool) -> None:
+        self.preset, self.plan, self.spec = preset, plan, plan.spec
+        spec = self.spec
+        self.root = world_root(spec) if spec.layout == "synthetic" else spec.root_path()
+        self.attrs = _Attributes(preset, spec, self.root, [plan.classes.class_names[y] for y in plan.classes.used])
+        self._all = source_pools(preset, spec, plan.classes, self.root) if whole and spec.role == "train" else None
+
+    def pools(self, domains: list[str | None], labels: set[int]) -> list[Pool]:
+        if self._all is not None:  # every client of the federation: listed once, filtered per client
+            return [Pool(p.domain, [s for s in p.train if s[1] in labels], [s for s in p.test if s[1] in labels])
+                    for p in self._all if p.domain in domains]
+        return source_pools(self.preset, self.spec, self.plan.classes, self.root, domains, labels)
+
+    def client(self, cp: ClientPlan) -> ClientData:
+        return _client(self.preset, self.spec, self.plan.classes, cp, self.pools(list(cp.sources), set(cp.labels)),
+                       self.attrs)
+
+    def evaluation(self, ev: EvalPlan) -> EvalSet:
+        return _eval_set(self.preset, self.spec, self.plan.classes, ev, self.root, self.pools, self.attrs)
 
 
 def build_federation(preset: Preset) -> Federation:
-    """Clients and evaluation sets of ``preset`` (reads the data; renders the default world if needed)."""
+    """Every planned client and evaluation set of ``preset`` materialised (reads all the data; renders
+    the default world if needed): the simulation's and a central evaluation's federation."""
+    if preset.federation is not None:
+        return build_sites(preset)
     clients: list[ClientData] = []
     evaluations: list[EvalSet] = []
     for spec in preset.datasets:
         try:
-            plan = class_plan(preset, spec)
-            root = world_root(spec) if spec.layout == "synthetic" else spec.root_path()
-            attrs = _Attributes(preset, spec, root, [plan.class_names[y] for y in plan.used])
-            pools = source_pools(preset, spec, plan, root) if spec.role == "train" else []
-            if spec.role == "train":
-                clients += _clients(preset, spec, plan, pools, attrs, len(clients))
-            evaluations += _evaluations(preset, spec, plan, pools, root, attrs)
+            data = _Dataset(preset, plan_dataset(preset, spec, len(clients)), whole=True)
+            if data.plan.drawn:
+                clients += _drawn_clients(preset, spec, data.plan.classes, data._all, data.attrs, len(clients))
+            clients += [data.client(cp) for cp in data.plan.clients]
+            evaluations += [data.evaluation(ev) for ev in data.plan.evaluations]
         except (LayoutError, AttributeFileError, ValueError, OSError) as exc:
             raise preset_failure(preset, spec, exc) from None
     return Federation(clients, evaluations, preset.train.fraction_fit, preset.protocol, preset.seed, preset)
 
 
-def load_federation(name_or_path: str) -> tuple[Preset, Federation]:
-    """The preset and its federation, built ONCE per process and preset file content.
+def build_site(preset: Preset, site: int) -> Federation:
+    """ONE site of a paper preset materialised: its client and the evaluation sets assigned to it
+    (``evaluation_sites`` of the plan). Only its own classes are listed and drawn, with the seed it
+    has among all, so its shots equal ``build_federation``'s. A drawn (Dirichlet) cut needs them all."""
+    from fedmvp.federated.metrics import evaluation_sites
+
+    plans = plan_federation(preset)
+    if any(p.drawn for p in plans):
+        whole = build_federation(preset)
+        return Federation([c for c in whole.clients if c.client_id == site], whole.evaluations,
+                          whole.fraction_per_round, whole.protocol, whole.seed, preset)
+    record = {"clients": [c.record() for p in plans for c in p.clients],
+              "evaluations": [e.record() for p in plans for e in p.evaluations]}
+    if site not in {c["id"] for c in record["clients"]}:
+        raise PresetError(f"{preset.path}: no site {site} (the preset has {len(record['clients'])} sites: "
+                          f"0..{len(record['clients']) - 1})")
+    assigned = {name for name, s in evaluation_sites(record).items() if s == site}
+    clients: list[ClientData] = []
+    evaluations: list[EvalSet] = []
+    for plan in plans:
+        mine = [c for c in plan.clients if c.client_id == site]
+        sets = [e for e in plan.evaluations if e.name in assigned]
+        if not (mine or sets):
+            continue
+        try:
+            data = _Dataset(preset, plan, whole=False)
+            clients += [data.client(cp) for cp in mine]
+            evaluations += [data.evaluation(ev) for ev in sets]
+        except (LayoutError, AttributeFileError, ValueError, OSError) as exc:
+            raise preset_failure(preset, plan.spec, exc) from None
+    return Federation(clients, evaluations, preset.train.fraction_fit, preset.protocol, preset.seed, preset)
+
+
+@dataclass(frozen=True)
+class SiteRequest:
+    """Which ONE site a process materialises: a paper preset's ``site`` (its partition id), or a
+    [federation] site by ``name`` from its ``data`` folder (``eval_fraction`` overrides the preset's)."""
+
+    site: int | None = None
+    name: str | None = None
+    data: str | None = None
+    eval_fraction: float | None = None
+
+
+def load_federation(name_or_path: str, site: SiteRequest | None = None) -> tuple[Preset, Federation]:
+    """The preset and its federation (``site``: only that site's part), built ONCE per process and
+    preset file content.
 
     Listing a dataset and drawing (and verifying) every client's k-shot set is the costly part
     of starting; the run preparation, the ServerApp, evaluation, export and the demo all ask for
@@ -285,10 +247,21 @@ def load_federation(name_or_path: str) -> tuple[Preset, Federation]:
         digest = sha256_file(path)
     except OSError:
         digest = ""  # load_preset reports the unreadable file in one line
-    return _federation(str(path), digest)
+    return _federation(str(path), digest, site)
 
 
 @lru_cache(maxsize=4)
-def _federation(path: str, digest: str) -> tuple[Preset, Federation]:
-    preset = load_preset(path)
-    return preset, build_federation(preset)
+def _federation(path: str, digest: str, site: SiteRequest | None) -> tuple[Preset, Federation]:
+    preset = load_preset(path, check_roots=site is None)
+    if site is None:
+        return preset, build_federation(preset)
+    if site.data is not None:
+        if preset.federation is None:
+            raise PresetError(f"{preset.path}: a site folder (--data) needs a [federation] preset; "
+                              f"a [[datasets]] preset's site is chosen by --site N")
+        return preset, build_named_site(preset, str(site.name), site.data, site.eval_fraction)
+    if site.site is None:
+        raise PresetError(f"{preset.path}: no site given (a site number, or a name and its folder)")
+    if preset.federation is not None:
+        raise PresetError(f"{preset.path}: a [federation] site brings its folder (fedmvp join --data DIR --name NAME)")
+    return preset, build_site(preset, site.site)

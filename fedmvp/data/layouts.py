@@ -39,11 +39,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The files the edge client promises to read (edge_client.images.IMAGE_EXTENSIONS): training reads the
-# same, so a site's folder trains as it classifies. The packages may not import each other;
-# tests/test_data_layouts.py keeps the two lists equal.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp",
-                    ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm")
+from fedmvp_formats.image_folder import IMAGE_EXTENSIONS
+
 
 PathLike = str | os.PathLike
 
@@ -77,7 +74,7 @@ class LabelledImages:
         return LabelledImages(samples, [self.class_names[y] for y in labels], self.domain)
 
 
-def _images_under(folder: Path) -> list[str]:
+def images_under(folder: Path) -> list[str]:
     """Image files below ``folder`` (recursively, like torchvision), sorted for stable order."""
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
@@ -169,7 +166,7 @@ def read_imagefolder(root: PathLike, class_names_file: PathLike | None = None,
     root = Path(root)
     folders, names = imagefolder_classes(root, class_names_file)
     samples = [(p, label) for label, folder in enumerate(folders)
-               for p in _images_under(root / folder)]
+               for p in images_under(root / folder)]
     _report_empty(root, folders, samples)
     return LabelledImages(samples, names, domain)
 
@@ -251,7 +248,7 @@ def read_domainbed(root: PathLike, domain: str) -> LabelledImages:
     if domain not in domains:
         raise LayoutError(f"{root}: no domain {domain!r} (has {', '.join(domains) or 'none'})")
     classes = domainbed_classes(root)
-    samples = [(p, label) for label, c in enumerate(classes) for p in _images_under(root / domain / c)]
+    samples = [(p, label) for label, c in enumerate(classes) for p in images_under(root / domain / c)]
     _report_empty(root / domain, classes, samples)
     return LabelledImages(samples, classes, domain)
 
@@ -272,8 +269,9 @@ def read_world_meta(root: PathLike) -> dict:
     return meta
 
 
-def read_synthetic(root: PathLike, domain: str, split: str) -> LabelledImages:
-    """``root/<domain>/<split>`` of the synthetic world, labelled in world.json's class order."""
+def read_synthetic(root: PathLike, domain: str, split: str, only: set[str] | None = None) -> LabelledImages:
+    """``root/<domain>/<split>`` of the synthetic world, labelled in world.json's class order
+    (``only``: just these classes' folders are listed, one site's)."""
     root = Path(root)
     meta = read_world_meta(root)
     if domain not in meta.get("domains", []):
@@ -285,8 +283,8 @@ def read_synthetic(root: PathLike, domain: str, split: str) -> LabelledImages:
     unknown = [c for c in present if c not in label_of]
     if unknown:
         raise LayoutError(f"{folder}: class folders not in world.json: {', '.join(unknown[:5])}")
-    samples = [(p, label_of[c]) for c in sorted(present, key=label_of.__getitem__)
-               for p in _images_under(folder / c)]
+    samples = [(p, label_of[c]) for c in sorted(present, key=label_of.__getitem__) if only is None or c in only
+               for p in images_under(folder / c)]
     return LabelledImages(samples, names, domain)
 
 

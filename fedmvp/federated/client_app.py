@@ -18,7 +18,10 @@ from flwr.clientapp import ClientApp
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity
 
+from fedmvp.data.federation import SiteRequest
+from fedmvp.data.site_federation import site_id
 from fedmvp.federated.evaluation import site_counts
+from fedmvp.presets.schema import load_preset
 from fedmvp.federated.task import LocalSettings, local_train, task_context
 from fedmvp.federated.wire import content_instruction, record_to_torch, torch_record
 from fedmvp.model import FedMVPConfig
@@ -32,11 +35,23 @@ def _threads() -> None:
         torch.set_num_threads(threads)
 
 
-def _site(context: Context) -> int:
-    if "partition-id" not in context.node_config:
+def _site(context: Context, preset: str) -> tuple[int, str | None, SiteRequest]:
+    """This node's site id, its name (a [federation] site) and what of the data it builds: a paper
+    preset's partition (``partition-id``), or a named site's own folder (``site-name``, ``data``)."""
+    config = context.node_config
+    if schema.SITE_NAME in config:
+        name = str(config[schema.SITE_NAME])
+        fraction = config.get("eval-fraction")
+        request = SiteRequest(name=name, data=str(config.get("data", "")),
+                              eval_fraction=None if fraction is None else float(fraction))
+        return site_id(load_preset(preset, check_roots=False), name), name, request
+    if "partition-id" not in config:
         raise RuntimeError("this SuperNode has no partition-id: start it with `fedmvp join --site N` "
                            "(or flower-supernode --node-config \"partition-id=N\"; N: its site, 0-based)")
-    return int(context.node_config["partition-id"])
+    site = int(config["partition-id"])
+    if "num-partitions" in config:  # the simulation engine's node: every site's data on this machine,
+        return site, None, None     # one federation built once per worker (its sites share it)
+    return site, None, SiteRequest(site=site)
 
 
 def _device(device: str | None) -> str:
@@ -53,15 +68,15 @@ def _reply(msg: Message, identity: Identity, metrics: dict, arrays: ArrayRecord 
 def train(msg: Message, context: Context) -> Message:
     _threads()
     instruction = content_instruction(msg.content)
-    client_id = _site(context)
+    preset = str(context.node_config.get("preset", instruction.need("preset")))
+    client_id, name, request = _site(context, preset)
     # Which site, run and round this reply belongs to: the server checks it before using the reply.
-    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id)
+    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)
     if instruction.selected is not None and client_id not in instruction.selected:  # None: every node asked trains
         metrics = schema.train_metrics(0, 0.0, ce=0.0, consistency=0.0, lora_active=0, switch_next=0)
         return _reply(msg, identity, metrics, ArrayRecord())
-    preset = str(context.node_config.get("preset", instruction.need("preset")))
     method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
-    ctx = task_context(preset, method, _device(instruction.device))
+    ctx = task_context(preset, method, _device(instruction.device), request)
     client = ctx.client(client_id)
     lora_active = client_id in instruction.need("lora-clients")
     result = local_train(ctx, client, record_to_torch(msg.content[schema.ARRAYS]), instruction.round,
@@ -77,11 +92,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     assigned to it, on its own data; only the counts go back."""
     _threads()
     instruction = content_instruction(msg.content)
-    client_id = _site(context)
-    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id)
     preset = str(context.node_config.get("preset", instruction.need("preset")))
+    client_id, name, request = _site(context, preset)
+    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)
     method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
-    ctx = task_context(preset, method, _device(instruction.device))
+    ctx = task_context(preset, method, _device(instruction.device), request)
     state = record_to_torch(msg.content[schema.ARRAYS]) if instruction.prompted else None
     counts = site_counts(ctx, client_id, state, instruction.need("assignment"))
     return _reply(msg, identity, schema.count_metrics(counts))

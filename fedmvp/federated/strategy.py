@@ -109,6 +109,8 @@ def _reply_record(node: int, verdict, metrics: dict, identity: Identity) -> dict
                    "refresh_bytes": identity.refresh_bytes}
     else:
         record["site"] = verdict.site
+        if identity.name is not None:
+            record["name"] = identity.name
     if verdict.clipped_from is not None:
         record["clipped_from"] = verdict.clipped_from
     return record

@@ -2,7 +2,7 @@
 
 A worker process (a Ray actor in simulation, a SuperNode in deployment, the ServerApp's own
 process for evaluation) builds ONE context per (preset, method, device): the frozen CLIP is
-loaded once, the federation's data is indexed once (``load_federation``), images and frozen
+loaded once, the federation's data (a site's process: its own) is indexed once (``load_federation``), images and frozen
 consistency targets are cached, attribute text features are computed once per class set.
 The model is built from the run's method record (``FedMVPConfig``) by ``FedMVP.build``, the same
 seed-CLIP-method sequence as ``FedMVP.from_run``, never from defaults.
@@ -103,16 +103,17 @@ class TaskContext:
         raise KeyError(f"no client {client_id} in this federation ({len(self.federation.clients)} clients)")
 
 
-def task_context(preset_path: str, method: FedMVPConfig, device: str = "cpu") -> TaskContext:
-    """The process's context for this preset and method (built on first use)."""
-    return _task_context(preset_path, json.dumps(method.to_dict(), sort_keys=True), device)
+def task_context(preset_path: str, method: FedMVPConfig, device: str = "cpu", site=None) -> TaskContext:
+    """The process's context for this preset and method (built on first use); ``site`` (a
+    ``SiteRequest``): only that site's data is built (a site's process), else the whole federation."""
+    return _task_context(preset_path, json.dumps(method.to_dict(), sort_keys=True), device, site)
 
 
 @lru_cache(maxsize=2)
-def _task_context(preset_path: str, method_json: str, device: str) -> TaskContext:
+def _task_context(preset_path: str, method_json: str, device: str, site) -> TaskContext:
     from fedmvp.data.federation import load_federation
 
-    preset, federation = load_federation(preset_path)
+    preset, federation = load_federation(preset_path, site)
     model = FedMVP.build(preset.model.clip, preset.model.pretrained, FedMVPConfig.from_dict(json.loads(method_json)),
                          preset.seed, device)  # the one rebuild's first half (FedMVP.from_run adds a round)
     return TaskContext(preset=preset, federation=federation, clip=model.clip_info, model=model,

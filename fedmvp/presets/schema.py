@@ -71,7 +71,8 @@ class TrainSpec:
     rounds: int = _help("federated rounds")
     local_epochs: int = _help("local epochs per round (one step per batch)", 1)
     batch_size: int = _help("local mini-batch size", 128)
-    shots: int = _help("training images per class per client (k-shot, sampled once)", 8)
+    shots: int | None = _help("training images per class per client (k-shot, sampled once); default 8 with "
+                              "[[datasets]], unset with [federation]: a site trains on all its images", None)
     lr: float = _help("SGD learning rate (cosine decay over the rounds)", 0.003)
     momentum: float = _help("SGD momentum", 0.9)
     weight_decay: float = _help("SGD weight decay", 1e-5)
@@ -130,11 +131,41 @@ class DatasetSpec:
 
 
 @dataclass
+class FederationSpec:
+    """A federation defined by its class set, not by datasets: real sites bring their own folders
+    (docs/architecture.md "Sites that hold their own data")."""
+
+    attributes: str = _help("the class set: every class of this attribute JSON {class: [phrases]}, relative "
+                            "to the preset file; its order is the federation's class order")
+    new_classes: list[str] = _help("classes held out: never trained on anywhere, evaluated where sites hold "
+                                   "them", [])
+    eval_fraction: float = _help("share of each class a site keeps for evaluation (a stable split by file "
+                                 "name); a site folder with train/ and test/ uses those instead", 0.2)
+    base_dir: Path = field(default=Path("."), repr=False, metadata={"internal": True})
+
+    def attributes_path(self) -> Path:
+        return expand_path(self.attributes, self.base_dir)
+
+
+@dataclass
+class SiteSpec:
+    """A site of a [federation] preset for `fedmvp train` on one machine (the simulation): its folder."""
+
+    name: str = _help("the site's name (its identity in every reply; `fedmvp join --name`)")
+    data: str = _help("the site's folder DIR/<class>/<image> (or DIR/train + DIR/test), relative to the "
+                      "preset file; '' (a deployment's preset): the site brings it (`fedmvp join --data`)", "")
+    base_dir: Path = field(default=Path("."), repr=False, metadata={"internal": True})
+
+    def data_path(self) -> Path:
+        return expand_path(self.data, self.base_dir)
+
+
+@dataclass
 class Preset:
     """A whole experiment: protocol, model, training settings and datasets."""
 
     name: str = _help("preset name (default: the file name)")
-    protocol: str = _help(f"one of {', '.join(PROTOCOLS)}")
+    protocol: str = _help(f"one of {', '.join(PROTOCOLS)} (with [[datasets]]; a [federation] is base-to-new)", "")
     seed: int = _help("seed for k-shot sampling and partitions", 0)
     description: str = _help("free text", "")
     base_dir: str = _help("folder relative dataset roots are taken from (default: this file's folder); "
@@ -143,6 +174,9 @@ class Preset:
     train: TrainSpec = _help("[train] table", None)
     server: ServerSpec = _help("[server] table", None)
     datasets: list[DatasetSpec] = _help("[[datasets]] tables", [])
+    federation: FederationSpec | None = _help("[federation] table: the federation by its class set "
+                                              "(instead of [[datasets]])", None)
+    sites: list[SiteSpec] = _help("[[sites]] tables: the [federation]'s site folders for a simulation", [])
     path: Path | None = field(default=None, metadata={"internal": True})
     raw: dict = field(default_factory=dict, repr=False, metadata={"internal": True})
 
@@ -188,11 +222,11 @@ def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = Non
     hints = typing.get_type_hints(cls)
     allowed = [f for f in fields(cls) if not f.metadata.get("internal")
                and not (isinstance(hints[f.name], type) and hints[f.name] in (ModelSpec, TrainSpec, ServerSpec))
-               and f.name != "datasets"]
+               and f.name not in ("datasets", "federation", "sites")]
     names = [f.name for f in allowed]
     unknown = [k for k in table if k not in names]
     if unknown:
-        tables = ", [model], [train], [server], [[datasets]]" if cls is Preset else ""
+        tables = ", [model], [train], [server], [[datasets]], [federation], [[sites]]" if cls is Preset else ""
         raise err(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(names)}{tables})")
     missing = [f.name for f in allowed if f.default is MISSING and f.default_factory is MISSING
                and f.name not in table]
@@ -216,7 +250,7 @@ def _check_values(preset: Preset, err: Any) -> None:
         if problem:
             raise err(f"[train]: {problem.replace(name, key, 1)}")
     for key in ("rounds", "local_epochs", "batch_size", "shots", "num_attributes"):
-        if getattr(t, key) < 1:
+        if getattr(t, key) is not None and getattr(t, key) < 1:
             raise err(f"[train]: {key} must be at least 1, got {getattr(t, key)}")
     for key in ("lr", "momentum", "weight_decay", "sigma"):
         if not (math.isfinite(getattr(t, key)) and getattr(t, key) >= 0):
@@ -226,8 +260,11 @@ def _check_values(preset: Preset, err: Any) -> None:
         raise err(f"[server]: {problem}")
     if not 0 < t.fraction_fit <= 1:
         raise err(f"[train]: fraction_fit must be in (0, 1], got {t.fraction_fit}")
+    if preset.federation is not None:
+        _check_federation(preset, err)
+        return
     if not preset.datasets:
-        raise err("no [[datasets]]")
+        raise err("no [[datasets]]" + (" (or a [federation])" if not preset.sites else ""))
     if not any(d.role == "train" for d in preset.datasets):
         raise err("no dataset with role = 'train'")
     seen: set[str] = set()
@@ -269,8 +306,41 @@ def _check_values(preset: Preset, err: Any) -> None:
             raise err(f"{where}: clients lists exclude num_clients and classes_per_client")
 
 
+def _check_federation(preset: Preset, err: Any) -> None:
+    """A [federation] preset: no [[datasets]], base-to-new, a sane held-out share, unique site names."""
+    f = preset.federation
+    if preset.datasets:
+        raise err("[federation] and [[datasets]] exclude each other: define the federation by its class set "
+                  "or by datasets, not both")
+    if preset.protocol not in ("", "base-to-new"):
+        raise err(f"[federation]: protocol {preset.protocol!r}: a federation of sites is base-to-new")
+    if not 0 <= f.eval_fraction < 1:
+        raise err(f"[federation]: eval_fraction must be in [0, 1), got {f.eval_fraction}")
+    twice = sorted({c for c in f.new_classes if f.new_classes.count(c) > 1})
+    if twice:
+        raise err(f"[federation]: new_classes names {twice[0]!r} twice")
+    names = [s.name for s in preset.sites]
+    for i, name in enumerate(names):
+        if not name.strip() or len(name) > 128:
+            raise err(f"sites[{i}]: name must be 1 to 128 characters, got {name!r}")
+        if names.count(name) > 1:
+            raise err(f"sites[{i}]: site name {name!r} used twice")
+
+
 def _check_roots(preset: Preset, err: Any) -> None:
-    """Every named root and file exists (the attribute file is checked when data is built)."""
+    """Every named root and file exists (the attribute file is checked when data is built; a site
+    folder's contents by ``fedmvp.data.site_folder``)."""
+    if preset.federation is not None:
+        try:
+            folders = [(f"sites[{i}] ({s.name})", s.data_path()) for i, s in enumerate(preset.sites) if s.data]
+            attributes = preset.federation.attributes_path()
+        except ValueError as exc:
+            raise err(str(exc)) from None
+        if not attributes.is_file():
+            raise err(f"[federation]: attributes {attributes} does not exist")
+        for where, folder in folders:
+            if not folder.is_dir():
+                raise err(f"{where}: data {folder} does not exist")
     for i, d in enumerate(preset.datasets):
         where = f"datasets[{i}] ({d.name})"
         if d.synthetic_default:
@@ -309,8 +379,14 @@ def load_preset(name_or_path: str | os.PathLike, check_roots: bool = True) -> Pr
     train = _build(TrainSpec, top.pop("train", {}), "[train]", err)
     server = _build(ServerSpec, top.pop("server", {}), "[server]", err)
     tables = top.pop("datasets", [])
-    if not isinstance(tables, list):
-        raise err("datasets must be an array of tables ([[datasets]])")
+    federation, sites = top.pop("federation", None), top.pop("sites", [])
+    for key, value in (("datasets", tables), ("sites", sites)):
+        if not isinstance(value, list):
+            raise err(f"{key} must be an array of tables ([[{key}]])")
+    if federation is None and sites:
+        raise err("[[sites]] belong to a [federation] preset (add [federation] with its attributes)")
+    if federation is None and "protocol" not in top:
+        raise err("top level: missing key 'protocol'")
     top.setdefault("name", path.stem)
     preset = _build(Preset, top, "top level", err, {"model": model, "train": train, "server": server,
                                                      "path": path, "raw": raw})
@@ -319,7 +395,7 @@ def load_preset(name_or_path: str | os.PathLike, check_roots: bool = True) -> Pr
         base = expand_path(preset.base_dir, path.parent).resolve() if preset.base_dir else path.parent.resolve()
     except ValueError as exc:
         raise err(f"base_dir: {exc}") from None
-    if preset.protocol not in PROTOCOLS:
+    if preset.protocol not in PROTOCOLS and not (federation is not None and not preset.protocol):
         raise err(f"unknown protocol {preset.protocol!r} (one of {', '.join(PROTOCOLS)}; "
                   f"aliases {', '.join(PROTOCOL_ALIASES)})")
     preset.datasets = [
@@ -327,6 +403,12 @@ def load_preset(name_or_path: str | os.PathLike, check_roots: bool = True) -> Pr
                                                     isinstance(t.get("name"), str) else ""),
                err, {"base_dir": base})
         for i, t in enumerate(tables)]
+    if federation is not None:
+        preset.federation = _build(FederationSpec, federation, "[federation]", err, {"base_dir": base})
+        preset.sites = [_build(SiteSpec, t, f"sites[{i}]", err, {"base_dir": base}) for i, t in enumerate(sites)]
+        preset.protocol = preset.protocol or "base-to-new"
+    elif preset.train.shots is None:
+        preset.train.shots = 8  # the paper's k (docs/method.md §6); a [federation] site trains on all it holds
     _check_values(preset, err)
     if check_roots:
         _check_roots(preset, err)

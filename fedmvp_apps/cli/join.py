@@ -1,7 +1,12 @@
-"""`fedmvp join`: this machine as one site of a federation (a Flower SuperNode)."""
+"""`fedmvp join`: this machine as one site of a federation (a Flower SuperNode).
+
+A paper preset's site is chosen by ``--site N`` (it builds only its own partition); a ``[federation]``
+preset's site brings its own folder (``--data DIR``, ``--name NAME``), checked before anything
+connects: each problem one line, exit 2 (docs/architecture.md "Sites that hold their own data")."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import click
@@ -12,8 +17,15 @@ from fedmvp_apps.cli.common import BadInput
 @click.command()
 @click.option("--superlink", required=True, metavar="HOST:PORT", help="The server's address (`fedmvp serve`).")
 @click.option("--config", "config", required=True, metavar="PRESET",
-              help="The federation's preset (name or TOML file); its data paths must hold this site's data.")
-@click.option("--site", required=True, type=click.IntRange(min=0), help="Which site of the preset this machine is.")
+              help="The federation's preset (name or TOML file).")
+@click.option("--site", type=click.IntRange(min=0), default=None,
+              help="A [[datasets]] preset: which site of the preset this machine is (its data paths hold it).")
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="A [federation] preset: this site's folder DIR/<class>/<image> (or DIR/train + DIR/test).")
+@click.option("--name", default=None, help="A [federation] site's name, one of the preset's [[sites]] "
+                                           "(default: this host's name); its identity in every reply.")
+@click.option("--eval-fraction", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="Share of each class kept for evaluation (default: the preset's eval_fraction, 0.2).")
 @click.option("--root-certificates", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The federation's CA certificate (ca.crt from `fedmvp certs`).")
 @click.option("--auth-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -21,19 +33,28 @@ from fedmvp_apps.cli.common import BadInput
 @click.option("--insecure", is_flag=True, help="No TLS (a trial against `fedmvp serve --insecure`).")
 @click.option("--port", type=click.IntRange(1, 65535), default=None,
               help="Local port of the SuperNode's own API (default: a free one).")
-def join(superlink: str, config: str, site: int, root_certificates: Path | None, auth_key: Path | None,
+def join(superlink: str, config: str, site: int | None, data: Path | None, name: str | None,
+         eval_fraction: float | None, root_certificates: Path | None, auth_key: Path | None,
          insecure: bool, port: int | None) -> None:
-    """Serve site SITE of PRESET as a Flower SuperNode connected to SUPERLINK.
+    """Serve one site of PRESET as a Flower SuperNode connected to SUPERLINK.
 
     Runs until stopped (Ctrl-C). Images stay on this machine: only trained tensors and
-    evaluation counts are sent. Exit codes: Flower's; 2 for bad arguments."""
+    evaluation counts are sent. Exit codes: Flower's; 2 for bad arguments or a bad site folder."""
     from fedmvp.presets.schema import PresetError, load_preset
     from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
 
     try:
-        load_preset(config, check_roots=False)
-        args = supernode_command(superlink, site_node_config(config, site), root_certificates, auth_key, insecure,
-                                 port)
+        preset = load_preset(config, check_roots=False)
+        if preset.federation is not None:
+            node_config = named_site_node_config(config, data, name or socket.gethostname(), eval_fraction)
+        else:
+            if data is not None or name is not None or eval_fraction is not None:
+                raise BadInput(f"{config}: --data/--name/--eval-fraction need a [federation] preset; "
+                               f"this one's sites are chosen by --site N")
+            if site is None:
+                raise BadInput("--site N is required: which site of the preset this machine is")
+            node_config = site_node_config(config, site)
+        args = supernode_command(superlink, node_config, root_certificates, auth_key, insecure, port)
     except (PresetError, LaunchError) as err:
         raise BadInput(str(err)) from None
     if insecure:
@@ -41,9 +62,31 @@ def join(superlink: str, config: str, site: int, root_certificates: Path | None,
     become_supernode(args)
 
 
+def _preset_value(preset: str) -> str:
+    return str(Path(preset).resolve()) if Path(preset).suffix == ".toml" else preset
+
+
 def site_node_config(preset: str, site: int) -> str:
     """A site's node config: which share of the preset it serves (a TOML preset by its absolute path)."""
     if site < 0:
         raise BadInput(f"--site must be >= 0, got {site}")
-    preset_value = str(Path(preset).resolve()) if Path(preset).suffix == ".toml" else preset
-    return f"partition-id={site} preset={preset_value!r}"
+    return f"partition-id={site} preset={_preset_value(preset)!r}"
+
+
+def named_site_node_config(preset: str, data: Path | None, name: str, eval_fraction: float | None) -> str:
+    """A named site's node config, once its folder passed every check (each problem one line)."""
+    from fedmvp.data.federation import SiteRequest, load_federation
+    from fedmvp.data.site_folder import SiteFolderError
+    from fedmvp_formats.messages import SITE_NAME
+
+    if data is None:
+        raise BadInput("--data DIR is required: this site's folder (DIR/<class>/<image>)")
+    folder = data.resolve()
+    try:
+        load_federation(preset, SiteRequest(name=name, data=str(folder), eval_fraction=eval_fraction))
+    except SiteFolderError as err:
+        raise BadInput("\nerror: ".join(err.problems)) from None
+    parts = [f"{SITE_NAME}={name!r}", f"data={str(folder)!r}", f"preset={_preset_value(preset)!r}"]
+    if eval_fraction is not None:
+        parts.append(f"eval-fraction={float(eval_fraction)!r}")
+    return " ".join(parts)

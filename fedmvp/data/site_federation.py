@@ -1,0 +1,99 @@
+"""A ``[federation]`` preset's sites materialised from their own folders (docs/architecture.md
+"Sites that hold their own data").
+
+The plan (``federation_plan.plan_sites``) names the sites and the class set; each site's images come
+from its folder alone (``site_folder.read_site_folder``): a simulation reads every ``[[sites]]``
+folder (``build_sites``), a site's process only its own (``build_named_site``, `fedmvp join --data`).
+A site's label space is the base classes it holds; its evaluation sets are its own held-out images
+of base classes ("base") and every image it holds of a new class ("new"), scored over the whole
+base or new class set, so each site evaluates where its data is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedmvp.attributes.files import AttributeFileError, load_attributes
+from fedmvp.attributes.sentences import SentenceStyle
+from fedmvp.data.dataset import is_readable
+from fedmvp.data.federation_types import ClientData, EvalSet, Federation, relabel
+from fedmvp.data.federation_plan import ClientPlan, DatasetPlan, plan_federation
+from fedmvp.data.sampling import k_shot
+from fedmvp.data.site_folder import SiteFolderError, SiteImages, read_site_folder
+from fedmvp.presets.schema import Preset, PresetError
+
+
+def _materialise(preset: Preset, plan: DatasetPlan, cp: ClientPlan, images: SiteImages,
+                 attributes: dict[str, list[str]]) -> tuple[ClientData, list[EvalSet]]:
+    classes = plan.classes
+    own = images.classes(classes.trained)
+    train = images.train if preset.train.shots is None else \
+        k_shot(images.train, preset.train.shots, cp.seed, keep=is_readable)
+    style = SentenceStyle.for_domain(None, preset.name)
+    names = [classes.class_names[y] for y in own]
+    client = ClientData(client_id=cp.client_id, name=cp.name, dataset=preset.name, domain=cp.domain,
+                        class_names=names, train=relabel(train, own), test=relabel(images.test, own),
+                        attributes={c: attributes[c] for c in names}, style=style, global_labels=own)
+    sets = []
+    for kind, labels in (("base", classes.trained), ("new", classes.new)):
+        samples = relabel(images.test, labels)
+        if labels and samples:  # a set this site holds no image of is evaluated elsewhere
+            set_names = [classes.class_names[y] for y in labels]
+            sets.append(EvalSet(kind, preset.name, cp.domain, set_names, samples, style,
+                                {c: attributes[c] for c in set_names}))
+    return client, sets
+
+
+def _site_images(preset: Preset, plan: DatasetPlan, folder: Path, eval_fraction: float | None) -> SiteImages:
+    fed = preset.federation
+    return read_site_folder(folder, plan.classes.class_names, list(fed.new_classes),
+                            fed.eval_fraction if eval_fraction is None else eval_fraction)
+
+
+def _attributes(preset: Preset, plan: DatasetPlan) -> dict[str, list[str]]:
+    path = preset.federation.attributes_path()
+    try:
+        return load_attributes(path, plan.classes.class_names, k=preset.train.num_attributes)
+    except AttributeFileError as exc:
+        raise PresetError(f"{preset.path}: [federation]: {exc}") from None
+
+
+def build_sites(preset: Preset) -> Federation:
+    """Every ``[[sites]]`` folder of a [federation] preset (the simulation on one machine)."""
+    plan = plan_federation(preset)[0]
+    if not plan.clients:
+        raise PresetError(f"{preset.path}: a [federation] simulation needs [[sites]] with their data folders")
+    attributes = _attributes(preset, plan)
+    clients, evaluations = [], []
+    for cp in plan.clients:
+        if cp.site_data is None:
+            raise PresetError(f"{preset.path}: site {cp.name!r} has no data folder (data = \"...\") to simulate")
+        try:
+            images = _site_images(preset, plan, cp.site_data, None)
+        except SiteFolderError as err:
+            raise PresetError(f"{preset.path}: site {cp.name!r}: {err.problems[0]}"
+                              + (f" (and {len(err.problems) - 1} more problems)" if len(err.problems) > 1 else ""))
+        client, sets = _materialise(preset, plan, cp, images, attributes)
+        clients.append(client)
+        evaluations += sets
+    return Federation(clients, evaluations, preset.train.fraction_fit, preset.protocol, preset.seed, preset)
+
+
+def site_id(preset: Preset, name: str) -> int:
+    """A named site's id: its position among the preset's ``[[sites]]`` (one server, one numbering)."""
+    names = [s.name for s in preset.sites]
+    if name not in names:
+        raise PresetError(f"{preset.path}: no site named {name!r} in [[sites]] "
+                          f"({', '.join(names) or 'none listed'}); the federation's preset names its sites")
+    return names.index(name)
+
+
+def build_named_site(preset: Preset, name: str, folder: str | Path, eval_fraction: float | None = None
+                     ) -> Federation:
+    """ONE site of a [federation] preset from its own folder (`fedmvp join --data DIR --name NAME`):
+    `SiteFolderError` lists every problem of the folder; nothing of another site is read."""
+    plan = plan_federation(preset)[0]
+    cp = plan.clients[site_id(preset, name)]
+    images = _site_images(preset, plan, Path(folder), eval_fraction)
+    client, sets = _materialise(preset, plan, cp, images, _attributes(preset, plan))
+    return Federation([client], sets, preset.train.fraction_fit, preset.protocol, preset.seed, preset)

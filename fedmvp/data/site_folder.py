@@ -1,0 +1,113 @@
+"""A real site's folder: ``DIR/<class>/<image>`` (or ``DIR/train/`` + ``DIR/test/``), checked and split.
+
+Why a module of its own: a site of a ``[federation]`` preset holds only its own images, so what it
+trains and evaluates on is read from its folder alone, never from a listing of the federation's data
+(docs/architecture.md "Sites that hold their own data"). The layout is the one ``edge-client train
+--data`` reads; the image files and the held-out share are ``fedmvp_formats.image_folder``'s, so a
+site's split equals a device's.
+
+Everything is checked before anything starts: a class folder not in the federation's class set, an
+empty class folder and an unreadable image are each one line naming the path (``SiteFolderError``
+holds the lines; the CLI prints them and exits 2).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedmvp_formats.image_folder import held_out
+
+from fedmvp.data.dataset import is_readable
+from fedmvp.data.layouts import images_under
+
+Sample = tuple[str, int]
+
+
+class SiteFolderError(ValueError):
+    """A site folder that cannot be used: one line per problem, each naming its path."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class SiteImages:
+    """A site's images labelled in the federation's class order: what it trains on and evaluates."""
+
+    root: Path
+    train: list[Sample]  # base classes only: new classes are never trained on
+    test: list[Sample]  # the held-out share of base classes, and every image of a new class
+    counts: dict[str, int] = field(default_factory=dict)  # images per class, as the server records them
+
+    def classes(self, labels: list[int]) -> list[int]:
+        """The labels of ``labels`` this site holds training images of (its own label space)."""
+        have = {y for _, y in self.train}
+        return [y for y in labels if y in have]
+
+
+def _class_folders(root: Path, classes: list[str], problems: list[str]) -> dict[str, list[str]]:
+    """``{class: image paths}`` of one ``root/<class>/`` tree; problems appended, one line each."""
+    if not root.is_dir():
+        problems.append(f"{root}: not a directory (expected {root}/<class>/<image>)")
+        return {}
+    known = set(classes)
+    found: dict[str, list[str]] = {}
+    for entry in sorted((e for e in os.scandir(root) if not e.name.startswith(".")), key=lambda e: e.name):
+        path = Path(entry.path)
+        if not entry.is_dir():
+            continue
+        if entry.name not in known:
+            problems.append(f"{path}: class {entry.name!r} is not in the federation's class set "
+                            f"({len(classes)} classes)")
+            continue
+        images = images_under(path)
+        if not images:
+            problems.append(f"{path}: empty class folder (no images)")
+            continue
+        problems.extend(f"{p}: unreadable image" for p in images if not is_readable(p))
+        found[entry.name] = images
+    if not found and not problems:
+        problems.append(f"{root}: no class folders (expected {root}/<class>/<image>)")
+    return found
+
+
+def read_site_folder(root: str | os.PathLike, classes: list[str], new_classes: list[str],
+                     eval_fraction: float) -> SiteImages:
+    """The site's images in ``classes``' label space: ``root/train`` and ``root/test`` when both exist,
+    else a stable held-out share (``eval_fraction`` per class, by file name) of ``root/<class>/``.
+    Images of ``new_classes`` go to evaluation only. `SiteFolderError` lists every problem."""
+    root = Path(root)
+    label = {c: i for i, c in enumerate(classes)}
+    new = set(new_classes)
+    problems: list[str] = []
+    split = (root / "train").is_dir() and (root / "test").is_dir()
+    if split:
+        train_tree = _class_folders(root / "train", classes, problems)
+        test_tree = _class_folders(root / "test", classes, problems)
+    else:
+        train_tree = _class_folders(root, classes, problems)
+        test_tree = {}
+    if problems:
+        raise SiteFolderError(problems)
+    train: list[Sample] = []
+    test: list[Sample] = []
+    counts: dict[str, int] = {}
+    for name in classes:  # the federation's class order, so labels are stable across sites
+        own, held = train_tree.get(name, []), test_tree.get(name, [])
+        if not split:
+            base = str(root)
+            out = held_out((os.path.relpath(p, base) for p in own), eval_fraction) if eval_fraction > 0 else set()
+            held = [p for p in own if os.path.relpath(p, base) in out]
+            own = [p for p in own if os.path.relpath(p, base) not in out]
+        if name in new:  # held out of training everywhere (docs/method.md §7: New)
+            held, own = sorted(own + held), []
+        train += [(p, label[name]) for p in own]
+        test += [(p, label[name]) for p in held]
+        if own or held:
+            counts[name] = len(own) + len(held)
+    if not train:
+        raise SiteFolderError([f"{root}: no training images of a base class (new classes are only evaluated)"])
+    return SiteImages(root, train, test, counts)
