@@ -65,6 +65,18 @@ def federation_classes(federation) -> list[RunClass]:
             for name, style in styles.items()]
 
 
+def class_set_classes(preset) -> list[RunClass]:
+    """A ``[federation]`` preset's class set from its attribute file alone (no image: the server of a
+    deployment, whose sites hold the data): base then new, each in the file's order, phrases cut to K,
+    the style its sites' sets take (``site_federation``). ``preset``: a ``fedmvp.presets.schema.Preset``."""
+    from fedmvp.data.federation_plan import plan_federation
+    from fedmvp.data.site_federation import site_attributes, site_style
+
+    plan = plan_federation(preset)[0]
+    attributes, style, names = site_attributes(preset, plan), site_style(preset), plan.classes.class_names
+    return [RunClass(names[y], tuple(attributes[names[y]]), style) for y in [*plan.classes.trained, *plan.classes.new]]
+
+
 def write_classes(run_path: Path, classes: list[RunClass]) -> Path:
     """RUN/classes.json, atomically (a reader sees the old file or the whole new one)."""
     path = Path(run_path) / CLASSES_FILE

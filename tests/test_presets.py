@@ -250,6 +250,7 @@ SERVER_PRESET = ('name = "f"\nprotocol = "base-to-new"\n[train]\nrounds = 1\n[se
     ("round_retries", 0, "round_retries must be at least 1, got 0"),
     ("max_update_norm", -1.0, "max_update_norm must be a finite number > 0, got -1.0"),
     ("edge_max_examples", 0, "edge_max_examples must be at least 1, got 0"),
+    ("site_max_examples", 0, "site_max_examples must be at least 1, got 0"),
     ("max_staleness", -1, "max_staleness must be 0 or more, got -1"),
     ("update_norm_action", "drop", "update_norm_action must be 'reject' or 'clip', got 'drop'"),
 ])

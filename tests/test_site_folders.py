@@ -160,3 +160,18 @@ def test_a_named_site_reads_only_its_folder(tmp_path, world):
         load_federation(str(path), SiteRequest(name="a", data=str(tmp_path / "bad")))
     with pytest.raises(PresetError, match="no site named 'c'"):
         load_federation(str(path), SiteRequest(name="c", data=str(tmp_path / "sites/b")))
+
+
+def test_a_server_without_the_data_records_the_same_class_set(tmp_path, world):
+    """prepare_run of a [federation] preset writes RUN/classes.json from the attribute file alone, the
+    same record a run prepared with every site's folder writes (so a served run exports without data)."""
+    from fedmvp.federated.prepare import prepare_run
+
+    seen, held = world_classes(world)
+    path = site_preset(tmp_path, world, {"a": seen[:2] + held[:1], "b": seen[2:4]}, held[:1])
+    served = prepare_run(str(path), str(tmp_path / "served"), None, False, "cpu", with_data=False)
+    simulated = prepare_run(str(path), str(tmp_path / "simulated"), None, False, "cpu", with_data=True)
+    record = json.loads((served.path / "classes.json").read_text())
+    assert [c["name"] for c in record["classes"]] == seen[:4] + held[:1]  # base then new, the set's order
+    assert record == json.loads((simulated.path / "classes.json").read_text())
+    assert all(len(c["phrases"]) > 0 for c in record["classes"])

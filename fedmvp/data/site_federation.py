@@ -29,7 +29,7 @@ def _materialise(preset: Preset, plan: DatasetPlan, cp: ClientPlan, images: Site
     own = images.classes(classes.trained)
     train = images.train if preset.train.shots is None else \
         k_shot(images.train, preset.train.shots, cp.seed, keep=is_readable)
-    style = SentenceStyle.for_domain(None, preset.name)
+    style = site_style(preset)
     names = [classes.class_names[y] for y in own]
     client = ClientData(client_id=cp.client_id, name=cp.name, dataset=preset.name, domain=cp.domain,
                         class_names=names, train=relabel(train, own), test=relabel(images.test, own),
@@ -50,7 +50,13 @@ def _site_images(preset: Preset, plan: DatasetPlan, folder: Path, eval_fraction:
                             fed.eval_fraction if eval_fraction is None else eval_fraction)
 
 
-def _attributes(preset: Preset, plan: DatasetPlan) -> dict[str, list[str]]:
+def site_style(preset: Preset) -> SentenceStyle:
+    """The sentence style of every set of a [federation] (its name as the domain's)."""
+    return SentenceStyle.for_domain(None, preset.name)
+
+
+def site_attributes(preset: Preset, plan: DatasetPlan) -> dict[str, list[str]]:
+    """The class set's phrases, cut to the preset's K (one line naming the preset on a bad file)."""
     path = preset.federation.attributes_path()
     try:
         return load_attributes(path, plan.classes.class_names, k=preset.train.num_attributes)
@@ -63,7 +69,7 @@ def build_sites(preset: Preset) -> Federation:
     plan = plan_federation(preset)[0]
     if not plan.clients:
         raise PresetError(f"{preset.path}: a [federation] simulation needs [[sites]] with their data folders")
-    attributes = _attributes(preset, plan)
+    attributes = site_attributes(preset, plan)
     clients, evaluations = [], []
     for cp in plan.clients:
         if cp.site_data is None:
@@ -83,8 +89,8 @@ def site_id(preset: Preset, name: str) -> int:
     """A named site's id: its position among the preset's ``[[sites]]`` (one server, one numbering)."""
     names = [s.name for s in preset.sites]
     if name not in names:
-        raise PresetError(f"{preset.path}: no site named {name!r} in [[sites]] "
-                          f"({', '.join(names) or 'none listed'}); the federation's preset names its sites")
+        raise PresetError(f"{preset.path}: no site named {name!r} in [[sites]] ({', '.join(names) or 'none listed'}); "
+                          f"every site's name is listed there (its id is its place; `data` optional for a deployment)")
     return names.index(name)
 
 
@@ -95,5 +101,5 @@ def build_named_site(preset: Preset, name: str, folder: str | Path, eval_fractio
     plan = plan_federation(preset)[0]
     cp = plan.clients[site_id(preset, name)]
     images = _site_images(preset, plan, Path(folder), eval_fraction)
-    client, sets = _materialise(preset, plan, cp, images, _attributes(preset, plan))
+    client, sets = _materialise(preset, plan, cp, images, site_attributes(preset, plan))
     return Federation([client], sets, preset.train.fraction_fit, preset.protocol, preset.seed, preset)

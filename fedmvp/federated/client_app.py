@@ -50,7 +50,9 @@ def _site(context: Context, preset: str) -> tuple[int, str | None, SiteRequest]:
                            "(or flower-supernode --node-config \"partition-id=N\"; N: its site, 0-based)")
     site = int(config["partition-id"])
     if "num-partitions" in config:  # the simulation engine's node: every site's data on this machine,
-        return site, None, None     # one federation built once per worker (its sites share it)
+        parsed = load_preset(preset, check_roots=False)  # one federation built once per worker
+        named = parsed.federation is not None and site < len(parsed.sites)  # a [[sites]] simulation
+        return site, parsed.sites[site].name if named else None, None  # its name, as a deployed site's
     return site, None, SiteRequest(site=site)
 
 

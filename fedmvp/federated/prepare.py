@@ -20,7 +20,7 @@ from typing import Any
 from fedmvp import atomic
 from fedmvp.model import FedMVPConfig
 from fedmvp.presets.schema import method_keys
-from fedmvp.run_classes import federation_classes, write_classes
+from fedmvp.run_classes import class_set_classes, federation_classes, write_classes
 from fedmvp.runs import RunDir, RunError, recorded_copy
 
 RECORD_VERSION = 2
@@ -115,14 +115,16 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
 
         preset, federation = load_federation(preset_path)
         record = federation.record()
-        classes = federation_classes(federation)
+        classes = federation_classes(federation) if preset.federation is None else class_set_classes(preset)
     else:
         from fedmvp.data.federation_plan import plan_record
         from fedmvp.presets.schema import load_preset
 
         preset = load_preset(preset_path, check_roots=False)
         record = plan_record(preset)
-        classes = None  # no attribute phrases without the data: an export migrates (docs/architecture.md)
+        # a [federation]'s class set is its attribute file (no image needed); a [[datasets]] preset's
+        # phrases come with its data: without it an export migrates (docs/architecture.md)
+        classes = class_set_classes(preset) if preset.federation is not None else None
     run = RunDir(Path(run_dir) if run_dir else default_run_dir(preset.name))
     if run.exists() and run.rounds():
         raise RunError(f"{run.path}: already holds rounds {run.rounds()[0]}..{run.rounds()[-1]}; "

@@ -116,13 +116,25 @@ def site_counts(metrics: dict, assignment: dict[str, int], site: int) -> dict[st
     return {name: pair for name, pair in kept.items() if pair is not None}
 
 
+def name_problem(identity: Identity, site_names: dict[int, str] | None) -> str | None:
+    """Why a site's reply does not carry the name of the site it claims (None: it does, or the run's
+    sites have no names): a [federation] site's id is its place among the preset's [[sites]], so a
+    node named otherwise claiming that id is another site's impostor (docs/security.md)."""
+    if identity.role == schema.EDGE or site_names is None or identity.name == site_names.get(identity.site):
+        return None
+    return f"site-name {shown(identity.name)} is not site {identity.site}'s ({shown(site_names.get(identity.site))})"
+
+
 def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, rules: ReplyRules,
                 global_state: dict[str, np.ndarray], expected_names: dict[int, set[str]],
-                declared_examples: dict[int, int]) -> Verdict:
+                declared_examples: dict[int, int | None], site_names: dict[int, str] | None = None) -> Verdict:
     """Check one train reply. ``expected_names[site]``: the tensors that site was asked to send
     (LoRA only after its switch, else the PromptFormer); ``declared_examples[site]``: the most
-    training images that site can hold (from the run record). An edge device (``role`` ``edge``)
-    must send exactly the round's LoRA tensors and at most ``rules.server.edge_max_examples`` images.
+    training images that site can hold (from the run record; None: a [federation] site whose folder
+    the server cannot see, bounded by ``rules.server.site_max_examples``). ``site_names[site]``: a
+    [federation] run's site names, the one each site's reply must carry (its id is its place among
+    the preset's [[sites]]). An edge device (``role`` ``edge``) must send exactly the round's LoRA
+    tensors and at most ``rules.server.edge_max_examples`` images.
     ``arrays`` as they came (an ArrayRecord: converted by `wire_arrays` once the names are right)."""
     try:
         identity = read_identity(metrics, rules.run_id, rules.round)
@@ -133,13 +145,19 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
     edge, site, role = identity.role == schema.EDGE, identity.site, identity.role
     if not edge and site not in expected_names:
         return Verdict(site, reason=f"unknown site {shown(site)}")
+    problem = name_problem(identity, site_names)
+    if problem is not None:
+        return Verdict(site, role=role, reason=problem)
     examples = metrics.get(schema.NUM_EXAMPLES)
     if not is_int(examples) or examples <= 0:
         return Verdict(site, role=role,
                        reason=f"num-examples {shown(metrics.get(schema.NUM_EXAMPLES))} is not a positive integer")
-    bound = rules.server.edge_max_examples if edge else declared_examples.get(site, 0)
+    declared = declared_examples.get(site, 0)
+    bound = rules.server.edge_max_examples if edge else \
+        rules.server.site_max_examples if declared is None else declared
     if examples > bound:
         whose = f"an edge device's bound ([server] edge_max_examples {bound})" if edge \
+            else f"a site's bound ([server] site_max_examples {bound})" if declared is None \
             else f"the site's {bound} training images"
         return Verdict(site, role=role, reason=f"num-examples {examples} exceeds {whose}")
     wanted = {k for k in global_state if k.startswith(LORA_PREFIX)} if edge else expected_names[site]

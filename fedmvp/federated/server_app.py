@@ -189,13 +189,17 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     recorder = RoundRecorder(run, evaluate, total, settings, strategy_ref, method.to_dict())
     client_config = {"preset": client_preset(preset_path), "device": config.get("client_device", "cpu"),
                      "method": method.to_dict(), "local": LocalSettings.from_train(config["train"]).to_record()}
-    declared = {c["id"]: int(c["train_images"]) for c in federation["clients"]}
+    # None: a [federation] site's whole folder, which this server never sees ([server] site_max_examples)
+    declared = {c["id"]: None if c["train_images"] is None else int(c["train_images"])
+                for c in federation["clients"]}
+    named = run.preset().federation is not None  # its sites are known by name (docs/architecture.md)
+    site_names = {c["id"]: str(c["name"]) for c in federation["clients"]} if named else None
     policy = round_policy(run, config, settings)
     strategy = FedMVPStrategy(
         client_config=client_config, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),
-        declared_examples=declared, policy=policy, round_offset=start, lora_clients=lora_clients,
-        on_aggregated=recorder)
+        declared_examples=declared, site_names=site_names, policy=policy, round_offset=start,
+        lora_clients=lora_clients, on_aggregated=recorder)
     strategy_ref.append(strategy)
     if start == 0 and run.read_json("zero_shot.json") is None:
         run.write_json("zero_shot.json", evaluate(0, None))

@@ -44,7 +44,7 @@ from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
-from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields, site_counts
+from fedmvp.federated.replies import ReplyRules, check_reply, name_problem, reply_fields, site_counts
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
 from fedmvp.presets.server import ServerSpec
 
@@ -124,12 +124,15 @@ class FedMVPStrategy:
     """Rounds of per-tensor FedAvg over heterogeneous, checked replies (full PromptFormer or LoRA only)."""
 
     def __init__(self, *, client_config: dict[str, Any], seed: int, total_rounds: int, base_lr: float,
-                 num_clients: int, run_id: str = "", declared_examples: dict[int, int] | None = None,
+                 num_clients: int, run_id: str = "", declared_examples: dict[int, int | None] | None = None,
+                 site_names: dict[int, str] | None = None,
                  policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None):
         """``client_config``: what every round's message carries besides the round's own values
         (``preset``, ``device``; ``method`` and ``local``, records as dicts: ``fedmvp_formats.messages``);
-        ``declared_examples[site]``: the most training images a site can report (run record)."""
+        ``declared_examples[site]``: the most training images a site can report (run record; None: its
+        folder's, bounded by [server] site_max_examples); ``site_names``: a [federation] run's site
+        names by id, the one each site's reply must carry (``replies.check_reply``)."""
         self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
@@ -138,6 +141,7 @@ class FedMVPStrategy:
         self.run_id = run_id
         self.declared_examples = dict(declared_examples) if declared_examples is not None else \
             {site: 1 << 62 for site in range(num_clients)}
+        self.site_names = dict(site_names) if site_names is not None else None
         self.policy = policy or RoundPolicy()
         self.round_offset = round_offset
         self.lora_clients: set[int] = set(lora_clients)
@@ -239,7 +243,8 @@ class FedMVPStrategy:
             if self.policy.sampling == "sites" and metrics.get(schema.NUM_EXAMPLES) == 0 and not arrays:
                 continue  # a site not selected this round
             verdict = check_reply(arrays, metrics, rules=rules, global_state=self.global_state,
-                                  expected_names=expected, declared_examples=self.declared_examples)
+                                  expected_names=expected, declared_examples=self.declared_examples,
+                                  site_names=self.site_names)
             if not verdict.accepted:
                 self.known.pop(node, None)  # next round it gets the whole global state again
                 self._reject(round_number, node, verdict.site, verdict.reason or "rejected", verdict.role)
@@ -325,6 +330,8 @@ class FedMVPStrategy:
                 if identity.site is not None and (identity.site not in range(self.num_clients)
                                                   or identity.site in counts):
                     raise MessageError(f"site {identity.site} unknown or told twice")
+                if name_problem(identity, self.site_names) is not None:
+                    raise MessageError(name_problem(identity, self.site_names))
             except MessageError as err:
                 log(WARNING, "evaluation of round %s: reply of node %s left out (%s)", round_number, node, err)
                 continue

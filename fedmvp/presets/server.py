@@ -40,6 +40,9 @@ class ServerSpec:
                                          "the bound", "reject")
     edge_max_examples: int = spec_field("most images an edge device's reply or update file may count (its "
                                         "FedAvg weight); a site's bound is its own training set", 10000)
+    site_max_examples: int = spec_field("most images a [federation] site's reply may count when the server "
+                                        "cannot bound its training set (shots unset: the site's own folder, "
+                                        "which the server never sees)", 10000)
     max_staleness: int = spec_field("`fedmvp ingest`: rounds an update's bundle may be behind the run's "
                                     "last round (0: only updates of bundles exported from that round)", 5)
 
@@ -57,6 +60,8 @@ class ServerSpec:
             return f"max_update_norm must be a finite number > 0, got {self.max_update_norm}"
         if self.edge_max_examples < 1:
             return f"edge_max_examples must be at least 1, got {self.edge_max_examples}"
+        if self.site_max_examples < 1:
+            return f"site_max_examples must be at least 1, got {self.site_max_examples}"
         if self.max_staleness < 0:
             return f"max_staleness must be 0 or more, got {self.max_staleness}"
         if self.update_norm_action not in NORM_ACTIONS:

@@ -79,6 +79,10 @@ def named_site_node_config(preset: str, data: Path | None, name: str, eval_fract
     from fedmvp.data.site_folder import SiteFolderError
     from fedmvp_formats.messages import SITE_NAME
 
+    from fedmvp.data.site_federation import site_id
+    from fedmvp.presets.schema import load_preset
+
+    site_id(load_preset(preset, check_roots=False), name)  # a site's name is listed in the preset's [[sites]]
     if data is None:
         raise BadInput("--data DIR is required: this site's folder (DIR/<class>/<image>)")
     folder = data.resolve()

@@ -56,3 +56,33 @@ def test_an_oversized_update_is_clipped_onto_the_bound_when_so_configured():
     assert norm == pytest.approx(0.1, rel=1e-5)
     direction = verdict.arrays["lora.a"] / verdict.arrays["lora.b"][0]
     assert np.allclose(direction, 1.0)  # the same direction, a shorter step
+
+
+def test_a_site_whose_folder_the_server_cannot_see_is_bounded_by_site_max_examples(tmp_path):
+    """A [federation] site with shots unset: the run record has no bound (train_images None), so the
+    preset's [server] site_max_examples is what its claimed FedAvg weight may reach."""
+    from fedmvp.presets.schema import load_preset
+
+    preset = tmp_path / "p.toml"
+    preset.write_text('name = "f"\nprotocol = "base-to-new"\n[train]\nrounds = 1\n[server]\nsite_max_examples = 9\n'
+                      '[[datasets]]\nname = "s"\nlayout = "synthetic"\nroot = ""\n')
+    rules = ReplyRules(run_id="r1", round=5, server=load_preset(str(preset), check_roots=False).server)
+
+    def verdict(examples):
+        return check_reply(GOOD, {**IDENTITY, "num-examples": examples}, rules=rules, global_state=GLOBAL,
+                           expected_names={1: set(GLOBAL)}, declared_examples={1: None})
+    assert verdict(9).accepted
+    assert "num-examples 10 exceeds a site's bound ([server] site_max_examples 9)" in verdict(10).reason
+
+
+@pytest.mark.parametrize("name, accepted", [("site-b", True), ("site-a", False), (None, False)])
+def test_a_named_site_must_carry_the_name_of_the_site_it_claims(name, accepted):
+    """A [federation] site's id is its place among [[sites]]: a reply claiming site 1 under another
+    name (or none) is left out, so one node cannot speak for another site."""
+    metrics = {**IDENTITY, **({"site-name": name} if name is not None else {})}
+    verdict = check_reply(GOOD, metrics, rules=ReplyRules(run_id="r1", round=5), global_state=GLOBAL,
+                          expected_names={0: set(GLOBAL), 1: set(GLOBAL)}, declared_examples={0: 16, 1: 16},
+                          site_names={0: "site-a", 1: "site-b"})
+    assert verdict.accepted is accepted
+    if not accepted:
+        assert "is not site 1's ('site-b')" in verdict.reason

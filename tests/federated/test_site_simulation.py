@@ -50,3 +50,16 @@ def test_join_refuses_a_bad_site_folder_before_connecting(tmp_path, small_world)
     lines = out.stderr.strip().splitlines()
     assert [line.split(": ")[0] for line in lines] == ["error", "error"], lines
     assert "empty" in lines[0] and "zebra" in lines[1]
+
+
+def test_join_refuses_a_name_the_preset_does_not_list_before_connecting(tmp_path, small_world):
+    """A site's id is its place among [[sites]]: an unlisted --name is one line naming the preset and
+    the listed names, exit 2, before any folder is read or anything connects."""
+    seen, _ = world_classes(small_world)
+    preset = site_preset(tmp_path, small_world, {"site-a": seen[:2], "site-b": seen[2:3]}, [])
+    out = subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", "join", "--superlink", "127.0.0.1:1",
+                          "--insecure", "--config", str(preset), "--data", str(tmp_path / "sites" / "site-a"),
+                          "--name", "site-c"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(preset) in lines[0] and "'site-c'" in lines[0] and "site-a, site-b" in lines[0]
