@@ -330,8 +330,9 @@ class FedMVPStrategy:
                 if identity.site is not None and (identity.site not in range(self.num_clients)
                                                   or identity.site in counts):
                     raise MessageError(f"site {identity.site} unknown or told twice")
-                if name_problem(identity, self.site_names) is not None:
-                    raise MessageError(name_problem(identity, self.site_names))
+                wrong_name = name_problem(identity, self.site_names)
+                if wrong_name is not None:
+                    raise MessageError(wrong_name)
             except MessageError as err:
                 log(WARNING, "evaluation of round %s: reply of node %s left out (%s)", round_number, node, err)
                 continue

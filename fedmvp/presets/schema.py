@@ -149,9 +149,11 @@ class FederationSpec:
 
 @dataclass
 class SiteSpec:
-    """A site of a [federation] preset for `fedmvp train` on one machine (the simulation): its folder."""
+    """A site of a [federation] preset: listed by name for a deployment (its place is its site id), with
+    its folder for `fedmvp train` on one machine (the simulation)."""
 
-    name: str = _help("the site's name (its identity in every reply; `fedmvp join --name`)")
+    name: str = _help("the site's name: its identity in every reply, its site id by its place here; "
+                      "`fedmvp join --name` must be one of these")
     data: str = _help("the site's folder DIR/<class>/<image> (or DIR/train + DIR/test), relative to the "
                       "preset file; '' (a deployment's preset): the site brings it (`fedmvp join --data`)", "")
     base_dir: Path = field(default=Path("."), repr=False, metadata={"internal": True})
