@@ -13,7 +13,7 @@ runs/<name>/
   round-0003/global.safetensors   global trainable tensors (promptformer.*, lora.*)
   round-0003/state.json           round, per-client LoRA flags, schedule, seed, complete: true
                                   (a `fedmvp ingest` round adds source: ingest and its files' records)
-  metrics.jsonl / metrics.csv     one line per round (losses, Local/Base/New/HM; ingest: updates, examples)
+  metrics.jsonl / metrics.csv     one line per round (losses, Local/Base/New/HM and *_sites; ingest: updates, examples)
   zero_shot.json                  the frozen CLIP's Local/Base/New/HM on the same data
   accuracy.png                    accuracy per round
 ```

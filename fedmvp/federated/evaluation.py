@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fedmvp.federated.metrics import Counts, combine_counts, evaluation_sites
+from fedmvp.federated.metrics import SITE_COUNT_KEYS, Counts, combine_counts, evaluation_sites
 from fedmvp.federated.task import Samples, TaskContext, task_context
 from fedmvp.model import autocast_for
 from fedmvp.runs import RunDir
@@ -77,9 +77,9 @@ def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
             run.write_json("zero_shot.json", zero_shot)
         if tuned.get("hm") is None:
             tuned = evaluate_global(ctx, checkpoint.tensors)
+    keys = (*COLUMNS, "domain", *SITE_COUNT_KEYS)  # how many sites each metric is a mean over (None: not recorded)
     return {"run": str(run.path), "round": checkpoint.round,
-            "zero-shot": {k: zero_shot.get(k) for k in (*COLUMNS, "domain")},
-            "tuned": {k: tuned.get(k) for k in (*COLUMNS, "domain")}}
+            "zero-shot": {k: zero_shot.get(k) for k in keys}, "tuned": {k: tuned.get(k) for k in keys}}
 
 
 def format_table(result: dict) -> str:

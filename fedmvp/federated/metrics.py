@@ -33,25 +33,39 @@ def evaluation_sites(record: dict) -> dict[str, int]:
     return sites
 
 
-def combine_counts(record: dict, counts_by_site: dict[int, Counts]) -> dict[str, float | None]:
+SITE_COUNT_KEYS = ("local_sites", "base_sites", "new_sites", "domain_sites", "hm_sites")
+
+
+def combine_counts(record: dict, counts_by_site: dict[int, Counts]) -> dict[str, float | int | None]:
     """Local (each site on its own classes; mean over a dataset's sites, then over datasets), Base and
     New (label subsets, mean over datasets and domains), HM of the three, Domain; from the sites'
-    counts, whoever computed them (one process or the nodes of a federation)."""
+    counts, whoever computed them (one process or the nodes of a federation).
+
+    Each metric is a mean over the sites that hold its set: a site with no image of a set reports no
+    count for it (or a zero total) and is left out, never counted as 0 % (docs/method.md §7).
+    ``<metric>_sites`` says how many sites contributed to each; ``hm_sites``: the sites that
+    contributed to any of Local, Base or New (the parts HM is taken of)."""
     dataset_of = {c["id"]: c["dataset"] for c in record["clients"]}
     kind_of = {ev["name"]: ev["kind"] for ev in record["evaluations"]}
     local: dict[str, list[float]] = {}
     results: dict[str, list[float]] = {"base": [], "new": [], "domain": []}
+    sites: dict[str, set[int]] = {"local": set(), "base": set(), "new": set(), "domain": set()}
     for site in sorted(counts_by_site):
         for name, (correct, total) in sorted(counts_by_site[site].items()):
             if not total:
                 continue
             if name == "local":
                 local.setdefault(dataset_of[site], []).append(correct / total)
+                sites["local"].add(site)
             elif name in kind_of:
                 results[kind_of[name]].append(correct / total)
+                sites[kind_of[name]].add(site)
     per_dataset = [m for m in (_mean(v) for v in local.values()) if m is not None]
-    metrics = {"local": _mean(per_dataset), "base": _mean(results["base"]), "new": _mean(results["new"]),
-               "domain": _mean(results["domain"])}
+    metrics: dict[str, float | int | None] = {
+        "local": _mean(per_dataset), "base": _mean(results["base"]), "new": _mean(results["new"]),
+        "domain": _mean(results["domain"])}
     parts = [metrics[k] for k in ("local", "base", "new") if metrics[k] is not None]
     metrics["hm"] = harmonic_mean(parts) if parts else None
+    sites["hm"] = sites["local"] | sites["base"] | sites["new"]
+    metrics |= {f"{k}_sites": len(v) for k, v in sites.items()}
     return metrics

@@ -73,7 +73,7 @@ def test_federated_evaluation_agrees_with_the_central_one_on_the_demo(demo_run):
     """Each of the demo's 8 sites counts on its own data what is assigned to it; combined as the server
     does in a deployment, the counts give the run's (central) numbers exactly."""
     from fedmvp.federated.evaluation import site_counts
-    from fedmvp.federated.metrics import combine_counts, evaluation_sites
+    from fedmvp.federated.metrics import SITE_COUNT_KEYS, combine_counts, evaluation_sites
     from fedmvp.federated.task import task_context
     from fedmvp.runs import RunDir
 
@@ -83,5 +83,5 @@ def test_federated_evaluation_agrees_with_the_central_one_on_the_demo(demo_run):
     ctx = task_context(config["preset_path"], run.method(checkpoint))
     assignment = evaluation_sites(record)
     counts = {c["id"]: site_counts(ctx, c["id"], checkpoint.tensors, assignment) for c in record["clients"]}
-    central = {k: checkpoint.state["metrics"][k] for k in ("local", "base", "new", "hm", "domain")}
+    central = {k: checkpoint.state["metrics"][k] for k in ("local", "base", "new", "domain", "hm", *SITE_COUNT_KEYS)}
     assert len(counts) == 8 and combine_counts(record, counts) == central

@@ -105,12 +105,13 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
         assert any(k.startswith("lora.") for k in load_file(str(run / f"round-{number:04d}" / "global.safetensors")))
     # The nodes evaluated round 2 on their own data; the same round evaluated here, centrally, agrees.
     from fedmvp.federated.evaluation import evaluate_global
+    from fedmvp.federated.metrics import SITE_COUNT_KEYS
     from fedmvp.federated.task import task_context
     from fedmvp.runs import RunDir
 
     record = RunDir(run)
     checkpoint = record.load_checkpoint(2)
-    federated = {k: checkpoint.state["metrics"][k] for k in ("local", "base", "new", "hm", "domain")}
+    federated = {k: checkpoint.state["metrics"][k] for k in ("local", "base", "new", "hm", "domain", *SITE_COUNT_KEYS)}
     assert checkpoint.state["metrics"]["eval_sites"] == 3 and federated["hm"] is not None
     central = evaluate_global(task_context(str(preset), record.method(checkpoint)), checkpoint.tensors)
     assert federated == pytest.approx(central, abs=1e-12)

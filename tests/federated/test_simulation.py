@@ -156,7 +156,7 @@ def test_federated_evaluation_equals_the_central_one(finished_run):
     import torch
 
     from fedmvp.federated.evaluation import evaluate_global, site_counts
-    from fedmvp.federated.metrics import combine_counts, evaluation_sites
+    from fedmvp.federated.metrics import SITE_COUNT_KEYS, combine_counts, evaluation_sites
     from fedmvp.federated.task import task_context
     from fedmvp.runs import RunDir
 
@@ -174,7 +174,7 @@ def test_federated_evaluation_equals_the_central_one(finished_run):
         torch.manual_seed(0)
         assert combine_counts(record, per_site) == evaluate_global(ctx, state)
     tuned = {k: v for k, v in json.loads((run_dir / "round-0003" / "state.json").read_text())["metrics"].items()
-             if k in ("local", "base", "new", "hm", "domain")}
+             if k in ("local", "base", "new", "hm", "domain", *SITE_COUNT_KEYS)}
     assert tuned == combine_counts(record, {c["id"]: site_counts(ctx, c["id"], checkpoint.tensors, assignment)
                                             for c in record["clients"]})
 

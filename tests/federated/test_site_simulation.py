@@ -26,6 +26,17 @@ def test_sites_with_disjoint_folders_train_and_evaluate(tmp_path, small_world):
     assert state["complete"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2] and rows[-1]["new"] is not None and rows[-1]["base"] is not None
+    # each site evaluates where its data is: both hold base classes, only site-a a new one (site-b adds
+    # nothing to New, not a zero); the row says how many sites each metric is a mean over (issue 24 §3)
+    counts = {k: rows[-1][k] for k in ("local_sites", "base_sites", "new_sites", "domain_sites", "hm_sites")}
+    assert counts == {"local_sites": 2, "base_sites": 2, "new_sites": 1, "domain_sites": 0, "hm_sites": 2}
+    zero_shot = json.loads((run_dir / "zero_shot.json").read_text())
+    assert (zero_shot["new_sites"], zero_shot["base_sites"]) == (1, 2)
+    shown = subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", "evaluate", "--run", str(run_dir), "--json"],
+                           capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    result = json.loads(shown.stdout)
+    assert {k: result["tuned"][k] for k in counts} == counts and result["zero-shot"]["new_sites"] == 1
 
 
 def test_a_site_folder_with_an_unknown_class_stops_before_anything_starts(tmp_path, small_world):
