@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp_apps.cli.common import BadInput
+from fedmvp_apps.cli.common import BadInput, FiniteFloat
 
 
 @click.command()
@@ -24,7 +24,7 @@ from fedmvp_apps.cli.common import BadInput
               help="A [federation] preset: this site's folder DIR/<class>/<image> (or DIR/train + DIR/test).")
 @click.option("--name", default=None, help="A [federation] site's name, one of the preset's [[sites]] "
                                            "(default: this host's name); its identity in every reply.")
-@click.option("--eval-fraction", type=click.FloatRange(0, 1, max_open=True), default=None,
+@click.option("--eval-fraction", type=FiniteFloat(0, 1, max_open=True), default=None,
               help="Share of each class kept for evaluation (default: the preset's eval_fraction, 0.2).")
 @click.option("--root-certificates", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The federation's CA certificate (ca.crt from `fedmvp certs`).")
