@@ -101,6 +101,8 @@ def runners(models, threads: int, device: str) -> tuple[dict[str, object], list[
 
 def agreement(runs: dict, pixels: np.ndarray) -> dict[str, dict]:
     """Top-1 agreement and max |logit diff| of every ONNX runtime with the fp32 bundle model."""
+    if "ort_fp32" not in runs:  # e.g. --device cuda where ONNX Runtime has no CUDA provider
+        return {}
     reference = runs["ort_fp32"](pixels)[0]
     out = {}
     for key, run in runs.items():

@@ -112,7 +112,8 @@ def ort_gemm_gflops(m: int, k: int, n: int, repeats: int, threads: int) -> float
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemm",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])], [weight])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    # IR 8: an ONNX Runtime a release behind the onnx package refuses its newest IR version
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])

@@ -222,10 +222,22 @@ def fused_ops(proto: onnx.ModelProto) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def portable_ir_version(proto: onnx.ModelProto) -> int:
+    """The lowest IR version the model's opsets need (never below 8, never above what it had).
+
+    Why: a new ``onnx`` writes its own newest IR version (14 with onnx 1.23), and an ONNX Runtime a
+    release behind refuses it outright ("Unsupported model IR version: 14, max supported: 13", seen
+    on a GPU machine with onnxruntime 1.30) although nothing in the graph needs it.
+    """
+    needed = onnx.helper.find_min_ir_version_for(list(proto.opset_import), ignore_unknown=True)
+    return min(proto.ir_version, max(needed, 8))
+
+
 def to_proto(model: ir.Model) -> onnx.ModelProto:
     """A clean, reproducible ModelProto: fixed producer, no stack traces or source paths."""
     proto = ir.serde.serialize_model(model)
     proto.producer_name, proto.producer_version, proto.doc_string = PRODUCER, "1", ""
+    proto.ir_version = portable_ir_version(proto)
     del proto.metadata_props[:]
     graphs = [proto.graph, *(f for f in proto.functions)]
     for graph in graphs:

@@ -222,3 +222,11 @@ def test_the_backbone_loader_needs_no_synthetic_world(graph):
     """`fedmvp.clip` loads every CLIP, the tiny one too; its tokenizer lives beside it, not in synthetic/."""
     assert sorted(t for t in graph["fedmvp.clip"] if t.startswith("fedmvp.synthetic")) == []
     assert "fedmvp.tiny_tokenizer" in graph["fedmvp.clip"]
+
+
+def test_local_training_reaches_no_flower(graph):
+    """`local_train` runs where flwr is absent (the benchmarks on a lent GPU machine found it importing
+    the strategy for one seed helper): nothing it reaches imports flwr."""
+    modules = reachable(graph, "fedmvp.federated.task") | {"fedmvp.federated.task"}
+    flower = [m for m in modules if "flwr" in third_party_imports(ROOT / (m.replace(".", "/") + ".py"))]
+    assert flower == []

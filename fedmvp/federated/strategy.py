@@ -24,7 +24,6 @@ its bundle from it; ``edge_client.node``).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import time
@@ -44,18 +43,13 @@ from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
+from fedmvp.federated.seeds import derived_seed
 from fedmvp.federated.replies import ReplyRules, check_reply, name_problem, reply_fields, site_counts
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
 from fedmvp.presets.server import ServerSpec
 
 
 # ---- server maths ----------------------------------------------------------------------------------
-def derived_seed(*parts: object) -> int:
-    """A stable 63-bit seed from (run seed, round, client, ...): resume replays the same randomness."""
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def cosine_lr(base_lr: float, round_number: int, total_rounds: int) -> float:
     """Cosine decay over the rounds (round 1 uses base_lr; docs/method.md §6)."""
     if total_rounds <= 1:

@@ -22,7 +22,7 @@ from fedmvp.attributes.cache import TextFeatureCache
 from fedmvp.attributes.sentences import build_sentences
 from fedmvp.clip import LoadedClip
 from fedmvp.data.dataset import stack_samples
-from fedmvp.federated.strategy import derived_seed
+from fedmvp.federated.seeds import derived_seed
 from fedmvp.model import FedMVP, FedMVPConfig, autocast_for
 
 Samples = list[tuple[str, int]]

@@ -75,3 +75,12 @@ def test_deploy_quick_runs_each_sites_messages_in_one_warm_process() -> None:
     assert section.ratios["deploy_round_vs_local_train"] > 0
     assert section.goals[0].target == "<= 1.3x"
     json.dumps(section.to_json())
+
+
+def test_edge_agreement_without_an_ort_fp32_runtime_is_empty():
+    """--device cuda where ONNX Runtime has no CUDA provider: the torch rows stand, no KeyError."""
+    import numpy as np
+
+    from benchmarks.edge import agreement
+
+    assert agreement({"torch_plain": lambda pixels: [pixels]}, np.zeros((2, 3), dtype=np.float32)) == {}

@@ -77,3 +77,23 @@ def test_program_archive_with_pickled_payload_is_refused(bundle_copy):
             dst.writestr(info.filename, payload)
     with pytest.raises(BundleError, match="must be empty"):
         verify_program_archive(evil)
+
+
+def test_the_model_declares_the_lowest_ir_version_its_opsets_need(tiny_bundle):
+    """An ONNX Runtime a release behind the onnx package refuses the newest IR version ("Unsupported
+    model IR version: 14, max supported IR version: 13", seen on a GPU machine): the exporter writes the
+    lowest one the opsets need, and never raises it."""
+    import onnx
+    from onnx import helper
+
+    from export.onnx_export import portable_ir_version
+
+    model = onnx.load(str(tiny_bundle.path / "model.onnx"), load_external_data=False)
+    assert model.ir_version == portable_ir_version(model) <= 10
+    newest = helper.make_model(helper.make_graph([], "g", [], []),
+                               opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    newest.ir_version = 14
+    assert portable_ir_version(newest) == 8
+    older = helper.make_model(helper.make_graph([], "g", [], []), opset_imports=[helper.make_opsetid("", 18)])
+    older.ir_version = 7
+    assert portable_ir_version(older) == 7
