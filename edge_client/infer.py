@@ -148,7 +148,27 @@ class Predictor:
         self._input = next((i for i in inputs if i.name == wanted), inputs[0])
         self._dtype = np.float16 if self._input.type == "tensor(float16)" else np.float32
         self._outputs = [o.name for o in self.session.get_outputs()]
+        overridable = [*inputs, *self.session.get_overridable_initializers()]  # LoRA: initializers with a feed
+        self._lora_inputs = {i.name: i for i in overridable if i.name in self.bundle.lora_shapes}
+        self._lora_feed: dict[str, np.ndarray] = {}
         self._check_outputs()
+
+    def use_lora(self, lora: ActiveLora) -> None:
+        """Run ``lora`` from now on, in this session: the bundle's LoRA tensors are graph inputs with
+        defaults (export/onnx_export.py), so they are fed per run instead of building a new session.
+
+        Why: a federation node evaluates the round's global LoRA every round; a new ONNX Runtime session
+        each time re-reads and re-optimises the whole model (docs/architecture.md, warm nodes)."""
+        check_lora(lora.tensors, self.bundle.lora_shapes, self.bundle.path, BundleError)
+        missing = sorted(set(self.bundle.lora_shapes) - set(self._lora_inputs))
+        if missing:  # a model whose LoRA ORT folded into constants: it cannot be fed
+            raise BundleError(f"{self.bundle.file('onnx')}: LoRA tensor {missing[0]} cannot be overridden; "
+                              f"export the bundle again")
+        dtypes = {name: np.float16 if i.type == "tensor(float16)" else np.float32
+                  for name, i in self._lora_inputs.items()}
+        self._lora_feed = {name: np.ascontiguousarray(value, dtype=dtypes[name])
+                           for name, value in lora.tensors.items()}
+        self.lora = lora
 
     def _check_outputs(self) -> None:
         """The model's class dimension is the manifest's class count (else a name lookup would fail)."""
@@ -160,7 +180,7 @@ class Predictor:
 
     def run(self, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
         """Preprocessed images [N, 3, S, S] -> every model output by name (logits, probs, image_embeds)."""
-        feed = {self._input.name: np.ascontiguousarray(pixel_values, dtype=self._dtype)}
+        feed = {self._input.name: np.ascontiguousarray(pixel_values, dtype=self._dtype), **self._lora_feed}
         return dict(zip(self._outputs, self.session.run(None, feed)))
 
     def decode(self, path: Path, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, float]:

@@ -18,7 +18,9 @@ device's own active LoRA; by default the device's personal LoRA is left alone.
 
 Evaluate messages: the global model (refreshed first when stale) on the held-out share of
 ``data`` (or ``eval-data``), through ONNX Runtime as ``edge-client infer`` runs it; only the
-counts go back.
+counts go back. The node's process stays warm across rounds, and so does its ONNX Runtime session
+(one per bundle state; the round's LoRA is fed per run) and its training program
+(``edge_client.program.load_program``); a refresh gives the bundle a new id, and new ones.
 """
 
 from __future__ import annotations
@@ -205,8 +207,6 @@ def train(msg: Message, context: Context) -> Message:
 
 def evaluate(msg: Message, context: Context) -> Message:
     """The global model on the device's held-out images: top-1 counts (``edge:correct``, ``edge:total``)."""
-    from edge_client.infer import Predictor
-
     node = EdgeNodeConfig.from_node_config(context.node_config)
     instruction = _instruction(msg)
     arrays = _arrays(msg.content[schema.ARRAYS])
@@ -217,9 +217,27 @@ def evaluate(msg: Message, context: Context) -> Message:
     training, held_out = node.shares(bundle)
     synced = sync_bundle(node, arrays, digest, instruction.round, training.files)
     lora = ActiveLora(tensors=_global_lora(arrays, synced.bundle), source="global", file=synced.bundle.path)
-    correct, total = evaluate_share(Predictor(synced.bundle, lora=lora, threads=node.threads), held_out)
+    predictor = _warm_predictor(synced.bundle, node.threads)
+    predictor.use_lora(lora)
+    correct, total = evaluate_share(predictor, held_out)
     log(INFO, "edge: round %s, global model %d/%d correct on held-out images", instruction.round, correct, total)
     return _reply(msg, instruction, synced, schema.count_metrics({schema.EDGE_SET: (correct, total)}))
+
+
+_PREDICTORS: dict[tuple[str, str, int | None], Any] = {}
+
+
+def _warm_predictor(bundle: Bundle, threads: int | None) -> Any:
+    """One ONNX Runtime session per bundle state, kept across rounds (the node's process stays warm:
+    fedmvp_apps/deploy/warm_executor.py); a refresh gives the bundle a new id, and so a new session.
+    Only the newest is kept: a device holds one bundle."""
+    from edge_client.infer import Predictor
+
+    key = (str(bundle.path.resolve()), bundle.id, threads)
+    if key not in _PREDICTORS:
+        _PREDICTORS.clear()
+        _PREDICTORS[key] = Predictor(bundle, threads=threads, personalised=False)
+    return _PREDICTORS[key]
 
 
 def evaluate_share(predictor: Any, share: LocalDataset) -> tuple[int, int]:

@@ -33,6 +33,30 @@ def test_infer_synthetic_images_matches_the_session(edge_bundle, data_root):
     assert 0.0 <= result.accuracy() <= 1.0
 
 
+def test_a_lora_fed_to_a_warm_session_equals_a_session_built_with_it(edge_bundle, data_root):
+    """`Predictor.use_lora` (a federation node's every round, one session kept) gives the logits a new
+    session with that LoRA as initializers gives; switching back gives the bundle's own again."""
+    from edge_client.lora_store import ActiveLora
+
+    bundle = Bundle.open(edge_bundle)
+    rng = np.random.default_rng(1)
+    other = {k: (v + rng.normal(scale=0.5, size=v.shape)).astype(np.float32) for k, v in bundle.lora().items()}
+    lora = ActiveLora(tensors=other, source="global", file=bundle.path)
+    files = sorted((data_root / "test" / "red_circle").glob("*.png"))[:4]
+    warm = Predictor(edge_bundle, provider="cpu", personalised=False)
+    pixels = preprocess_batch([Image.open(p).convert("RGB") for p in files], warm.spec)
+    own = warm.run(pixels)["logits"]
+    session = warm.session
+    warm.use_lora(lora)
+    fed = warm.run(pixels)["logits"]
+    built = Predictor(edge_bundle, provider="cpu", lora=lora).run(pixels)["logits"]
+    assert warm.session is session and np.allclose(fed, built, atol=1e-5) and not np.allclose(fed, own, atol=1e-3)
+    warm.use_lora(ActiveLora(tensors=bundle.lora(), source="bundle", file=bundle.path))
+    assert np.allclose(warm.run(pixels)["logits"], own, atol=1e-6)
+    with pytest.raises(BundleError, match="shape|missing|LoRA"):
+        warm.use_lora(ActiveLora(tensors={k: v[:1] for k, v in other.items()}, source="global", file=bundle.path))
+
+
 def test_batch_size_does_not_change_results(edge_bundle, data_root):
     files = sorted((data_root / "test" / "red_circle").glob("*.png"))[:5]
     one = infer_paths(files, edge_bundle, batch_size=1, top_k=6, provider="cpu").predictions
