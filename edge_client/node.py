@@ -186,6 +186,11 @@ def _global_lora(arrays: dict[str, np.ndarray], bundle: Bundle) -> dict[str, np.
 
 
 # ---- the handlers --------------------------------------------------------------------------------------
+def identify(msg: Message, context: Context) -> Message:
+    """Who this node is, asked once by the server before any work: an edge device of this run."""
+    return Message(content=RecordDict({schema.IDENTITY: _identity(_instruction(msg))}), reply_to=msg)
+
+
 def train(msg: Message, context: Context) -> Message:
     """One round on the device: sync the bundle, train the global LoRA locally, reply with it."""
     from edge_client.train import train_local

@@ -38,7 +38,7 @@ METRICS, IDENTITY = "metrics", "identity"
 
 # ---- keys ---------------------------------------------------------------------------------------------
 ROUND, RUN_ID, PROMPTFORMER_DIGEST = "round", "run-id", "promptformer-digest"  # instruction and identity
-LR, PRESET, DEVICE, LORA_CLIENTS, SELECTED, PROMPTED = "lr", "preset", "device", "lora-clients", "selected", "prompted"
+LR, PRESET, DEVICE, LORA_CLIENTS, THREADS, PROMPTED = "lr", "preset", "device", "lora-clients", "threads", "prompted"
 PARTITION_ID, ROLE, BUNDLE_ID = "partition-id", "role", "bundle-id"
 SITE_NAME = "site-name"  # a [federation] site's name (`fedmvp join --name`): its identity and node config key
 REFRESHED, REFRESH_BYTES = "refreshed", "refresh-bytes"
@@ -46,6 +46,7 @@ NUM_EXAMPLES, TRAIN_LOSS, TRAIN_CE, TRAIN_CONSISTENCY = "num-examples", "train-l
 LORA_ACTIVE, SWITCH_NEXT, REFRESH_SECONDS = "lora-active", "switch-next", "refresh-seconds"
 SITE, EDGE = "site", "edge"  # the two roles (docs/architecture.md "node identity")
 EDGE_SET = "edge"  # an edge device's evaluation counts: edge:correct, edge:total
+IDENTIFY = "identify"  # the query action (message type ``query.identify``) a node answers with its identity
 
 MAX_TEXT = 128  # a run id, a bundle id, a digest, a role
 FLAGS = (LORA_ACTIVE, SWITCH_NEXT)  # 0 or 1
@@ -104,9 +105,11 @@ def _record(records: Mapping[str, Any], name: str) -> dict[str, Any] | None:
 # ---- the server's instruction (train and evaluate) -----------------------------------------------------
 @dataclass(frozen=True)
 class Instruction:
-    """What a train or evaluate message tells a node. Train: ``lr``, ``lora_clients``, ``selected``
-    (None: every node asked trains; the key is then absent), ``local``; evaluate: ``prompted``,
-    ``assignment``. ``preset``, ``device`` and ``method`` are a site's (an edge device has its bundle)."""
+    """What a train, evaluate or identify message tells a node. Train: ``lr``, ``lora_clients``,
+    ``local``; evaluate: ``prompted``, ``assignment``. ``preset``, ``device``, ``method`` and
+    ``threads`` (the CPU threads the server allots each node, the simulation's share of its machine;
+    None: the node's own) are a site's (an edge device has its bundle). Every node asked trains: the
+    server sends work only to the nodes of the sites it sampled (fedmvp.federated.sampling)."""
 
     round: int
     run_id: str
@@ -116,7 +119,7 @@ class Instruction:
     method: dict[str, Any] | None = None
     lr: float | None = None
     lora_clients: tuple[int, ...] | None = None
-    selected: tuple[int, ...] | None = None
+    threads: int | None = None
     local: dict[str, Any] | None = None
     prompted: bool = True
     assignment: dict[str, int] | None = None
@@ -127,7 +130,7 @@ class Instruction:
                                   PROMPTED: self.prompted}
         optional = {PRESET: self.preset, DEVICE: self.device, LR: self.lr,
                     LORA_CLIENTS: None if self.lora_clients is None else list(self.lora_clients),
-                    SELECTED: None if self.selected is None else list(self.selected)}
+                    THREADS: self.threads}
         config |= {k: v for k, v in optional.items() if v is not None}
         out = {CONFIG: config}
         for name, record in ((METHOD, self.method), (LOCAL, self.local), (ASSIGNMENT, self.assignment)):
@@ -157,6 +160,9 @@ def read_instruction(records: Mapping[str, Any]) -> Instruction:
     prompted = config.get(PROMPTED, True)
     if not isinstance(prompted, bool):
         raise MessageError(f"{PROMPTED} {shown(prompted)} is not true or false")
+    threads = config.get(THREADS)
+    if threads is not None and (not is_int(threads) or threads < 1):
+        raise MessageError(f"{THREADS} {shown(threads)} is not a positive integer")
     assignment = _record(records, ASSIGNMENT)
     if assignment is not None and not all(is_int(site) for site in assignment.values()):
         raise MessageError(f"the {ASSIGNMENT} record does not map set names to sites")
@@ -164,7 +170,7 @@ def read_instruction(records: Mapping[str, Any]) -> Instruction:
                        promptformer_digest=_text(config, PROMPTFORMER_DIGEST) or "",
                        preset=_string(config, PRESET), device=_text(config, DEVICE),
                        method=_record(records, METHOD), lr=None if lr is None else float(lr),
-                       lora_clients=_int_list(config, LORA_CLIENTS), selected=_int_list(config, SELECTED),
+                       lora_clients=_int_list(config, LORA_CLIENTS), threads=threads,
                        local=_record(records, LOCAL), prompted=prompted, assignment=assignment)
 
 

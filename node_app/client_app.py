@@ -22,7 +22,7 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedmvp_formats.messages import EDGE, SITE
+from fedmvp_formats.messages import EDGE, IDENTIFY, SITE
 
 ROLES = (SITE, EDGE)
 
@@ -58,3 +58,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     from fedmvp.federated.client_app import evaluate as site_evaluate
 
     return site_evaluate(msg, context)
+
+
+@app.query(IDENTIFY)
+def identify(msg: Message, context: Context) -> Message:
+    """Who this node is (its site, or an edge device), asked once before the server sends it work."""
+    if role(context) == EDGE:
+        from edge_client.node import identify as edge_identify
+
+        return edge_identify(msg, context)
+    from fedmvp.federated.client_app import identify as site_identify
+
+    return site_identify(msg, context)

@@ -5,18 +5,19 @@ The client id comes from the node's config (``partition-id``, set by the simulat
 TOML path on the server's machine), the run's method record (what model to build) and the round's
 settings come in the server's message (its schema: ``fedmvp_formats.messages``). A SuperNode whose
 preset file lives elsewhere names it itself: ``--node-config "partition-id=3 preset='/data/site3.toml'"``.
-A client not selected this round answers with zero examples."""
+A node is asked once who it is (``identify``: its identity, from its node config alone) and then
+sent work only in the rounds its site is sampled for (fedmvp.federated.sampling). Its torch
+threads: the node config's ``threads`` (a SuperNode's own machine), else the message's (the
+simulation's share of one machine for each node), else torch's default."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedmvp_formats import messages as schema
-from fedmvp_formats.messages import Identity
+from fedmvp_formats.messages import Identity, Instruction
 
 from fedmvp.data.federation import SiteRequest
 from fedmvp.data.site_federation import site_id
@@ -29,8 +30,9 @@ from fedmvp.model import FedMVPConfig
 app = ClientApp()
 
 
-def _threads() -> None:
-    threads = int(os.environ.get("FEDMVP_CLIENT_THREADS", "0"))
+def _threads(context: Context, instruction: Instruction) -> None:
+    """Torch's CPU threads for this node: its node config's ``threads``, else the server's message's."""
+    threads = int(context.node_config.get(schema.THREADS, instruction.threads or 0))
     if threads > 0 and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
@@ -66,17 +68,27 @@ def _reply(msg: Message, identity: Identity, metrics: dict, arrays: ArrayRecord 
     return Message(content=RecordDict(records if arrays is None else {schema.ARRAYS: arrays, **records}), reply_to=msg)
 
 
+@app.query(schema.IDENTIFY)
+def identify(msg: Message, context: Context) -> Message:
+    """Who this node is (its site, and its name where sites are named): the server sends a site's
+    work only to its node. Nothing is loaded but the preset (a named site's id is its place in it)."""
+    instruction = content_instruction(msg.content)
+    client_id, name, _ = _site(context, str(context.node_config.get("preset", instruction.need("preset"))))
+    return _reply_identity(msg, Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name))
+
+
+def _reply_identity(msg: Message, identity: Identity) -> Message:
+    return Message(content=RecordDict({schema.IDENTITY: ConfigRecord(identity.record())}), reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    _threads()
     instruction = content_instruction(msg.content)
+    _threads(context, instruction)
     preset = str(context.node_config.get("preset", instruction.need("preset")))
     client_id, name, request = _site(context, preset)
     # Which site, run and round this reply belongs to: the server checks it before using the reply.
     identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)
-    if instruction.selected is not None and client_id not in instruction.selected:  # None: every node asked trains
-        metrics = schema.train_metrics(0, 0.0, ce=0.0, consistency=0.0, lora_active=0, switch_next=0)
-        return _reply(msg, identity, metrics, ArrayRecord())
     method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
     ctx = task_context(preset, method, _device(instruction.device), request)
     client = ctx.client(client_id)
@@ -92,8 +104,8 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Federated evaluation (docs/method.md §7): this site's Local test set and the evaluation sets
     assigned to it, on its own data; only the counts go back."""
-    _threads()
     instruction = content_instruction(msg.content)
+    _threads(context, instruction)
     preset = str(context.node_config.get("preset", instruction.need("preset")))
     client_id, name, request = _site(context, preset)
     identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)

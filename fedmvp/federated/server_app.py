@@ -19,10 +19,9 @@ import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedmvp.federated.evaluation import evaluate_global
 from fedmvp.federated.prepare import check_same_preset, prepare_run
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
-from fedmvp.federated.task import LocalSettings, task_context
+from fedmvp.federated.task import LocalSettings
 from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
 from fedmvp.model import FedMVP
 from fedmvp.run_lock import lock_existing, run_lock
@@ -34,20 +33,21 @@ log = logging.getLogger("fedmvp.server")
 
 @dataclass
 class ServerSettings:
-    """What the server needs beyond the run directory's config.json."""
+    """What the server needs beyond the run directory's config.json. Simulation and deployment differ
+    in nothing here but where the settings come from (``fedmvp train``, or the run config) and
+    ``client_threads``: the simulation's share of its one machine for each node (None: each node's own)."""
 
     run_dir: str
     eval_every: int = 0  # 0: evaluate only the last round
     progress: bool = True
-    sampling: str = "sites"  # simulation: every site has a node; deployment: "nodes", whoever is connected
-    evaluation: str = "central"  # simulation: here, on the preset's data; deployment: "federated", on the nodes
+    client_threads: int | None = None
     overrides: dict = field(default_factory=dict)  # [server] settings given at run time (fedmvp serve flags)
 
     @classmethod
     def from_run_config(cls, run_config: dict) -> "ServerSettings":
         overrides = {key.replace("-", "_"): run_config[key] for key in RUN_TIME_KEYS if run_config.get(key)}
         return cls(run_dir=str(run_config["run-dir"]), eval_every=int(run_config.get("eval-every", 0)),
-                   progress=False, sampling="nodes", evaluation="federated", overrides=overrides)
+                   progress=False, overrides=overrides)
 
 
 # Run-config keys that override the run record's [server] table at run time (0: keep the record's);
@@ -106,7 +106,7 @@ class RoundRecorder:
 
     def __init__(self, run: RunDir, evaluate, total_rounds: int, settings: ServerSettings, strategy_ref: list,
                  method: dict):
-        """``evaluate(round, state)``: the paper's metrics of a global state (central or federated)."""
+        """``evaluate(round, state)``: the paper's metrics of a global state, evaluated by the nodes."""
         self.run, self.evaluate, self.total, self.method = run, evaluate, total_rounds, method
         self.settings, self.strategy_ref = settings, strategy_ref
         self.bar = None
@@ -155,7 +155,7 @@ def round_policy(run: RunDir, config: dict, settings: ServerSettings) -> RoundPo
     one range check (fedmvp/presets/server.py); ``fraction`` overrides the record's [train] fraction_fit."""
     overrides = dict(settings.overrides)
     fraction = float(overrides.pop("fraction", None) or config.get("fraction", 1.0))
-    return RoundPolicy(settings.sampling, fraction, run.server(overrides, RUN_TIME_WHERE))
+    return RoundPolicy(fraction, run.server(overrides, RUN_TIME_WHERE))
 
 
 def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
@@ -163,12 +163,6 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     config = run.read_config()
     preset_path, total = run.preset_file(config), int(config["rounds"])
     method, federation = run.method(), run.federation_record()
-    device = config.get("server_device", "cpu")
-    if settings.evaluation == "federated":  # the nodes evaluate: this machine needs no site's data
-        ctx, model = None, FedMVP.from_run(run, 0, device)  # round 0: the initial model, no weights
-    else:
-        ctx = task_context(preset_path, method, device)
-        model = ctx.model
     start = run.last_round() or 0
     if start >= total:
         log.info("run %s already has %s rounds", run.path, total)
@@ -177,18 +171,18 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
         checkpoint = run.load_checkpoint(start)
         initial, lora_clients = to_numpy_state(checkpoint.tensors), checkpoint.state.get("lora_clients", [])
         truncate_metrics_after(run, start)
-    else:
+    else:  # round 0: the initial model, no weights; this machine needs no site's data (the nodes evaluate)
+        model = FedMVP.from_run(run, 0, config.get("server_device", "cpu"))
         initial, lora_clients = to_numpy_state(model.state("all")), []
     strategy_ref: list = []
 
     def evaluate(round_number: int, state: dict[str, np.ndarray] | None) -> dict:
-        if settings.evaluation == "federated":
-            return strategy_ref[0].federated_evaluate(grid, state, round_number, federation)
-        return evaluate_global(ctx, to_torch_state(state) if state is not None else None)
+        return strategy_ref[0].evaluate_round(grid, state, round_number)
 
     recorder = RoundRecorder(run, evaluate, total, settings, strategy_ref, method.to_dict())
     client_config = {"preset": client_preset(preset_path), "device": config.get("client_device", "cpu"),
-                     "method": method.to_dict(), "local": LocalSettings.from_train(config["train"]).to_record()}
+                     "method": method.to_dict(), "local": LocalSettings.from_train(config["train"]).to_record(),
+                     "threads": settings.client_threads}
     # None: a [federation] site's whole folder, which this server never sees ([server] site_max_examples)
     declared = {c["id"]: None if c["train_images"] is None else int(c["train_images"])
                 for c in federation["clients"]}
@@ -198,7 +192,7 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     strategy = FedMVPStrategy(
         client_config=client_config, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),
-        declared_examples=declared, site_names=site_names, policy=policy, round_offset=start,
+        declared_examples=declared, site_names=site_names, federation=federation, policy=policy, round_offset=start,
         lora_clients=lora_clients, on_aggregated=recorder)
     strategy_ref.append(strategy)
     if start == 0 and run.read_json("zero_shot.json") is None:

@@ -21,7 +21,9 @@ SIMULATION_ENV = {**FLOWER_QUIET_ENV, "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_EN
 def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int | None = None,
              client_app=None) -> RunDir:
     """Run (or finish) the rounds of ``run`` on Flower's simulation engine (``client_app``: another
-    ClientApp than fedmvp's, e.g. one that misbehaves, to see what the server does with it)."""
+    ClientApp than fedmvp's, e.g. one that misbehaves, to see what the server does with it). The
+    server is the deployment's: it samples sites, learns each node's site from its ``partition-id``
+    and has the nodes evaluate; only the CPU share of each node (``cpus`` of them) is simulation's."""
     os.environ.update(SIMULATION_ENV)
     from flwr.simulation import run_simulation
 
@@ -34,10 +36,10 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     gpu = 0.0
     if config.get("client_device") == "cuda":
         gpu = 1.0 / cpus
-    os.environ["FEDMVP_CLIENT_THREADS"] = str(max(1, (os.cpu_count() or 1) // cpus))
+    threads = max(1, (os.cpu_count() or 1) // cpus)  # each node's share of this machine, sent in every message
     failures: list[BaseException] = []
-    server_app = server_app_for(ServerSettings(run_dir=str(run.path), eval_every=eval_every, progress=progress),
-                                failures)
+    settings = ServerSettings(run_dir=str(run.path), eval_every=eval_every, progress=progress, client_threads=threads)
+    server_app = server_app_for(settings, failures)
     # Flower logs every round at INFO and warns that run_simulation is deprecated in favour of
     # `flwr run`; our progress bar and run directory say what happened, errors still print.
     logging.getLogger("flwr").setLevel(logging.ERROR)

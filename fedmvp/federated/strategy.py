@@ -6,11 +6,10 @@ over the clients that sent it (a LoRA-only client sends only ``lora.*``; stock F
 such mixed replies). Tensors nobody sent keep their global value. A round that got fewer than
 ``min_nodes`` usable replies is tried again, never skipped silently.
 
-Who trains:
-* ``sites`` (the simulation, one node per site): a deterministic sample of *sites* per round,
-  sent to every node; unselected sites answer with zero examples. A resumed run replays exactly.
-* ``nodes`` (deployment): a sample of the *connected* nodes (``fraction``, at least ``min_nodes``;
-  it waits up to ``node_wait`` for them); work goes to those nodes only.
+Who trains (``fedmvp.federated.sampling``, one way for the simulation and a deployment): a seeded
+sample of *sites* per round (``fraction``; a resumed run replays exactly), sent only to the nodes
+that serve them (each node tells its site when first met) and to a sample of the connected edge
+devices; it waits up to ``node_wait`` for ``min_nodes`` of them (default: every site sampled).
 The server owns the per-site LoRA flags (keyed by the site id each node reports, sent down each
 round, persisted in checkpoints) and the cosine schedule.
 
@@ -25,26 +24,27 @@ its bundle from it; ``edge_client.node``).
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fedmvp_formats import messages as schema
-from fedmvp_formats.messages import Identity, Instruction, MessageError, read_identity
+from fedmvp_formats.messages import Identity, Instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
-from fedmvp.federated.metrics import combine_counts, evaluation_sites
-from fedmvp.federated.seeds import derived_seed
-from fedmvp.federated.replies import ReplyRules, check_reply, name_problem, reply_fields, site_counts
+from fedmvp.federated.eval_replies import combine_eval_replies
+from fedmvp.federated.metrics import evaluation_sites
+from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
+from fedmvp.federated.sampling import NodeRegistry, sample_edges, sample_sites
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
 from fedmvp.presets.server import ServerSpec
 
@@ -75,10 +75,9 @@ def weighted_average(replies: list[tuple[dict[str, np.ndarray], float]]) -> dict
 
 @dataclass(frozen=True)
 class RoundPolicy:
-    """How rounds run: who is asked (``sampling``, ``fraction``) and the run's server rules (the run
+    """How rounds run: the fraction of sites asked each round and the run's server rules (the run
     record's ``server``, one definition: fedmvp/presets/server.py; docs/architecture.md)."""
 
-    sampling: str = "sites"  # "sites" (simulation) or "nodes" (deployment)
     fraction: float = 1.0
     server: ServerSpec = field(default_factory=ServerSpec)
 
@@ -114,19 +113,22 @@ class RoundFailed(RuntimeError):
     """A round could not gather enough usable replies (or nodes); the message says why."""
 
 
-class FedMVPStrategy:
-    """Rounds of per-tensor FedAvg over heterogeneous, checked replies (full PromptFormer or LoRA only)."""
+class FedMVPStrategy(Strategy):
+    """Rounds of per-tensor FedAvg over heterogeneous, checked replies (full PromptFormer or LoRA only),
+    in the shape of Flower's message-based ``Strategy``: ``configure_train``/``aggregate_train`` and
+    ``configure_evaluate``/``aggregate_evaluate`` with Flower's signatures, ``start`` running the rounds."""
 
     def __init__(self, *, client_config: dict[str, Any], seed: int, total_rounds: int, base_lr: float,
                  num_clients: int, run_id: str = "", declared_examples: dict[int, int | None] | None = None,
-                 site_names: dict[int, str] | None = None,
+                 site_names: dict[int, str] | None = None, federation: dict | None = None,
                  policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None):
         """``client_config``: what every round's message carries besides the round's own values
-        (``preset``, ``device``; ``method`` and ``local``, records as dicts: ``fedmvp_formats.messages``);
-        ``declared_examples[site]``: the most training images a site can report (run record; None: its
-        folder's, bounded by [server] site_max_examples); ``site_names``: a [federation] run's site
-        names by id, the one each site's reply must carry (``replies.check_reply``)."""
+        (``preset``, ``device``, ``threads``; ``method`` and ``local``, records as dicts:
+        ``fedmvp_formats.messages``); ``declared_examples[site]``: the most training images a site can
+        report (run record; None: its folder's, bounded by [server] site_max_examples); ``site_names``: a
+        [federation] run's site names by id, the one each site's reply must carry (``replies.check_reply``);
+        ``federation``: the run record's federation (which site evaluates which set)."""
         self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
@@ -136,6 +138,7 @@ class FedMVPStrategy:
         self.declared_examples = dict(declared_examples) if declared_examples is not None else \
             {site: 1 << 62 for site in range(num_clients)}
         self.site_names = dict(site_names) if site_names is not None else None
+        self.federation = federation
         self.policy = policy or RoundPolicy()
         self.round_offset = round_offset
         self.lora_clients: set[int] = set(lora_clients)
@@ -143,6 +146,9 @@ class FedMVPStrategy:
         self.on_aggregated = on_aggregated
         self.rejected: list[dict] = []  # this round's left-out replies (node, site, reason)
         self.known: dict[int, dict] = {}  # node id -> what its last accepted reply said (role, digest, ...)
+        self.registry = NodeRegistry(num_clients, run_id, self.site_names)  # node id -> its site, or edge
+        self.asked_edges = 0  # edge devices sent this round's work
+        self.evaluation: dict[str, Any] = {}  # the last evaluation, None for a metric no site could compute
 
     @property
     def fraction(self) -> float:
@@ -152,59 +158,69 @@ class FedMVPStrategy:
         return self.round_offset + server_round
 
     def selected_clients(self, round_number: int) -> list[int]:
-        """A fraction of sites per round, the same set whenever this round is replayed (``sites``)."""
-        count = max(1, round(self.fraction * self.num_clients))
-        if count >= self.num_clients:
-            return list(range(self.num_clients))
-        rng = random.Random(derived_seed(self.seed, "sample", round_number))
-        return sorted(rng.sample(range(self.num_clients), count))
+        """The round's sites: a seeded fraction, the same set whenever this round is replayed."""
+        return sample_sites(self.seed, self.fraction, self.num_clients, round_number)
 
     def needed_replies(self, round_number: int) -> int:
-        """Usable replies that close a round: ``min_nodes``, by default every client sampled."""
-        if self.policy.sampling == "sites":
-            selected = len(self.selected_clients(round_number))
-            return min(self.policy.server.min_nodes or selected, selected)
-        return self.policy.server.min_nodes or max(1, round(self.fraction * self.num_clients))
+        """Usable replies that close a round: ``min_nodes``, by default every site sampled (at most the
+        nodes asked: the sampled sites and the edge devices sent work)."""
+        selected = len(self.selected_clients(round_number))
+        return min(self.policy.server.min_nodes or selected, selected + self.asked_edges)
 
-    # ---- who trains ---------------------------------------------------------------------------------
-    def _connected(self, grid: Grid, needed: int) -> list[int]:
-        deadline = time.monotonic() + self.policy.server.node_wait
+    def summary(self) -> None:
+        """Log the strategy's settings (Flower's ``Strategy.summary``)."""
+        server = self.policy.server
+        log(INFO, "\t├── sites: %s, fraction %.2f (seed %s), min_nodes %s", self.num_clients, self.fraction,
+            self.seed, server.min_nodes or "every site sampled")
+        log(INFO, "\t└── round_timeout %gs, node_wait %gs, round_retries %s", server.round_timeout,
+            server.node_wait, server.round_retries)
+
+    def _instruction(self, round_number: int, **values: Any) -> Instruction:
+        cc = self.client_config
+        return Instruction(round=round_number, run_id=self.run_id, preset=cc.get("preset"), device=cc.get("device"),
+                           method=cc.get("method"), threads=cc.get("threads"), **values)
+
+    # ---- who trains: the round's sites, then the nodes that serve them (fedmvp.federated.sampling) -------
+    def _targets(self, grid: Grid, round_number: int, attempt: int) -> tuple[list[int], list[int]]:
+        """The nodes of the round's sites and its edge devices, once enough of them are connected (up to
+        ``node_wait``); nodes not met yet are asked who they are first."""
+        selected = self.selected_clients(round_number)
+        server = self.policy.server
+        deadline = time.monotonic() + server.node_wait
         while True:
-            nodes = sorted(grid.get_node_ids())
-            if len(nodes) >= needed:
-                return nodes
+            connected = sorted(grid.get_node_ids())
+            self.registry.learn(grid, connected, self._instruction(round_number), server.round_timeout)
+            sites = self.registry.nodes_of(selected, connected)
+            edges = sample_edges(self.seed, self.fraction, self.registry.edges(connected), round_number, attempt)
+            needed = min(server.min_nodes or len(selected), len(selected) + len(edges))
+            present = len({self.registry.site_of(node) for node in sites}) + len(edges)
+            if present >= needed:
+                self.asked_edges = len(edges)
+                return sites, edges
             if time.monotonic() >= deadline:
-                raise RoundFailed(f"only {len(nodes)} of the {needed} nodes a round needs connected within "
-                                  f"{self.policy.server.node_wait:g} s; start more SuperNodes (fedmvp join) or lower "
+                raise RoundFailed(f"only {present} of the {needed} nodes a round needs connected within "
+                                  f"{server.node_wait:g} s; start more SuperNodes (fedmvp join) or lower "
                                   f"min_nodes")
             time.sleep(1.0)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid, attempt: int = 0) -> list[Message]:
+        """The round's train messages: the whole global state to each node of a sampled site, the LoRA
+        only to an edge device that holds the global PromptFormer. ``attempt``: the round's try (a retry
+        samples edge devices anew; the sites of a round are always the same)."""
         round_number = self.global_round(server_round)
         self.global_state = numpy_state(arrays)
         digest = promptformer_digest(self.global_state)
-        if self.policy.sampling == "sites":
-            nodes = self._connected(grid, self.num_clients)
-            selected = tuple(self.selected_clients(round_number))
-        else:
-            needed = self.needed_replies(round_number)
-            connected = self._connected(grid, needed)
-            count = min(len(connected), max(needed, round(self.fraction * len(connected))))
-            rng = random.Random(derived_seed(self.seed, "nodes", round_number, attempt))
-            nodes = sorted(rng.sample(connected, count))
-            selected = None  # every node asked trains
-        cc = self.client_config
-        instruction = Instruction(round=round_number, run_id=self.run_id, promptformer_digest=digest,
-                                  preset=cc.get("preset"), device=cc.get("device"), method=cc.get("method"),
-                                  lr=cosine_lr(self.base_lr, round_number, self.total_rounds),
-                                  lora_clients=tuple(sorted(self.lora_clients)), selected=selected,
-                                  local=cc.get("local"))
+        sites, edges = self._targets(grid, round_number, attempt)
+        instruction = self._instruction(round_number, promptformer_digest=digest,
+                                        lr=cosine_lr(self.base_lr, round_number, self.total_rounds),
+                                        lora_clients=tuple(sorted(self.lora_clients)),
+                                        local=self.client_config.get("local"))
         lora = array_record({k: v for k, v in self.global_state.items() if k.startswith(LORA_PREFIX)})
         record = instruction_content(arrays, instruction, config)
         lora_only = instruction_content(lora, instruction, config)
         return [Message(content=lora_only if self.holds(node, digest) else record, message_type=MessageType.TRAIN,
-                        dst_node_id=node) for node in nodes]
+                        dst_node_id=node) for node in sorted(sites + edges)]
 
     def holds(self, node: int, digest: str) -> bool:
         """Whether ``node`` is an edge device that last reported holding the PromptFormer ``digest``."""
@@ -234,11 +250,13 @@ class FedMVPStrategy:
                 self._reject(round_number, node, None, fields)
                 continue
             arrays, metrics = fields  # metrics and identity merged: a key told in both had one value
-            if self.policy.sampling == "sites" and metrics.get(schema.NUM_EXAMPLES) == 0 and not arrays:
-                continue  # a site not selected this round
             verdict = check_reply(arrays, metrics, rules=rules, global_state=self.global_state,
                                   expected_names=expected, declared_examples=self.declared_examples,
                                   site_names=self.site_names)
+            claimed, registered = verdict.site if verdict.role == schema.SITE else schema.EDGE, \
+                self.registry.site_of(node)  # what it said it serves when first met (None: never asked)
+            if verdict.accepted and registered is not None and registered != claimed:
+                verdict.arrays, verdict.reason = None, f"identified itself as {registered}, replies as {claimed}"
             if not verdict.accepted:
                 self.known.pop(node, None)  # next round it gets the whole global state again
                 self._reject(round_number, node, verdict.site, verdict.reason or "rejected", verdict.role)
@@ -292,68 +310,64 @@ class FedMVPStrategy:
         log(WARNING, "round %s: reply of node %s (%s) left out: %s", round_number, node, who, reason)
         self.rejected.append({"node": node, "site": site, "reason": reason, **({"role": role} if role else {})})
 
-    # ---- federated evaluation ---------------------------------------------------------------------------
-    def federated_evaluate(self, grid: Grid, state: dict[str, np.ndarray] | None, round_number: int,
-                           record: dict) -> dict:
-        """Every connected node evaluates on its own data (its Local set and the evaluation sets
-        assigned to its site); the server combines the counts exactly as a central evaluation
-        would (docs/method.md §7). ``state`` None: zero-shot CLIP. Replies are checked like train
-        replies (site, run, round, counts that make sense); a missing site leaves its sets out.
-        Edge devices evaluate the global model on their held-out images: ``edge_acc`` pools their
-        counts (``edge_devices`` of them), beside the paper's metrics, never inside them."""
-        assignment = evaluation_sites(record)
-        cc = self.client_config
-        instruction = Instruction(round=round_number, run_id=self.run_id, prompted=state is not None,
-                                  promptformer_digest=promptformer_digest(state) if state is not None else "",
-                                  preset=cc.get("preset"), device=cc.get("device"), method=cc.get("method"),
-                                  assignment=assignment)
-        content = instruction_content(array_record(state) if state is not None else ArrayRecord(), instruction)
-        nodes = self._connected(grid, 1)
-        messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
-        counts: dict[int, dict[str, tuple[int, int]]] = {}
-        edge_counts: dict[int, tuple[int, int]] = {}
-        for msg in grid.send_and_receive(messages, timeout=self.policy.server.round_timeout):
-            node = int(msg.metadata.src_node_id)
-            if msg.has_error():
-                log(WARNING, "evaluation of round %s: node %s failed: %s", round_number, node, msg.error.reason)
-                continue
-            metrics = dict(msg.content[schema.METRICS]) if schema.METRICS in msg.content else {}
-            try:
-                identity = read_identity(dict(msg.content[schema.IDENTITY]) if schema.IDENTITY in msg.content
-                                         else {}, self.run_id, round_number)
-                if identity.site is not None and (identity.site not in range(self.num_clients)
-                                                  or identity.site in counts):
-                    raise MessageError(f"site {identity.site} unknown or told twice")
-                wrong_name = name_problem(identity, self.site_names)
-                if wrong_name is not None:
-                    raise MessageError(wrong_name)
-            except MessageError as err:
-                log(WARNING, "evaluation of round %s: reply of node %s left out (%s)", round_number, node, err)
-                continue
-            if identity.role == schema.EDGE:
-                pair = schema.count_pair(metrics, schema.EDGE_SET)
-                if pair is not None:
-                    edge_counts[node] = pair
-                continue
-            counts[identity.site] = site_counts(metrics, assignment, identity.site)
-        result = {**combine_counts(record, counts), "eval_sites": len(counts)}
-        if edge_counts:
-            correct, total = (sum(c[i] for c in edge_counts.values()) for i in (0, 1))
-            result |= {"edge_acc": correct / total if total else None, "edge_devices": len(edge_counts)}
-        return result
+    # ---- evaluation: every site on its own data (docs/method.md §7) ------------------------------------------
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> list[Message]:
+        """One evaluate message to every connected node the registry knows (each site evaluates its Local
+        set and the evaluation sets assigned to it; an edge device its held-out images). ``arrays``
+        empty: the zero-shot CLIP."""
+        round_number = self.global_round(server_round)
+        state = numpy_state(arrays)
+        nodes = sorted(grid.get_node_ids())
+        self.registry.learn(grid, nodes, self._instruction(round_number), self.policy.server.round_timeout)
+        instruction = self._instruction(round_number, prompted=bool(state), assignment=self._assignment(),
+                                        promptformer_digest=promptformer_digest(state) if state else "")
+        content = instruction_content(arrays, instruction, config)
+        return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node)
+                for node in nodes if self.registry.site_of(node) is not None]
+
+    def _assignment(self) -> dict[str, int]:
+        if self.federation is None:
+            raise RuntimeError("this strategy was built without the run's federation record: it cannot evaluate")
+        return evaluation_sites(self.federation)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The paper's metrics from the sites' counts, combined as one process would (``eval_replies``);
+        the whole result, None for a metric no site could compute, is kept as ``evaluation``."""
+        self.evaluation = combine_eval_replies(replies, run_id=self.run_id, round_number=self.global_round(
+            server_round), record=self.federation, num_sites=self.num_clients, site_names=self.site_names)
+        return MetricRecord({k: v for k, v in self.evaluation.items() if isinstance(v, (int, float))})
+
+    def evaluate_round(self, grid: Grid, state: dict[str, np.ndarray] | None, round_number: int) -> dict[str, Any]:
+        """Evaluate ``state`` (None: zero-shot) on the nodes as of global round ``round_number``."""
+        server_round = round_number - self.round_offset
+        messages = self.configure_evaluate(server_round, array_record(state) if state is not None else ArrayRecord(),
+                                           ConfigRecord(), grid)
+        self.aggregate_evaluate(server_round, grid.send_and_receive(messages, timeout=self.policy.server.round_timeout))
+        return dict(self.evaluation)
 
     # ---- the rounds ---------------------------------------------------------------------------------------
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int) -> ArrayRecord:
-        """Run ``num_rounds`` rounds; a round short of usable replies is tried again (``round_retries``)."""
-        arrays = initial_arrays
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = None,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start``, with FedMVP's rules: a round short of usable replies is tried again
+        (``round_retries``) and never skipped; ``timeout`` (default: [server] round_timeout) bounds each
+        try. The run's own evaluation schedule and checkpoints happen in ``on_aggregated`` (the
+        ServerApp's recorder); ``evaluate_fn`` is called as Flower calls it, before the first round and
+        after each one. ``evaluate_config`` is not used (evaluation goes by ``evaluate_round``)."""
+        timeout = self.policy.server.round_timeout if timeout is None else timeout
+        result, arrays = Result(arrays=initial_arrays), initial_arrays
+        if evaluate_fn is not None and (res := evaluate_fn(0, arrays)) is not None:
+            result.evaluate_metrics_serverapp[0] = res
         for server_round in range(1, num_rounds + 1):
             round_number = self.global_round(server_round)
             for attempt in range(self.policy.server.round_retries):
-                messages = self.configure_train(server_round, arrays, ConfigRecord(), grid, attempt)
-                replies = list(grid.send_and_receive(messages, timeout=self.policy.server.round_timeout))
-                aggregated, _ = self.aggregate_train(server_round, replies)
+                messages = self.configure_train(server_round, arrays, ConfigRecord(train_config or {}), grid, attempt)
+                replies = list(grid.send_and_receive(messages, timeout=timeout))
+                aggregated, metrics = self.aggregate_train(server_round, replies)
                 if aggregated is not None:
-                    arrays = aggregated
+                    result.arrays = arrays = aggregated
+                    result.train_metrics_clientapp[server_round] = metrics
                     break
                 log(WARNING, "round %s: %s replies of %s nodes, %s rejected, %s usable ones needed (try %s of %s)",
                     round_number, len(replies), len(messages), len(self.rejected), self.needed_replies(round_number),
@@ -361,4 +375,6 @@ class FedMVPStrategy:
             else:
                 raise RoundFailed(f"round {round_number}: fewer than {self.needed_replies(round_number)} usable "
                                   f"replies in {self.policy.server.round_retries} tries (see the log for each reply)")
-        return arrays
+            if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
+        return result

@@ -15,6 +15,8 @@ from flwr.clientapp import ClientApp
 from fedmvp.federated import client_app as real
 
 app = ClientApp()
+app.query("identify")(real.identify)  # who it is, and its evaluation, as fedmvp's own ClientApp
+app.evaluate()(real.evaluate)
 
 
 @app.train()

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
-ENV = {**os.environ, "FEDMVP_CLIENT_THREADS": "1", "PYTHONUNBUFFERED": "1", "FLWR_TELEMETRY_ENABLED": "0"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "FLWR_TELEMETRY_ENABLED": "0"}
 
 
 class Processes:

@@ -26,6 +26,30 @@ def _flower_run_identity():
 RUN = "run-1"
 
 
+class SiteGrid:
+    """A Grid whose nodes answer the server's identify query: ``roles`` node id -> its site, or "edge"."""
+
+    def __init__(self, roles: dict[int, int | str]):
+        self.roles, self.asked = roles, []
+
+    def get_node_ids(self):
+        return list(self.roles)
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for msg in messages:
+            assert msg.metadata.message_type == "query.identify"
+            node, config = msg.metadata.dst_node_id, msg.content["config"]
+            self.asked.append(node)
+            role = self.roles[node]
+            who = {"role": "edge"} if role == "edge" else {"partition-id": role}
+            reply = Message(RecordDict({"identity": ConfigRecord({**who, "round": config["round"],
+                                                                  "run-id": config["run-id"]})}), reply_to=msg)
+            reply.metadata._src_node_id = node
+            replies.append(reply)
+        return replies
+
+
 def reply(client: int, arrays: dict[str, np.ndarray], n: int, lora: bool, switch: bool = False,
           round_number: int = 1, run_id: str = RUN) -> Message:
     metrics = MetricRecord({"num-examples": n, "partition-id": client, "train-loss": 0.1 * (client + 1),
@@ -82,59 +106,72 @@ def test_reply_order_does_not_change_the_result():
 
 
 def test_configure_sends_flags_schedule_and_a_replayable_sample():
-    class FakeGrid:
-        def get_node_ids(self):
-            return [11, 12, 13, 14]
-
-    strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=5, total_rounds=10, base_lr=0.003,
-                              num_clients=4, run_id=RUN, policy=RoundPolicy(fraction=0.5), round_offset=4,
-                              lora_clients=[3, 1])
+    grid = SiteGrid({11: 0, 12: 1, 13: 2, 14: 3})
+    strategy = FedMVPStrategy(client_config={"preset": "p.toml", "threads": 3}, seed=5, total_rounds=10,
+                              base_lr=0.003, num_clients=4, run_id=RUN, policy=RoundPolicy(fraction=0.5),
+                              round_offset=4, lora_clients=[3, 1])
     assert strategy.selected_clients(7) == strategy.selected_clients(7)
     assert len(strategy.selected_clients(7)) == 2
-    messages = list(strategy.configure_train(2, ArrayRecord(), ConfigRecord(), FakeGrid()))
-    assert sorted(m.metadata.dst_node_id for m in messages) == [11, 12, 13, 14]  # sites: every node is asked
+    messages = list(strategy.configure_train(2, ArrayRecord(), ConfigRecord(), grid))
+    assert sorted(grid.asked) == [11, 12, 13, 14]  # every node met is asked once who it is
+    # only the nodes of the round's sampled sites get work: no broadcast, no empty replies
+    assert sorted(m.metadata.dst_node_id for m in messages) == [11 + site for site in strategy.selected_clients(6)]
     config = messages[0].content["config"]
-    assert config["round"] == 6 and config["run-id"] == RUN
+    assert config["round"] == 6 and config["run-id"] == RUN and config["threads"] == 3
     assert config["lr"] == pytest.approx(cosine_lr(0.003, 6, 10))
     assert config["lora-clients"] == [1, 3]  # lists travel as lists, not as JSON text
-    assert config["selected"] == strategy.selected_clients(6)
+    assert "selected" not in config  # whoever is asked trains
     texts = [v for record in messages[0].content.config_records.values() for v in record.values() if isinstance(v, str)]
     assert not [t for t in texts if t[:1] in "[{"]  # no JSON text in any record
+    strategy.configure_train(3, ArrayRecord(), ConfigRecord(), grid)
+    assert len(grid.asked) == 4  # a node is asked who it is once
 
 
-def test_deployment_asks_a_fraction_of_the_connected_nodes_and_at_least_min_nodes():
-    class Grid:
-        def get_node_ids(self):
-            return [21, 22, 23, 24, 25, 26, 27, 28]
+def test_site_sampling_is_the_same_in_simulation_and_deployment_and_replays():
+    """The sites of a round depend on (seed, round) alone, whatever node ids serve them."""
+    def sent(roles: dict[int, int | str], round_number: int, attempt: int = 0) -> list[int | str]:
+        strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=30, base_lr=0.1, num_clients=8, run_id=RUN,
+                                  policy=RoundPolicy(fraction=0.25, server=ServerSpec(min_nodes=1)))
+        messages = strategy.configure_train(round_number, ArrayRecord(), ConfigRecord(), SiteGrid(roles), attempt)
+        return [roles[m.metadata.dst_node_id] for m in messages]
 
-    def asked(fraction: float, min_nodes: int | None) -> list[int]:
-        strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=8, run_id=RUN,
-                                  policy=RoundPolicy(sampling="nodes", fraction=fraction,
-                                                     server=ServerSpec(min_nodes=min_nodes)))
-        messages = strategy.configure_train(1, ArrayRecord(), ConfigRecord(), Grid())
-        assert "selected" not in messages[0].content["config"]  # whoever is asked trains
-        return [m.metadata.dst_node_id for m in messages]
+    simulation = {node: node for node in range(8)}
+    deployed = {900 - 7 * site: site for site in range(8)} | {5000: "edge", 5001: "edge"}
+    for round_number in range(1, 12):
+        sites = sent(simulation, round_number)
+        assert len(sites) == 2 and sites == sorted(sites)
+        assert sorted(s for s in sent(deployed, round_number) if s != "edge") == sites
+        assert sent(simulation, round_number, attempt=1) == sites  # a retry asks the same sites
+    assert len({tuple(sent(simulation, r)) for r in range(1, 12)}) > 1  # and rounds differ
+    assert sent(deployed, 1).count("edge") == 1  # edge devices: the same fraction of them, at least one
 
-    assert asked(1.0, None) == [21, 22, 23, 24, 25, 26, 27, 28]
-    assert len(asked(0.25, None)) == 2 and set(asked(0.25, None)) <= set(range(21, 29))
-    assert len(asked(0.25, 5)) == 5  # at least min_nodes
+
+def test_the_registry_refuses_an_identity_it_cannot_use_and_checks_replies_against_it():
+    grid = SiteGrid({11: 0, 12: 7, 13: 1, 14: "edge"})  # node 12 claims a site the run does not have
+    strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=2, run_id=RUN,
+                              declared_examples={0: 10, 1: 10}, lora_clients=[0, 1],
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
+    messages = strategy.configure_train(1, ArrayRecord({}), ConfigRecord(), grid)
+    assert sorted(m.metadata.dst_node_id for m in messages) == [11, 13, 14]
+    assert strategy.registry.roles == {11: 0, 13: 1, 14: "edge"} and "site 7" in strategy.registry.refused[12]
+    strategy.global_state = {"lora.a": np.zeros(3, np.float32)}
+    impostor = reply(1, {"lora.a": np.ones(3, np.float32)}, 5, lora=True)
+    impostor.metadata._src_node_id = 11  # node 11 said it serves site 0
+    arrays, _ = strategy.aggregate_train(1, [reply(1, {"lora.a": np.ones(3, np.float32)}, 5, lora=True), impostor])
+    assert [r["reason"] for r in strategy.rejected] == ["identified itself as 0, replies as 1"]
 
 
 def test_too_few_connected_nodes_fail_with_a_clear_message():
-    class Grid:
-        def get_node_ids(self):
-            return [21]
-
     strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=4, run_id=RUN,
-                              policy=RoundPolicy(sampling="nodes", server=ServerSpec(min_nodes=3, node_wait=0.01)))
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=3, node_wait=0.01)))
     with pytest.raises(RoundFailed, match="only 1 of the 3 nodes a round needs connected"):
-        strategy.configure_train(1, ArrayRecord(), ConfigRecord(), Grid())
+        strategy.configure_train(1, ArrayRecord(), ConfigRecord(), SiteGrid({21: 2}))
 
 
 def test_bad_replies_are_left_out_and_recorded_and_the_round_goes_on():
     strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=4, run_id=RUN,
                               declared_examples={0: 10, 1: 10, 2: 10, 3: 10}, lora_clients=range(4),
-                              policy=RoundPolicy(sampling="nodes", server=ServerSpec(min_nodes=1)))
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
     strategy.global_state = {"lora.a": np.zeros(3, np.float32)}
     good = {"lora.a": np.ones(3, np.float32)}
     replies = [reply(0, good, 5, lora=True), reply(1, {"lora.a": np.array([np.nan, 0, 0], np.float32)}, 5, True),
@@ -144,7 +181,7 @@ def test_bad_replies_are_left_out_and_recorded_and_the_round_goes_on():
     reasons = {r["site"]: r["reason"] for r in strategy.rejected}
     assert set(reasons) == {1, 2, 3}
     assert "NaN" in reasons[1] and "round 7" in reasons[2] and "another run" in reasons[3]
-    strategy.policy = RoundPolicy(sampling="nodes", server=ServerSpec(min_nodes=2))
+    strategy.policy = RoundPolicy(server=ServerSpec(min_nodes=2))
     assert strategy.aggregate_train(1, replies) == (None, None)  # one usable reply, two needed: try again
 
 
@@ -171,7 +208,7 @@ def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node(
 
     strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=2, run_id=RUN,
                               declared_examples={0: 50, 1: 50}, lora_clients=[1],
-                              policy=RoundPolicy("nodes", 1.0, ServerSpec(min_nodes=1, edge_max_examples=40)))
+                              policy=RoundPolicy(1.0, ServerSpec(min_nodes=1, edge_max_examples=40)))
     strategy.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(3, np.float32)}
     rng = np.random.default_rng(3)
     site0 = {"promptformer.w": rng.normal(size=2).astype(np.float32)}  # the PromptFormer: no LoRA
@@ -193,11 +230,8 @@ def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node(
     # The next round: the devices that hold the global PromptFormer get the LoRA only; the others all.
     strategy.known[7]["promptformer-digest"] = promptformer_digest(strategy.global_state)
 
-    class Grid:
-        def get_node_ids(self):
-            return [7, 9, 100]
-
-    messages = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(), Grid())}
+    grid = SiteGrid({7: "edge", 9: "edge", 100: 0, 101: 1})
+    messages = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(), grid)}
     assert set(messages[7].content["arrays"]) == {"lora.a"}
     assert set(messages[9].content["arrays"]) == set(messages[100].content["arrays"]) == {"lora.a", "promptformer.w"}
     assert messages[7].content["config"]["promptformer-digest"] == promptformer_digest(strategy.global_state)
@@ -205,7 +239,7 @@ def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node(
 
 def test_edge_replies_record_what_the_round_state_lists():
     strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
-                              policy=RoundPolicy(sampling="nodes", server=ServerSpec(min_nodes=1)))
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
     strategy.global_state = {"lora.a": np.zeros(3, np.float32)}
     summary = {}
     strategy.on_aggregated = lambda number, state, s: summary.update(s)

@@ -30,7 +30,7 @@ from tests.federated.conftest import write_preset
 REPO = Path(__file__).resolve().parents[2]
 CONNECTION = "fedmvp-test"
 ROUNDS = 2
-QUIET = {**QUIET_ENV, "FEDMVP_CLIENT_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+QUIET = {**QUIET_ENV, "PYTHONUNBUFFERED": "1"}
 
 
 def flower_executable(name: str) -> str | None:
@@ -231,10 +231,10 @@ def test_server_settings_reach_the_round_policy(preset_file, tmp_path):
     recorded = ServerSpec(min_nodes=2, round_timeout=45.0, node_wait=5.0, max_update_norm=3.5,
                           update_norm_action="clip")
     assert run.read_config()["server"] == recorded.record()
-    policy = round_policy(run, run.read_config(), ServerSettings(run_dir=str(run.path), sampling="nodes"))
-    assert policy.server == recorded and policy.sampling == "nodes"
+    policy = round_policy(run, run.read_config(), ServerSettings(run_dir=str(run.path)))
+    assert policy.server == recorded and policy.fraction == 1.0
     settings = ServerSettings.from_run_config({"run-dir": "r", "min-nodes": 1, "round-timeout": 9.0, "fraction": 0})
-    assert settings.overrides == {"min_nodes": 1, "round_timeout": 9.0} and settings.evaluation == "federated"
+    assert settings.overrides == {"min_nodes": 1, "round_timeout": 9.0} and settings.client_threads is None
     merged = round_policy(run, run.read_config(), settings)
     assert merged.server == dataclasses.replace(recorded, min_nodes=1, round_timeout=9.0) and merged.fraction == 1.0
     bad = ServerSettings.from_run_config({"run-dir": "r", "round-timeout": -1.0})

@@ -157,7 +157,7 @@ def message(node: int, site: int, arrays: dict[str, Array], row: Hostile | None 
 def strategy() -> FedMVPStrategy:
     made = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=2, run_id=RUN,
                           declared_examples={0: 10, 1: 10}, lora_clients=[0, 1],
-                          policy=RoundPolicy(sampling="nodes", server=ServerSpec(min_nodes=1)))
+                          policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
     made.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(SHAPE, np.float32)}
     return made
 

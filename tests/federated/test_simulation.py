@@ -199,7 +199,7 @@ def test_a_site_sending_nan_is_left_out_and_the_rest_is_averaged_exactly(world6,
               "client_app=app)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True,
                           text=True, timeout=280,
-                          env={**os.environ, "FEDMVP_CLIENT_THREADS": "1", "FEDMVP_TEST_REPLIES": str(replies)})
+                          env={**os.environ, "FEDMVP_TEST_REPLIES": str(replies)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     previous = None
     for number in (1, 2):
@@ -224,3 +224,38 @@ def test_a_site_sending_nan_is_left_out_and_the_rest_is_averaged_exactly(world6,
             elif previous is not None:  # a tensor nobody sent keeps its global value
                 assert np.array_equal(value, previous[key]), key
         previous = tensors
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a thread count that differs from Ray's one per actor")
+def test_the_server_asks_only_the_sampled_sites_and_each_node_its_site_once(world6, tmp_path):
+    """Simulation samples sites as a deployment does: a third of three sites per round, their nodes
+    alone get the round's message (no broadcast, no empty replies); each node is asked who it is once
+    (its partition-id) and every site evaluates its own data; the thread count the simulation allots
+    each node reaches the node in the message."""
+    from fedmvp.federated.sampling import sample_sites
+    from tests.federated.conftest import three_site_preset
+
+    preset = three_site_preset(tmp_path, world6, rounds=3)
+    preset.write_text(preset.read_text().replace("[train]\n", "[train]\nfraction_fit = 0.34\n"))
+    run_dir, record = tmp_path / "sampled", tmp_path / "record"
+    record.mkdir()
+    cpus = max(1, (os.cpu_count() or 1) // 2)  # each node's share: 2 threads (a Ray actor's default is 1)
+    script = ("from fedmvp.federated.prepare import prepare_run\nfrom fedmvp.federated.simulation import simulate\n"
+              "from tests.federated.recording_client import app\n"
+              f"simulate(prepare_run({str(preset)!r}, {str(run_dir)!r}, None, False, 'cpu'), progress=False, "
+              f"cpus={cpus}, client_app=app, eval_every=2)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=280, env={**os.environ, "FEDMVP_TEST_RECORD": str(record)})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    rows = [json.loads(p.read_text()) for p in sorted(record.glob("*.json"))]
+    seed = json.loads((run_dir / "config.json").read_text())["seed"]
+    asked = {r: sorted(x["partition"] for x in rows if x["kind"] == "train" and x["round"] == r) for r in (1, 2, 3)}
+    assert asked == {r: sample_sites(seed, 0.34, 3, r) for r in (1, 2, 3)} and all(len(a) == 1 for a in asked.values())
+    for r in (1, 2, 3):
+        assert json.loads((run_dir / f"round-{r:04d}" / "state.json").read_text())["sites"] == asked[r]
+    assert sorted(x["partition"] for x in rows if x["kind"] == "identify") == [0, 1, 2]  # once each
+    evaluated = {r: sorted(x["partition"] for x in rows if x["kind"] == "evaluate" and x["round"] == r)
+                 for r in (0, 2, 3)}
+    assert evaluated == {0: [0, 1, 2], 2: [0, 1, 2], 3: [0, 1, 2]}  # zero-shot, every 2nd round and the last
+    assert {x["threads"] for x in rows if x["kind"] == "train"} == {(os.cpu_count() or 1) // cpus}

@@ -1,0 +1,107 @@
+"""Who trains a round, one way for the simulation and for a deployment (docs/architecture.md "Who trains").
+
+The server samples *sites*, never nodes: a seeded fraction of the run's site ids per round
+(``sample_sites``), the same set whenever that round is replayed (a resumed run replays exactly).
+Only the nodes that serve those sites get the round's message. Which node serves which site the
+server learns once per node (``NodeRegistry``): it asks every node it has not met yet to identify
+itself (a Flower ``query`` message, action ``identify``; fedmvp_formats.messages), and the node
+answers with the identity its own node config gives it (simulation: Flower's ``partition-id``;
+deployment: ``fedmvp join --site/--name``). Edge devices (``edge-client join``) answer ``role
+edge``: they serve no site and are sampled among themselves with the same fraction.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from logging import WARNING
+
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedmvp_formats import messages as schema
+from fedmvp_formats.messages import Instruction, MessageError, read_identity
+
+from fedmvp.federated.replies import name_problem
+from fedmvp.federated.seeds import derived_seed
+from fedmvp.federated.wire import instruction_content
+
+IDENTIFY = f"{MessageType.QUERY}.{schema.IDENTIFY}"  # the message type a node answers with its identity
+
+
+def sample_sites(seed: int, fraction: float, num_sites: int, round_number: int) -> list[int]:
+    """A fraction of the sites (at least one), drawn with the round's own seed: replayable."""
+    count = max(1, round(fraction * num_sites))
+    if count >= num_sites:
+        return list(range(num_sites))
+    rng = random.Random(derived_seed(seed, "sample", round_number))
+    return sorted(rng.sample(range(num_sites), count))
+
+
+def sample_edges(seed: int, fraction: float, edges: Iterable[int], round_number: int, attempt: int) -> list[int]:
+    """The round's edge devices: the same fraction of the connected ones (at least one when any is)."""
+    edges = sorted(edges)
+    count = min(len(edges), max(1, round(fraction * len(edges))))
+    if count >= len(edges):
+        return edges
+    rng = random.Random(derived_seed(seed, "edges", round_number, attempt))
+    return sorted(rng.sample(edges, count))
+
+
+class NodeRegistry:
+    """node id -> the site it serves (an int) or ``edge``, learnt from each node's identity."""
+
+    def __init__(self, num_sites: int, run_id: str, site_names: dict[int, str] | None = None):
+        self.num_sites, self.run_id, self.site_names = num_sites, run_id, site_names
+        self.roles: dict[int, int | str] = {}
+        self.refused: dict[int, str] = {}  # node id -> why its identity was refused (it is sent no work)
+
+    def site_of(self, node: int) -> int | str | None:
+        """The site ``node`` serves, ``edge``, or None (not met yet, or its identity was refused)."""
+        return self.roles.get(node)
+
+    def unknown(self, nodes: Iterable[int]) -> list[int]:
+        return sorted(n for n in nodes if n not in self.roles and n not in self.refused)
+
+    def learn(self, grid: Grid, nodes: Iterable[int], instruction: Instruction, timeout: float) -> None:
+        """Ask the nodes not met yet who they are (one query each, no tensors). A node that fails or
+        does not answer is asked again next time; one whose identity is refused (a site out of range,
+        a name that is not its site's, another run's reply) is never sent work."""
+        unknown = self.unknown(nodes)
+        if not unknown:
+            return
+        content = instruction_content(ArrayRecord(), instruction)
+        messages = [Message(content=content, message_type=IDENTIFY, dst_node_id=node) for node in unknown]
+        for reply in grid.send_and_receive(messages, timeout=timeout):
+            node = int(reply.metadata.src_node_id)
+            if reply.has_error():
+                log(WARNING, "node %s did not identify itself: %s", node, reply.error.reason)
+                continue
+            try:
+                self.roles[node] = self.read(reply.content, instruction.round)
+            except MessageError as err:
+                self.refused[node] = str(err)
+                log(WARNING, "node %s is sent no work: its identity %s", node, err)
+
+    def read(self, content: RecordDict, round_number: int) -> int | str:
+        """The site (or ``edge``) an identify reply names, checked like a train reply's identity."""
+        fields = dict(content[schema.IDENTITY]) if schema.IDENTITY in content.config_records else {}
+        identity = read_identity(fields, self.run_id, round_number)
+        if identity.role == schema.EDGE:
+            return schema.EDGE
+        if identity.site not in range(self.num_sites):
+            raise MessageError(f"names site {identity.site}, not one of the run's {self.num_sites}")
+        problem = name_problem(identity, self.site_names)
+        if problem is not None:
+            raise MessageError(problem)
+        return identity.site
+
+    def nodes_of(self, sites: Iterable[int], connected: Iterable[int]) -> list[int]:
+        """The connected nodes that serve ``sites`` (two claiming one site both get it; the replies of
+        both are then left out: ``FedMVPStrategy.aggregate_train``)."""
+        wanted = set(sites)
+        return sorted(n for n in connected if self.roles.get(n, schema.EDGE) != schema.EDGE and self.roles[n] in wanted)
+
+    def edges(self, connected: Iterable[int]) -> list[int]:
+        return sorted(n for n in connected if self.roles.get(n) == schema.EDGE)
