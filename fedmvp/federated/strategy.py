@@ -44,7 +44,7 @@ from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
 from fedmvp.federated.seeds import derived_seed
-from fedmvp.federated.replies import ReplyRules, check_reply, name_problem, reply_fields, site_counts
+from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, name_problem, reply_fields, site_counts
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
 from fedmvp.presets.server import ServerSpec
 
@@ -105,6 +105,8 @@ def _reply_record(node: int, verdict, metrics: dict, identity: Identity) -> dict
         record["site"] = verdict.site
         if identity.name is not None:
             record["name"] = identity.name
+    if verdict.classes is not None:
+        record["classes"] = verdict.classes
     if verdict.clipped_from is not None:
         record["clipped_from"] = verdict.clipped_from
     return record
@@ -119,14 +121,15 @@ class FedMVPStrategy:
 
     def __init__(self, *, client_config: dict[str, Any], seed: int, total_rounds: int, base_lr: float,
                  num_clients: int, run_id: str = "", declared_examples: dict[int, int | None] | None = None,
-                 site_names: dict[int, str] | None = None,
+                 site_names: dict[int, str] | None = None, class_rules: ClassRules | None = None,
                  policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None):
         """``client_config``: what every round's message carries besides the round's own values
         (``preset``, ``device``; ``method`` and ``local``, records as dicts: ``fedmvp_formats.messages``);
         ``declared_examples[site]``: the most training images a site can report (run record; None: its
         folder's, bounded by [server] site_max_examples); ``site_names``: a [federation] run's site
-        names by id, the one each site's reply must carry (``replies.check_reply``)."""
+        names by id, the one each site's reply must carry, ``class_rules`` the classes it may claim
+        (``replies.check_reply``)."""
         self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
@@ -136,6 +139,7 @@ class FedMVPStrategy:
         self.declared_examples = dict(declared_examples) if declared_examples is not None else \
             {site: 1 << 62 for site in range(num_clients)}
         self.site_names = dict(site_names) if site_names is not None else None
+        self.class_rules = class_rules
         self.policy = policy or RoundPolicy()
         self.round_offset = round_offset
         self.lora_clients: set[int] = set(lora_clients)
@@ -238,7 +242,7 @@ class FedMVPStrategy:
                 continue  # a site not selected this round
             verdict = check_reply(arrays, metrics, rules=rules, global_state=self.global_state,
                                   expected_names=expected, declared_examples=self.declared_examples,
-                                  site_names=self.site_names)
+                                  site_names=self.site_names, class_rules=self.class_rules)
             if not verdict.accepted:
                 self.known.pop(node, None)  # next round it gets the whole global state again
                 self._reject(round_number, node, verdict.site, verdict.reason or "rejected", verdict.role)
