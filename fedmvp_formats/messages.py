@@ -16,6 +16,7 @@ its own record in the RecordDict:
 ``assignment``   evaluation set name -> the site that evaluates it, evaluate only
 ``metrics``      a reply's numbers (a MetricRecord: ``train_metrics``, ``count_metrics``)
 ``identity``     who replies, for which run and round (``Identity``: one builder, one reader)
+``classes``      a site's train reply: class name -> training images (``read_class_counts``)
 ===============  ======================================================================
 
 Every reader checks what arrives: a wrong type or a missing key raises `MessageError`, one line
@@ -35,6 +36,7 @@ from fedmvp_formats.shown import name_shown, shown
 # ---- record names in a message's RecordDict ---------------------------------------------------------
 ARRAYS, CONFIG, METHOD, LOCAL, ASSIGNMENT = "arrays", "config", "method", "local", "assignment"
 METRICS, IDENTITY = "metrics", "identity"
+CLASSES = "classes"  # a train reply's training images per class, recorded per site (docs/architecture.md)
 
 # ---- keys ---------------------------------------------------------------------------------------------
 ROUND, RUN_ID, PROMPTFORMER_DIGEST = "round", "run-id", "promptformer-digest"  # instruction and identity
@@ -265,6 +267,18 @@ def check_train_metrics(fields: Mapping[str, Any]) -> None:
         value = fields.get(key, 0.0 if key != TRAIN_LOSS else None)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise MessageError(f"{key} {shown(value)} is not a finite number")
+
+
+def read_class_counts(record: Any) -> dict[str, int]:
+    """A train reply's ``classes`` record: each class name it trained on -> its training images (a
+    non-negative int, not a bool). Which names a node may claim, and that they add up to its
+    ``num-examples``, is the server's rule (``fedmvp.federated.replies``)."""
+    if not isinstance(record, Mapping):
+        raise MessageError(f"the {CLASSES} record is not a mapping of class names to image counts")
+    for name, count in record.items():
+        if not isinstance(name, str) or not is_int(count) or count < 0:
+            raise MessageError(f"{CLASSES} {name_shown(str(name))}: {shown(count)} is not a count of images")
+    return dict(record)
 
 
 def count_metrics(counts: Mapping[str, tuple[int, int]]) -> dict[str, int]:

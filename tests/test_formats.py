@@ -154,6 +154,23 @@ def test_train_metrics_and_counts():
     assert schema.count_pair({"a:correct": 5, "a:total": 4}, "a") is None
 
 
+@pytest.mark.parametrize("record, reason", [
+    ({"cat": 3, "dog": 0}, None),
+    ({"cat": 3.0}, "classes cat: 3.0 is not a count of images"),
+    ({"cat": -1}, "classes cat: -1 is not a count of images"),
+    ({"cat": False}, "classes cat: False is not a count of images"),
+    ({"cat\x1b[31m": "3"}, "classes 'cat\\x1b[31m': '3' is not a count of images"),
+    (["cat", 3], "the classes record is not a mapping"),
+])
+def test_a_replys_class_counts_are_image_counts(record, reason):
+    """A train reply's classes record: class name -> training images, read by the one reader."""
+    if reason is None:
+        assert schema.read_class_counts(record) == record
+        return
+    with pytest.raises(MessageError, match=re.escape(reason)):
+        schema.read_class_counts(record)
+
+
 # ---- the one tensor check -------------------------------------------------------------------------------
 SHAPES = {"lora.a": [2, 3], "lora.b": [4]}
 

@@ -23,7 +23,7 @@ from fedmvp.data.federation import SiteRequest
 from fedmvp.data.site_federation import site_id
 from fedmvp.federated.evaluation import site_counts
 from fedmvp.presets.schema import load_preset
-from fedmvp.federated.task import LocalSettings, local_train, task_context
+from fedmvp.federated.task import LocalSettings, local_train, task_context, train_class_counts
 from fedmvp.federated.wire import content_instruction, record_to_torch, torch_record
 from fedmvp.model import FedMVPConfig
 
@@ -63,8 +63,11 @@ def _device(device: str | None) -> str:
     return "cpu" if device == "cuda" and not torch.cuda.is_available() else device
 
 
-def _reply(msg: Message, identity: Identity, metrics: dict, arrays: ArrayRecord | None = None) -> Message:
+def _reply(msg: Message, identity: Identity, metrics: dict, arrays: ArrayRecord | None = None,
+           classes: dict[str, int] | None = None) -> Message:
     records = {schema.METRICS: MetricRecord(metrics), schema.IDENTITY: ConfigRecord(identity.record())}
+    if classes is not None:  # a train reply: its training images per class (the server records them)
+        records[schema.CLASSES] = ConfigRecord(classes)
     return Message(content=RecordDict(records if arrays is None else {schema.ARRAYS: arrays, **records}), reply_to=msg)
 
 
@@ -97,7 +100,7 @@ def train(msg: Message, context: Context) -> Message:
                          instruction.need("lr"), lora_active, LocalSettings.from_record(instruction.need("local")))
     metrics = schema.train_metrics(result.num_examples, result.loss, ce=result.ce, consistency=result.consistency,
                                    lora_active=result.lora_active, switch_next=result.switch_next)
-    return _reply(msg, identity, metrics, torch_record(result.state))
+    return _reply(msg, identity, metrics, torch_record(result.state), train_class_counts(client))
 
 
 @app.evaluate()

@@ -17,6 +17,11 @@ header inside the bytes, all match the round: ``np.load`` allocates whatever sha
 declares. The tensor checks are the leaf's one (``fedmvp_formats.tensors``); the update-norm bound
 (``bound_update``) also judges the update files of `fedmvp ingest` (``ingest.py``).
 
+A site's reply also says what it trained on, its ``classes`` record (class name -> training images):
+the names must be classes the run's record gives that site (a [federation] site: a base class, never
+a held-out new one), the counts must add up to its ``num-examples``, and the server records them per
+reply (``ClassRules``, ``reply_classes``); an edge device may send one (checked against the whole class set).
+
 Two kinds of sender: a **site** (identified by the ``partition-id`` it serves; it sends the
 tensors of its mode, at most its training set's images) and an **edge** device (``role``
 ``edge``, ``edge-client join``; LoRA only, as a site in LoRA-only mode, at most
@@ -66,6 +71,7 @@ class Verdict:
     reason: str | None = None
     clipped_from: float | None = None  # the update norm before clipping, when it was clipped
     identity: Identity | None = None  # the reply's identity, once it was read
+    classes: dict[str, int] | None = None  # its training images per class (an edge device: when it said)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -74,8 +80,8 @@ class Verdict:
 
 
 def reply_fields(content: RecordDict) -> tuple[ArrayRecord, dict[str, Any]] | str:
-    """A train reply's ``arrays`` record and its ``metrics`` and ``identity`` merged, or why the
-    records cannot be used. A key in both must have one value: the rules would otherwise check one
+    """A train reply's ``arrays`` record and its ``metrics``, ``identity`` (and ``classes``, as a dict
+    under that key) merged, or why the records cannot be used. A key in both must have one value: the rules would otherwise check one
     and the average use the other."""
     try:
         arrays, metrics = content[schema.ARRAYS], content[schema.METRICS]
@@ -86,6 +92,13 @@ def reply_fields(content: RecordDict) -> tuple[ArrayRecord, dict[str, Any]] | st
             and isinstance(identity, ConfigRecord)):
         return "malformed reply (arrays, metrics, identity are not an ArrayRecord, a MetricRecord, a ConfigRecord)"
     fields = dict(metrics)
+    if schema.CLASSES in content:  # its own record (a mapping), checked by reply_classes
+        if schema.CLASSES in metrics or schema.CLASSES in identity:
+            return f"metrics or identity also hold {schema.CLASSES}, a record of its own"
+        classes = content[schema.CLASSES]
+        if not isinstance(classes, ConfigRecord):
+            return f"malformed reply ({schema.CLASSES} is not a ConfigRecord)"
+        fields[schema.CLASSES] = dict(classes)
     for key, value in identity.items():
         if key in fields and (type(fields[key]) is not type(value) or fields[key] != value):
             return f"metrics and identity disagree on {name_shown(key)}"
@@ -116,6 +129,48 @@ def site_counts(metrics: dict, assignment: dict[str, int], site: int) -> dict[st
     return {name: pair for name, pair in kept.items() if pair is not None}
 
 
+@dataclass(frozen=True)
+class ClassRules:
+    """Which classes a train reply may say it trained on, from the run's federation record: a site
+    those the record gives it (its partition's; a [federation] site's: the base classes, so a held-out
+    new class is never claimed as trained on, docs/method.md §7), an edge device any class of the set."""
+
+    sites: dict[int, frozenset[str]]
+    federation: frozenset[str]
+
+    @classmethod
+    def from_record(cls, record: dict) -> "ClassRules":
+        sites = {int(c["id"]): frozenset(c["classes"]) for c in record["clients"]}
+        every = frozenset().union(*sites.values(), *(e["classes"] for e in record.get("evaluations", [])))
+        return cls(sites, every)
+
+
+def reply_classes(fields: dict[str, Any], examples: int, identity: Identity,
+                  rules: ClassRules | None) -> dict[str, int] | None | str:
+    """A train reply's training images per class (None: an edge device that did not say), or why it
+    is left out: a site must say; the counts are images (``read_class_counts``) that add up to its
+    ``num-examples`` (else the FedAvg weight and the record disagree); each name one ``rules`` allows
+    (None: names unchecked)."""
+    record = fields.get(schema.CLASSES)
+    edge = identity.role == schema.EDGE
+    if record is None:
+        return None if edge else f"no {schema.CLASSES} record (a site says its training images per class)"
+    try:
+        counts = schema.read_class_counts(record)
+    except MessageError as err:
+        return str(err)
+    if rules is not None:
+        allowed = rules.federation if edge else rules.sites.get(identity.site, frozenset())
+        stray = next((name for name in counts if name not in allowed), None)
+        if stray is not None:
+            whose = "the federation's class set" if edge else f"site {identity.site}'s classes in the run's record"
+            return f"{schema.CLASSES}: {shown(stray)} is not in {whose}"
+    total = sum(counts.values())
+    if total != examples:
+        return f"{schema.CLASSES} count {total} images, num-examples {examples}"
+    return counts
+
+
 def name_problem(identity: Identity, site_names: dict[int, str] | None) -> str | None:
     """Why a site's reply does not carry the name of the site it claims (None: it does, or the run's
     sites have no names): a [federation] site's id is its place among the preset's [[sites]], so a
@@ -127,14 +182,16 @@ def name_problem(identity: Identity, site_names: dict[int, str] | None) -> str |
 
 def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, rules: ReplyRules,
                 global_state: dict[str, np.ndarray], expected_names: dict[int, set[str]],
-                declared_examples: dict[int, int | None], site_names: dict[int, str] | None = None) -> Verdict:
+                declared_examples: dict[int, int | None], site_names: dict[int, str] | None = None,
+                class_rules: ClassRules | None = None) -> Verdict:
     """Check one train reply. ``expected_names[site]``: the tensors that site was asked to send
     (LoRA only after its switch, else the PromptFormer); ``declared_examples[site]``: the most
     training images that site can hold (from the run record; None: a [federation] site whose folder
     the server cannot see, bounded by ``rules.server.site_max_examples``). ``site_names[site]``: a
     [federation] run's site names, the one each site's reply must carry (its id is its place among
-    the preset's [[sites]]). An edge device (``role`` ``edge``) must send exactly the round's LoRA
-    tensors and at most ``rules.server.edge_max_examples`` images.
+    the preset's [[sites]]). ``class_rules``: the classes each may claim (``reply_classes``). An edge
+    device (``role`` ``edge``) must send exactly the round's LoRA tensors and at most
+    ``rules.server.edge_max_examples`` images.
     ``arrays`` as they came (an ArrayRecord: converted by `wire_arrays` once the names are right)."""
     try:
         identity = read_identity(metrics, rules.run_id, rules.round)
@@ -160,6 +217,9 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
             else f"a site's bound ([server] site_max_examples {bound})" if declared is None \
             else f"the site's {bound} training images"
         return Verdict(site, role=role, reason=f"num-examples {examples} exceeds {whose}")
+    classes = reply_classes(metrics, examples, identity, class_rules)
+    if isinstance(classes, str):
+        return Verdict(site, role=role, reason=classes)
     wanted = {k for k in global_state if k.startswith(LORA_PREFIX)} if edge else expected_names[site]
     if isinstance(arrays, ArrayRecord):
         arrays = wire_arrays(arrays, global_state, wanted)
@@ -171,7 +231,8 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
     as_float32 = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(arrays)}
     kept, reason, clipped_from = bound_update(as_float32, global_state, rules.server.max_update_norm,
                                                rules.server.update_norm_action)
-    return Verdict(site, arrays=kept, reason=reason, clipped_from=clipped_from, role=role, identity=identity)
+    return Verdict(site, arrays=kept, reason=reason, clipped_from=clipped_from, role=role, identity=identity,
+                   classes=classes)
 
 
 def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: set[str]

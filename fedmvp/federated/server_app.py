@@ -20,6 +20,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedmvp.federated.prepare import check_same_preset, prepare_run
+from fedmvp.federated.replies import ClassRules
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
 from fedmvp.federated.task import LocalSettings
 from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
@@ -192,7 +193,8 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     strategy = FedMVPStrategy(
         client_config=client_config, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),
-        declared_examples=declared, site_names=site_names, federation=federation, policy=policy, round_offset=start,
+        declared_examples=declared, site_names=site_names, federation=federation,
+        class_rules=ClassRules.from_record(federation), policy=policy, round_offset=start,
         lora_clients=lora_clients, on_aggregated=recorder)
     strategy_ref.append(strategy)
     if start == 0 and run.read_json("zero_shot.json") is None:

@@ -43,7 +43,7 @@ from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.eval_replies import combine_eval_replies
 from fedmvp.federated.metrics import evaluation_sites
-from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
+from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, reply_fields
 from fedmvp.federated.sampling import NodeRegistry, sample_edges, sample_sites
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
 from fedmvp.presets.server import ServerSpec
@@ -104,6 +104,8 @@ def _reply_record(node: int, verdict, metrics: dict, identity: Identity) -> dict
         record["site"] = verdict.site
         if identity.name is not None:
             record["name"] = identity.name
+    if verdict.classes is not None:
+        record["classes"] = verdict.classes
     if verdict.clipped_from is not None:
         record["clipped_from"] = verdict.clipped_from
     return record
@@ -121,6 +123,7 @@ class FedMVPStrategy(Strategy):
     def __init__(self, *, client_config: dict[str, Any], seed: int, total_rounds: int, base_lr: float,
                  num_clients: int, run_id: str = "", declared_examples: dict[int, int | None] | None = None,
                  site_names: dict[int, str] | None = None, federation: dict | None = None,
+                 class_rules: ClassRules | None = None,
                  policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None):
         """``client_config``: what every round's message carries besides the round's own values
@@ -128,7 +131,8 @@ class FedMVPStrategy(Strategy):
         ``fedmvp_formats.messages``); ``declared_examples[site]``: the most training images a site can
         report (run record; None: its folder's, bounded by [server] site_max_examples); ``site_names``: a
         [federation] run's site names by id, the one each site's reply must carry (``replies.check_reply``);
-        ``federation``: the run record's federation (which site evaluates which set)."""
+        ``federation``: the run record's federation (which site evaluates which set); ``class_rules``:
+        the classes each site may claim (``replies.check_reply``)."""
         self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
@@ -139,6 +143,7 @@ class FedMVPStrategy(Strategy):
             {site: 1 << 62 for site in range(num_clients)}
         self.site_names = dict(site_names) if site_names is not None else None
         self.federation = federation
+        self.class_rules = class_rules
         self.policy = policy or RoundPolicy()
         self.round_offset = round_offset
         self.lora_clients: set[int] = set(lora_clients)
@@ -252,7 +257,7 @@ class FedMVPStrategy(Strategy):
             arrays, metrics = fields  # metrics and identity merged: a key told in both had one value
             verdict = check_reply(arrays, metrics, rules=rules, global_state=self.global_state,
                                   expected_names=expected, declared_examples=self.declared_examples,
-                                  site_names=self.site_names)
+                                  site_names=self.site_names, class_rules=self.class_rules)
             claimed, registered = verdict.site if verdict.role == schema.SITE else schema.EDGE, \
                 self.registry.site_of(node)  # what it said it serves when first met (None: never asked)
             if verdict.accepted and registered is not None and registered != claimed:

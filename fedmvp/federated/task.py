@@ -11,6 +11,7 @@ seed-CLIP-method sequence as ``FedMVP.from_run``, never from defaults.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
@@ -118,6 +119,13 @@ def _task_context(preset_path: str, method_json: str, device: str, site) -> Task
                          preset.seed, device)  # the one rebuild's first half (FedMVP.from_run adds a round)
     return TaskContext(preset=preset, federation=federation, clip=model.clip_info, model=model,
                        device=torch.device(device))
+
+
+def train_class_counts(client) -> dict[str, int]:
+    """A client's training images per class, in its class order: what its train reply's ``classes``
+    record says and the server records per site (they add up to the reply's examples, ``len(train)``)."""
+    counts = Counter(client.class_names[label] for _, label in client.train)
+    return {name: counts[name] for name in client.class_names}
 
 
 # ---- local training -------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ def train(msg: Message, context: Context) -> Message:
         spoiled = ArrayRecord({k: Array(np.full(v.numpy().shape, np.nan, np.float32))
                                for k, v in reply.content["arrays"].items()})
         reply = Message(content=RecordDict({"arrays": spoiled, "metrics": reply.content["metrics"],
-                                            "identity": reply.content["identity"]}), reply_to=msg)
+                                            "identity": reply.content["identity"],
+                                            "classes": reply.content["classes"]}), reply_to=msg)
     folder = os.environ.get("FEDMVP_TEST_REPLIES")
     if folder and len(reply.content["arrays"]):
         arrays = {k: v.numpy() for k, v in reply.content["arrays"].items()}

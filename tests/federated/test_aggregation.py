@@ -56,8 +56,9 @@ def reply(client: int, arrays: dict[str, np.ndarray], n: int, lora: bool, switch
                             "train-ce": 0.0, "train-consistency": 0.0, "lora-active": int(lora),
                             "switch-next": int(switch)})
     identity = ConfigRecord({"partition-id": client, "round": round_number, "run-id": run_id})
-    message = Message(content=RecordDict({"arrays": array_record(arrays), "metrics": metrics, "identity": identity}),
-                      dst_node_id=1, message_type="train")
+    classes = ConfigRecord({f"class{client}": n})  # its training images per class: all of one class
+    message = Message(content=RecordDict({"arrays": array_record(arrays), "metrics": metrics, "identity": identity,
+                                          "classes": classes}), dst_node_id=1, message_type="train")
     message.metadata._src_node_id = 100 + client  # a reply from node 100 + site (set by Flower in a run)
     return message
 

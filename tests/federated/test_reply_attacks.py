@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedmvp.federated.replies import ClassRules
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
 from fedmvp.presets.server import ServerSpec
 
@@ -133,6 +134,20 @@ ROWS = [
     Hostile("edge-role-ansi", "is not site or edge", identity={"role": ANSI}, edge=True),
     Hostile("edge-refreshed-2", "refreshed 2 is not 0 or 1", identity={"refreshed": 2}, edge=True),
     Hostile("no-identity", "unknown site None", records={"identity": None}, metrics={"partition-id": None}),
+    # the classes a site says it trained on (class name -> training images)
+    Hostile("no-classes", "no classes record", records={"classes": None}),
+    Hostile("classes-not-a-config-record", "classes is not a ConfigRecord", records={"classes": MetricRecord({"cat": 8})}),
+    Hostile("classes-also-in-metrics", "a record of its own", metrics={"classes": 8}),
+    Hostile("classes-count-float", "classes cat: 8.0 is not a count of images", records={"classes": ConfigRecord({"cat": 8.0})}),
+    Hostile("classes-count-negative", "is not a count of images", records={"classes": ConfigRecord({"cat": 9, "dog": -1})}),
+    Hostile("classes-count-bool", "is not a count of images", records={"classes": ConfigRecord({"cat": True})}),
+    Hostile("classes-count-list", "is not a count of images", records={"classes": ConfigRecord({"cat": [8]})}),
+    Hostile("classes-sum-differs", "classes count 7 images, num-examples 8", records={"classes": ConfigRecord({"cat": 7})}),
+    Hostile("classes-not-its-own", "'zebra' is not in site 1's classes", records={"classes": ConfigRecord({"zebra": 8})}),
+    Hostile("classes-held-out-new", "'seven' is not in site 1's classes", records={"classes": ConfigRecord({"seven": 8})}),
+    Hostile("classes-ansi-name", "is not in site 1's classes", records={"classes": ConfigRecord({ANSI: 8})}),
+    Hostile("edge-classes-unknown", "'zebra' is not in the federation's class set", edge=True,
+            records={"classes": ConfigRecord({"zebra": 8})}),
 ]
 
 
@@ -147,16 +162,22 @@ def message(node: int, site: int, arrays: dict[str, Array], row: Hostile | None 
     metrics = {k: v for k, v in (metrics | row.metrics).items() if v is not None}
     identity = {k: v for k, v in (identity | row.identity).items() if v is not None}
     records = {"arrays": ArrayRecord(row.arrays or arrays), "metrics": MetricRecord(metrics),
-               "identity": ConfigRecord(identity)} | row.records
+               "identity": ConfigRecord(identity), **({} if row.edge else {"classes": ConfigRecord({"cat": 8})})
+               } | row.records
     msg = Message(content=RecordDict({k: v for k, v in records.items() if v is not None}), dst_node_id=1,
                   message_type="train")
     msg.metadata._src_node_id = node
     return msg
 
 
+# The run record's classes: both sites hold cat and dog; "seven" is a held-out new class (evaluated only).
+CLASS_RULES = ClassRules.from_record({"clients": [{"id": 0, "classes": ["cat", "dog"]}, {"id": 1, "classes": ["cat", "dog"]}],
+                                      "evaluations": [{"classes": ["cat", "dog"]}, {"classes": ["seven"]}]})
+
+
 def strategy() -> FedMVPStrategy:
     made = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=2, run_id=RUN,
-                          declared_examples={0: 10, 1: 10}, lora_clients=[0, 1],
+                          declared_examples={0: 10, 1: 10}, lora_clients=[0, 1], class_rules=CLASS_RULES,
                           policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
     made.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(SHAPE, np.float32)}
     return made
@@ -194,6 +215,20 @@ def test_the_good_reply_alone_is_accepted() -> None:
                                                  message(101, 1, {"lora.a": wire()})])
     assert server.rejected == [] and metrics["clients"] == 2
     np.testing.assert_allclose(arrays["lora.a"].numpy(), (GOOD + 1) / 2)
+
+
+def test_each_sites_classes_are_recorded_with_its_reply_and_an_edge_device_need_not_say() -> None:
+    """The round's state.json lists each accepted reply with what it trained on (class -> images)."""
+    server = strategy()
+    summary: dict = {}
+    server.on_aggregated = lambda number, state, s: summary.update(s)
+    edge = message(102, 0, {"lora.a": wire()}, Hostile("edge", "", edge=True))
+    with_classes = message(101, 1, {"lora.a": wire()}, Hostile("two-classes", "",
+                                                                records={"classes": ConfigRecord({"dog": 3, "cat": 5})}))
+    server.aggregate_train(1, [message(100, 0, {"lora.a": Array(GOOD)}), with_classes, edge])
+    assert server.rejected == []
+    assert [(r["role"], r.get("classes")) for r in summary["replies"]] == [
+        ("site", {"cat": 8}), ("site", {"dog": 3, "cat": 5}), ("edge", None)]
 
 
 # ---- evaluation replies: the counts a node reports, checked before they are combined ----------------------
