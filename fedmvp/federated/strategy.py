@@ -42,6 +42,7 @@ from fedmvp_formats.messages import Identity, Instruction, MessageError, read_id
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
+from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
 from fedmvp.federated.seeds import derived_seed
 from fedmvp.federated.replies import ReplyRules, check_reply, name_problem, reply_fields, site_counts
@@ -312,7 +313,7 @@ class FedMVPStrategy:
         messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
         counts: dict[int, dict[str, tuple[int, int]]] = {}
         edge_counts: dict[int, tuple[int, int]] = {}
-        for msg in grid.send_and_receive(messages, timeout=self.policy.server.round_timeout):
+        for msg in send_and_receive(grid, messages, self.policy.server.round_timeout):
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
                 log(WARNING, "evaluation of round %s: node %s failed: %s", round_number, node, msg.error.reason)
@@ -350,7 +351,7 @@ class FedMVPStrategy:
             round_number = self.global_round(server_round)
             for attempt in range(self.policy.server.round_retries):
                 messages = self.configure_train(server_round, arrays, ConfigRecord(), grid, attempt)
-                replies = list(grid.send_and_receive(messages, timeout=self.policy.server.round_timeout))
+                replies = send_and_receive(grid, messages, self.policy.server.round_timeout)
                 aggregated, _ = self.aggregate_train(server_round, replies)
                 if aggregated is not None:
                     arrays = aggregated
