@@ -23,6 +23,7 @@ from flwr.supercore import log
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Instruction, MessageError, read_identity
 
+from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.replies import name_problem
 from fedmvp.federated.seeds import derived_seed
 from fedmvp.federated.wire import instruction_content
@@ -73,7 +74,7 @@ class NodeRegistry:
             return
         content = instruction_content(ArrayRecord(), instruction)
         messages = [Message(content=content, message_type=IDENTIFY, dst_node_id=node) for node in unknown]
-        for reply in grid.send_and_receive(messages, timeout=timeout):
+        for reply in send_and_receive(grid, messages, timeout):
             node = int(reply.metadata.src_node_id)
             if reply.has_error():
                 log(WARNING, "node %s did not identify itself: %s", node, reply.error.reason)

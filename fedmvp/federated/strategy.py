@@ -42,6 +42,7 @@ from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.eval_replies import combine_eval_replies
+from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.metrics import evaluation_sites
 from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, reply_fields
 from fedmvp.federated.sampling import NodeRegistry, sample_edges, sample_sites
@@ -348,7 +349,7 @@ class FedMVPStrategy(Strategy):
         server_round = round_number - self.round_offset
         messages = self.configure_evaluate(server_round, array_record(state) if state is not None else ArrayRecord(),
                                            ConfigRecord(), grid)
-        self.aggregate_evaluate(server_round, grid.send_and_receive(messages, timeout=self.policy.server.round_timeout))
+        self.aggregate_evaluate(server_round, send_and_receive(grid, messages, self.policy.server.round_timeout))
         return dict(self.evaluation)
 
     # ---- the rounds ---------------------------------------------------------------------------------------
@@ -368,7 +369,7 @@ class FedMVPStrategy(Strategy):
             round_number = self.global_round(server_round)
             for attempt in range(self.policy.server.round_retries):
                 messages = self.configure_train(server_round, arrays, ConfigRecord(train_config or {}), grid, attempt)
-                replies = list(grid.send_and_receive(messages, timeout=timeout))
+                replies = list(send_and_receive(grid, messages, timeout))
                 aggregated, metrics = self.aggregate_train(server_round, replies)
                 if aggregated is not None:
                     result.arrays = arrays = aggregated

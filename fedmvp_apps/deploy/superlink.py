@@ -32,6 +32,7 @@ from fedmvp_apps.deploy.supernode import QUIET_ENV, LaunchError, LaunchInputErro
 
 CONNECTION = "fedmvp-serve"
 CERT_FILES = ("ca.crt", "server.pem", "server.key")
+FAILED_LOG_LINES = 15  # of a failed run's ServerApp log, printed by `serve`
 ANY_NODE_WARNING = ("warning: --allow-any-node: any SuperNode that trusts the CA may join and have its replies "
                     "averaged; give --node-keys to admit only your sites")
 
@@ -211,6 +212,19 @@ class Server:
         except (ValueError, KeyError, IndexError, TypeError):
             return "unknown"
 
+    def run_log(self, run_id: int) -> str:
+        """The ServerApp's own output (`flwr log --show`), kept by the SuperLink, not in any file of ours;
+        appended to the SuperLink's log file so a failed run's error is on disk too."""
+        try:
+            shown = self.flwr("log", str(run_id), CONNECTION, "--show", timeout=60)
+        except subprocess.TimeoutExpired:
+            return ""
+        text = shown.stdout.strip()
+        if text:
+            with open(self.log_path, "a", encoding="utf-8") as log:
+                log.write(f"\n--- the ServerApp's log of run {run_id} (flwr log) ---\n{text}\n")
+        return text
+
     def stop_run(self, run_id: int) -> bool:
         """Ask the SuperLink to stop run ``run_id`` (the operator's `flwr stop`); True if it did."""
         try:
@@ -274,6 +288,11 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
                 warned = done
                 say(f"round {done}: {ANY_NODE_WARNING}")
             if status.startswith("finished"):
+                if status != "finished:completed":
+                    tail = server.run_log(run_id).splitlines()[-FAILED_LOG_LINES:]
+                    say(f"run {run_id} {status}; the end of its ServerApp's log (also in {server.log_path}):"
+                        + "".join(f"\n  {line}" for line in tail) if tail else
+                        f"run {run_id} {status}; its ServerApp left no log (flwr log)")
                 return status
             if server.proc is not None and server.proc.poll() is not None:
                 raise ServeError(f"the SuperLink stopped during the run; see {server.log_path}")

@@ -1,6 +1,7 @@
 """The one SuperNode launch: `fedmvp join` (a site) and `edge-client join` (an edge device).
 
-Both start Flower's ``flower-supernode`` with the same checks first (address, certificates, key),
+Both start Flower's ``flower-supernode`` (through `fedmvp_apps.deploy.supernode_process`, which
+shortens the fixed waits of its main loop) with the same checks first (address, certificates, key),
 the same quiet environment and a free local port for the SuperNode's own Runtime API; only the node
 config differs (a site's ``partition-id``, an edge device's ``role='edge'``, built by each command).
 The SuperNode runs in ``--isolation process``: it starts no ClientApp process per message; the
@@ -33,6 +34,7 @@ QUIET_ENV = {**FLOWER_QUIET_ENV, "HF_HUB_OFFLINE": "1"}
 RUNTIME_HOST = "127.0.0.1"  # the SuperNode's Runtime API: only this machine's executor reaches it
 STOP_SECONDS = 15  # a stopped process's grace before it is killed
 EXECUTOR_MODULE = "fedmvp_apps.deploy.warm_executor"
+SUPERNODE_MODULE = "fedmvp_apps.deploy.supernode_process"  # flower-supernode, its loop's waits shortened
 
 
 class LaunchError(RuntimeError):
@@ -79,7 +81,8 @@ def supernode_command(superlink: str, node_config: str, root_certificates: Path 
             raise LaunchInputError(f"{label} {path}: no such file")
     if auth_key is not None and insecure:
         raise LaunchInputError("--auth-key needs TLS: drop --insecure and give --root-certificates")
-    args = [executable("flower-supernode", install), "--superlink", superlink, "--node-config", node_config,
+    executable("flower-supernode", install)  # Flower is installed here (else one line: what to install)
+    args = [sys.executable, "-m", SUPERNODE_MODULE, "--superlink", superlink, "--node-config", node_config,
             "--isolation", "process", "--host", RUNTIME_HOST, "--port", str(port or free_port())]
     args += ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
     if auth_key is not None:

@@ -12,6 +12,12 @@ an edge device's bundle session) survive between messages: Flower issue #3670, t
 ClientApp of PR #4039. Flower's loader reuses an imported module (``sys.modules``), so the
 ClientApp object and its caches are loaded once.
 
+One task is `fedmvp_apps.deploy.warm_task.run_one`: nothing of a task outlives it (its token,
+context, message, Flower's ``TaskIdentity``), a task the SuperNode drops (its run ended, its message
+could not be received) ends only that task, and every message pulled is answered, so the process
+serves run after run: a `fedmvp serve` killed and restarted submits a new run that the same warm
+sites serve (tests/federated/test_faults.py).
+
 What this uses of Flower that is not its CLI lives in ``_flower()``, one place: a Flower that
 moved a name fails there with one line naming it. Imports neither ``fedmvp`` nor torch (an edge
 install runs it: docs/architecture.md "Layers").
@@ -25,9 +31,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from logging import ERROR, INFO, WARNING
+from logging import INFO, WARNING
 from types import SimpleNamespace
 from typing import Any
+
+from fedmvp_apps.deploy.warm_task import dropped, retry_invoker, run_one
 
 # The SuperExec auth (HMAC) guards AcquireTask: only the holder of the join's secret claims tasks.
 PROTECTED_METHODS = ("/flwr.proto.Runtime/AcquireTask",)
@@ -42,16 +50,31 @@ class FlowerChanged(RuntimeError):
 def _flower() -> SimpleNamespace:
     """Every Flower name the executor uses, imported in one place (a changed Flower: one line)."""
     try:
+        import httpx
         from flwr.app import Message
         from flwr.app.error import Error
         from flwr.cli.install import install_from_fab
         from flwr.clientapp.client_app import LoadClientAppError
         from flwr.clientapp.utils import get_load_client_app_fn
         from flwr.common.constant import ErrorCode, SubStatus
-        from flwr.proto.runtime_pb2 import AcquireTaskRequest, SendTaskHeartbeatRequest  # pylint: disable=E0611
+        from flwr.common.serde import context_from_proto, context_to_proto, fab_from_proto, message_from_proto, \
+            run_from_proto
+        from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+        from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
+            AcquireTaskRequest,
+            PullAppMessagesRequest,
+            PullTaskInputRequest,
+            PushTaskOutputRequest,
+            SendTaskHeartbeatRequest,
+        )
         from flwr.supercore import log
         from flwr.supercore.constant import TaskType
         from flwr.supercore.heartbeat import HeartbeatSender
+        from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+            make_confirm_message_received_fn_protobuf,
+            make_pull_object_fn_protobuf,
+        )
+        from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
         from flwr.supercore.interceptors import (
             RuntimeTokenHttpInterceptor,
             RuntimeVersionHttpInterceptor,
@@ -59,7 +82,8 @@ def _flower() -> SimpleNamespace:
         )
         from flwr.supercore.retry import make_simple_http_retry_invoker
         from flwr.supercore.runtime import RuntimeHttpClient
-        from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+        from flwr.supercore.task_identity import TaskIdentity
+        from flwr.supernode.runtime.run_clientapp import push_message
     except ImportError as err:
         import flwr
 
@@ -70,7 +94,7 @@ def _flower() -> SimpleNamespace:
 
 @dataclass
 class Executor:
-    """Claims the SuperNode's ClientApp tasks and runs each in this process."""
+    """Claims the SuperNode's ClientApp tasks and runs each in this process (`warm_task.run_one`)."""
 
     runtime_api_address: str
     secret: bytes | None = None
@@ -90,79 +114,44 @@ class Executor:
         # The Runtime API is the SuperNode's own, on this machine's loopback (supernode.py binds it there).
         return self.flwr.RuntimeHttpClient.from_server_address(
             server_address=self.runtime_api_address, insecure=True, root_certificates=None,
-            interceptors=interceptors, retry_invoker=self.flwr.make_simple_http_retry_invoker())
+            interceptors=interceptors, retry_invoker=retry_invoker(self.flwr))
 
     def serve(self, stop: threading.Event) -> None:
-        """Claim and run ClientApp tasks until ``stop`` is set."""
-        request = self.flwr.AcquireTaskRequest(supported_task_types=[str(self.flwr.TaskType.CLIENT_APP)])
+        """Claim and run ClientApp tasks until ``stop`` is set. A refused AcquireTask (401: not the
+        join's secret) ends the process; any other trouble is logged and the claim tried again."""
+        f = self.flwr
+        request = f.AcquireTaskRequest(supported_task_types=[str(f.TaskType.CLIENT_APP)])
         while not stop.is_set():
-            res = self.client.AcquireTask(request)
+            try:
+                res = self.client.AcquireTask(request)
+            except Exception as err:  # pylint: disable=broad-exception-caught
+                if dropped(err, f):
+                    raise
+                f.log(WARNING, "warm ClientApp: claiming a task failed (%s); trying again", err)
+                stop.wait(1.0)
+                continue
             if res.HasField("task") and res.token:
                 self.run_task(res.token)
             else:
                 stop.wait(self.poll)
 
     def run_task(self, token: str) -> bool:
-        """One message, as ``flwr-clientapp`` runs it (flwr/supernode/runtime/run_clientapp.py), in-process."""
+        """One message, as ``flwr-clientapp`` runs it, in-process; True when it completed."""
         f = self.flwr
         client = self._client([f.RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
                                f.RuntimeTokenHttpInterceptor(token)])
-        heartbeat = f.HeartbeatSender(_heartbeat_fn(client, f))
-        message = context = reply = None
-        sub_status, details, started = f.SubStatus.FAILED, "ClientApp task failed due to unknown reason", time.time()
-        stages = {"pulled": started, "ran": started}
-        try:
-            heartbeat.start()
-            message, context, run, fab = f.pull_task_input(client)
-            f.install_from_fab(fab.content, skip_prompt=True)
-            client_app = self.load_client_app(run.fab_id, run.fab_version, fab.hash_str)
-            stages["pulled"] = time.time()
-            reply = client_app(message=message, context=context)
-            stages["ran"] = time.time()
-            sub_status, details = f.SubStatus.COMPLETED, ""
-        except Exception as ex:  # pylint: disable=broad-exception-caught  # a failed message, not a dead node
-            code = f.ErrorCode.LOAD_CLIENT_APP_EXCEPTION if isinstance(ex, f.LoadClientAppError) \
-                else f.ErrorCode.CLIENT_APP_RAISED_EXCEPTION
-            details = f"{type(ex)}:<'{ex}'>"
-            f.log(ERROR, "ClientApp raised an exception", exc_info=ex)
-            if message is not None:
-                reply = f.Message(f.Error(code=code, reason=details), reply_to=message)
-        finally:
-            try:
-                if reply is not None and context is not None:
-                    f.push_message(client, reply, context)
-            except Exception as ex:  # pylint: disable=broad-exception-caught
-                f.log(ERROR, "Failed to push reply message", exc_info=ex)
-                sub_status = f.SubStatus.FAILED
-            f.push_task_output(client=client, context=context, sub_status=sub_status, details=details)
-            if heartbeat.is_running:
-                heartbeat.stop()
-            client.close()
+        done, got = run_one(client, f, self.load_client_app)
         self.tasks_done += 1
-        ended = time.time()
-        f.log(INFO, "warm ClientApp: task %d of this process (pid %d) %s in %.2f s (input %.2f s, ClientApp %.2f s, "
-              "reply %.2f s)", self.tasks_done, os.getpid(), "done" if sub_status == f.SubStatus.COMPLETED else "failed",
-              ended - started, stages["pulled"] - started, stages["ran"] - stages["pulled"], ended - stages["ran"])
-        return sub_status == f.SubStatus.COMPLETED
-
-
-def _heartbeat_fn(client, f: SimpleNamespace):
-    """Flower's task heartbeat, except that a refused one is logged, not a SIGINT to the process
-    (``make_task_heartbeat_fn_http`` interrupts ``flwr-clientapp``; here it would end every later task)."""
-    request = f.SendTaskHeartbeatRequest()
-    warned = []
-
-    def beat() -> bool:
-        try:
-            ok = client.SendTaskHeartbeat(request).success
-        except Exception:  # pylint: disable=broad-exception-caught  # transport trouble: Flower retries
-            return False
-        if not ok and not warned:
-            warned.append(True)
-            f.log(WARNING, "warm ClientApp: the SuperNode no longer knows this task (timed out?)")
-        return True
-
-    return beat
+        ended, stages = time.time(), got.stages
+        started = stages["start"]
+        pulled, ran = stages.get("pulled", ended), stages.get("ran", ended)
+        message = stages.get("message", pulled)
+        f.log(INFO, "warm ClientApp: task %d of this process (pid %d) %s in %.2f s (input %.2f s, of which the "
+              "message %.2f s; ClientApp %.2f s, reply %.2f s)", self.tasks_done, os.getpid(),
+              "done" if done else "failed", ended - started, pulled - started, message - started, ran - pulled,
+              ended - ran)
+        f.log(INFO, "warm ClientApp: stages %s", " ".join(f"{k}={v - started:.2f}" for k, v in stages.items()))
+        return done
 
 
 def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
@@ -191,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FLOWER_CHANGED
     except KeyboardInterrupt:
         return 0
+    except Exception as err:  # noqa: BLE001 - the one refusal `serve` lets through: one line, non-zero
+        print(f"error: the SuperNode at {args.runtime_api_address} refused this executor ({err}); was it "
+              f"given the same --superexec-auth-secret-file?", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -55,7 +55,7 @@ def start_join(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
     deadline = time.time() + 60
     while True:
         kids = children(join.pid)
-        supernode = [p for p, c in kids.items() if "flower-supernode" in c]
+        supernode = [p for p, c in kids.items() if "supernode_process" in c]
         executor = [p for p, c in kids.items() if "warm_executor" in c]
         if supernode and executor:
             break
