@@ -49,6 +49,18 @@ class SiteGrid:
             replies.append(reply)
         return replies
 
+    # the two calls fedmvp.federated.grid_poll makes (Flower's Grid API): push, then pull the replies
+    def push_messages(self, messages):
+        messages = list(messages)
+        for i, msg in enumerate(messages):
+            msg.metadata.__dict__["_message_id"] = f"query-{len(self.asked) + i}"
+        self._replies = self.send_and_receive(messages)
+        return [msg.metadata.message_id for msg in messages]
+
+    def pull_messages(self, ids):
+        pulled, self._replies = [r for r in self._replies if r.metadata.reply_to_message_id in ids], []
+        return pulled
+
 
 def reply(client: int, arrays: dict[str, np.ndarray], n: int, lora: bool, switch: bool = False,
           round_number: int = 1, run_id: str = RUN) -> Message:
