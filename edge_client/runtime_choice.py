@@ -84,12 +84,15 @@ def _auto(bundle: Bundle, found: list[Candidate], provider: str, threads: int | 
     if missing:
         pixels = check_images(bundle)
         reference = record.get("reference")
+        cpu = None  # the reference's engine: also ONNX Runtime's candidate where that runs on the CPU
         if reference is None:
-            engine = open_engine(bundle, Candidate("ort", bundle.precision), "cpu", threads)
-            reference = _logits(engine, bundle, pixels)[0].tolist()
+            cpu = open_engine(bundle, Candidate("ort", bundle.precision), "cpu", threads)
+            reference = _logits(cpu, bundle, pixels)[0].tolist()
         for candidate in missing:
+            reuse = cpu if candidate.runtime == "ort" and cpu is not None \
+                and _first_provider(provider) == "CPUExecutionProvider" else None
             verdicts[candidate.key], engine = _verify(bundle, candidate, provider, threads, pixels,
-                                                      np.asarray(reference, dtype=np.float64))
+                                                      np.asarray(reference, dtype=np.float64), reuse)
             if engine is not None:
                 built[candidate.key] = engine
         record = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "bundle_id": bundle.id,
@@ -133,11 +136,23 @@ def _why(verdict: dict[str, Any]) -> str:
     return verdict.get("error") or verdict.get("describe") or "failed"
 
 
+def _first_provider(provider: str) -> str:
+    """The ONNX Runtime provider ``provider`` puts first here (auto: TensorRT, CUDA, then CPU)."""
+    from edge_client.runtime import AUTO_ORDER, PROVIDER_NAMES, available_providers
+
+    if provider != "auto":
+        return PROVIDER_NAMES.get(provider, provider)
+    available = available_providers()
+    return next((p for p in AUTO_ORDER if p in available), "CPUExecutionProvider")
+
+
 def _verify(bundle: Bundle, candidate: Candidate, provider: str, threads: int | None, pixels: np.ndarray,
-            reference: np.ndarray) -> tuple[dict[str, Any], Engine | None]:
-    """Run ``candidate`` on the check images: the parity rules' verdict and ms per image at CHECK_BATCH."""
+            reference: np.ndarray, engine: Engine | None = None) -> tuple[dict[str, Any], Engine | None]:
+    """Run ``candidate`` (on ``engine`` where one is open already) on the check images: the parity rules'
+    verdict and ms per image at CHECK_BATCH."""
     try:
-        engine = open_engine(bundle, candidate, provider if candidate.runtime == "ort" else "auto", threads)
+        engine = engine or open_engine(bundle, candidate, provider if candidate.runtime == "ort" else "auto",
+                                       threads)
         logits, batch_ms = _logits(engine, bundle, pixels)
     except Exception as err:  # noqa: BLE001 - a runtime that cannot build or run it is a failed candidate
         return {"passed": False, "error": f"cannot run it: {_one_line(err)}"}, None
