@@ -135,8 +135,9 @@ def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: i
 
     def stream(item: Prediction | FileFailure) -> None:
         if as_json:
-            click.echo(json.dumps({**item.to_json(), "provider": predictor.provider, "runtime": predictor.engine.runtime,
-                                   "precision": predictor.engine.precision}, ensure_ascii=False))
+            engine = predictor.engine
+            click.echo(json.dumps({**item.to_json(), "provider": predictor.provider, "runtime": engine.runtime,
+                                   "precision": engine.precision}, ensure_ascii=False))
         elif isinstance(item, FileFailure):
             click.echo(f"error: {printable(item.error)}", err=True)
 
