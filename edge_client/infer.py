@@ -288,8 +288,7 @@ def infer_paths(paths: Iterable[str | os.PathLike], bundle: str | os.PathLike | 
     (``ProviderError`` if a named one cannot load). ``runtime``: ort | openvino | auto, ``precision``: auto |
     fp32 | bf16 | fp16 | int8 (`Predictor`; a runtime named and missing: ``RuntimeUnavailable``).
     ``personalised=False`` runs the bundle's exported LoRA even where the device has a personalised one.
-    Unreadable files are
-    collected in ``result.errors``; ``on_result`` is called for each file as it finishes.
+    Unreadable files are collected in ``result.errors``; ``on_result`` is called for each file as it finishes.
     """
     predictor = Predictor(bundle, provider=provider, threads=threads, personalised=personalised, runtime=runtime,
                           precision=precision)
