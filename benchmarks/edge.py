@@ -4,7 +4,9 @@ Runtimes (``runtime`` column): ``torch_plain`` (open_clip's image encoder, no pr
 ``torch_prompted`` (the fedmvp model with cached attribute text features), ``ort_plain_fp32``
 (the plain encoder as ONNX), ``ort_fp32`` (the bundle's model.onnx), ``ort_int8`` (the exporter's
 int8, accuracy guard on), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` (every weight MatMul
-quantised). All runtimes are timed interleaved in one process (medians), at batch 1 and 8 by
+quantised); ``openvino_fp32`` / ``openvino_bf16`` / ``openvino_int8`` and ``auto`` (what
+`edge-client --runtime auto` picks here: ``edge_runtimes.py``). All runtimes are timed interleaved in
+one process (medians), at batch 1 and 8 by
 default. FLOPs are counted on the PyTorch model (2 per multiply-add); the GEMM peak is the best
 fp32 MatMul of torch and ONNX Runtime here. Peak memory per runtime: one fresh process each
 (``benchmarks/memory_probe.py``). Agreement: top-1 agreement and max |logit diff| with the
@@ -106,7 +108,7 @@ def agreement(runs: dict, pixels: np.ndarray) -> dict[str, dict]:
     reference = runs["ort_fp32"](pixels)[0]
     out = {}
     for key, run in runs.items():
-        if not key.startswith("ort_") or "plain" in key:
+        if not key.startswith(("ort_", "openvino_", "auto")) or "plain" in key:
             continue
         logits = run(pixels)[0]
         out[key] = {"agreement": float(np.mean(logits.argmax(-1) == reference.argmax(-1))),
@@ -144,6 +146,9 @@ def ratios(rows: list[dict], flops: dict, peak_gflops: float, batches: list[int]
             prompted = ms.get(("torch_prompted" if side == "torch" else "ort_fp32", b))
             key = f"prompts_vs_floor_{tag}" if side == "ort" else f"torch_prompts_vs_floor_{tag}"
             out[key] = ratio(ratio(prompted, plain), flops[flop] / flops["plain"])
+    from benchmarks.edge_runtimes import runtime_ratios
+
+    out.update(runtime_ratios(ms, batches))
     return {k: (round(v, 4) if v is not None else None) for k, v in out.items()}
 
 
@@ -161,6 +166,9 @@ def goals(r: dict, batches: list[int], int8_bytes_fraction: float | None) -> lis
         Goal.at_least(f"int8 (every MatMul, dynamic) vs ORT fp32, {small}",
                       r.get(f"ort_int8_dynamic_all_vs_ort_fp32_{small}"), 1.6),
         Goal.at_most(f"prompts' cost over their FLOP floor (ORT), {big}", r.get(f"prompts_vs_floor_{big}"), 1.05),
+        Goal.at_least(f"auto (edge-client --runtime auto) vs ORT fp32, {big}", r.get(f"auto_vs_ort_fp32_{big}"), 2.0),
+        Goal.at_least(f"auto (edge-client --runtime auto) vs ORT fp32, {small}", r.get(f"auto_vs_ort_fp32_{small}"),
+                      1.6),
         Goal.at_most("int8 model file / fp32 model file (bundle, guarded)", int8_bytes_fraction, 0.30, ""),
         Goal.at_most("int8 model file / fp32 model file (every MatMul)", r.get("int8_all_file_fraction"), 0.30, ""),
     ]
@@ -212,6 +220,13 @@ def run(options: Options) -> Section:
         peak = machine.gemm_peak(threads, quick=options.quick)
         runs, skipped = runners(models, threads, options.device)
         section.notes += skipped
+        if options.device == "cpu":
+            from benchmarks.edge_runtimes import runtime_runners
+
+            more, skipped, picked = runtime_runners(models.onnx, threads)
+            runs.update(more)
+            section.notes += skipped
+            section.config["auto"] = picked
         section.rows = time_runtimes(runs, models.image_size, batches, options.reps())
         agree = agreement(runs, edge_models.random_pixels(16 if options.quick else 32, models.image_size, seed=3))
         del runs

@@ -98,8 +98,39 @@ def _classes_pinned(bundle: Bundle) -> bool:
         return False
 
 
-def describe(bundle: str | os.PathLike | None = None) -> dict[str, Any]:
-    """{"bundle": ..., "device": ...} for `edge-client info`."""
+def runtimes_report() -> dict[str, Any]:
+    """Each runtime: available or why not, its version (edge_client/engines.py)."""
+    from edge_client.engines import RUNTIMES, unavailable
+    from edge_client.runtime_choice import machine_record
+
+    versions = machine_record("auto", None)
+    out: dict[str, Any] = {}
+    for name in RUNTIMES:
+        why = unavailable(name)
+        out[name] = {"available": why is None, **({"why": why} if why else
+                                                 {"version": versions["onnxruntime" if name == "ort" else name]})}
+    return out
+
+
+def runtime_report(bundle: str | os.PathLike | None, runtime: str, precision: str, provider: str,
+                   threads: int | None) -> dict[str, Any]:
+    """What would run the bundle here (``runtime_choice.choose``), or the one line why nothing can."""
+    from edge_client.engines import offered, unavailable
+    from edge_client.runtime import ProviderError
+    from edge_client.runtime_choice import choose
+
+    try:
+        verified = Bundle.open(bundle, verify=True)
+        choice = choose(verified, runtime, precision, provider, threads)
+    except (BundleError, ProviderError) as err:
+        return {"error": " ".join(str(err).split())}
+    offers = {name: offered(name, verified) for name in ("ort", "openvino") if unavailable(name) is None}
+    return {**choice.to_json(), "offered": offers}
+
+
+def describe(bundle: str | os.PathLike | None = None, runtime: str = "ort", precision: str = "auto",
+             provider: str = "auto", threads: int | None = None) -> dict[str, Any]:
+    """{"bundle": ..., "device": ..., "runtime": ...} for `edge-client info`."""
     from edge_client.runtime import available_providers, default_threads
 
     try:
@@ -107,7 +138,10 @@ def describe(bundle: str | os.PathLike | None = None) -> dict[str, Any]:
     except ImportError:
         providers = []
     memory = memory_available_bytes()
-    return {"bundle": bundle_report(bundle),
-            "device": {"providers": providers, "torch": torch_report(), "cpus": default_threads(),
-                       "memory_available_gb": None if memory is None else memory / 2**30,
-                       "cwd": str(Path.cwd())}}
+    report = bundle_report(bundle)
+    return {"bundle": report,
+            "device": {"providers": providers, "runtimes": runtimes_report(), "torch": torch_report(),
+                       "cpus": default_threads(), "memory_available_gb": None if memory is None else memory / 2**30,
+                       "cwd": str(Path.cwd())},
+            "runtime": runtime_report(bundle, runtime, precision, provider, threads) if report["hashes_ok"]
+            else {"error": "the bundle failed verification"}}

@@ -1,8 +1,9 @@
-"""On-device inference with ONNX Runtime: files in, top-k classes out. No torch anywhere here.
+"""On-device inference with ONNX Runtime or OpenVINO: files in, top-k classes out. No torch anywhere here.
 
 The bundle is verified (every sha256 in its manifest) before the model is loaded; the LoRA
 the device runs is the bundle's own or, after `edge-client train`, the personalised one
-(``edge_client.lora_store``), given to ONNX Runtime in place of the stored initializers.
+(``edge_client.lora_store``), given to the runtime in place of the stored initializers; the
+runtime and precision are named or picked by ``auto`` (``edge_client/runtime_choice.py``).
 Images are decoded and preprocessed in numpy/Pillow (``images``, ``preprocess``), one
 batch ahead of the model in a background thread, and run through one session in batches.
 A file that cannot be read becomes a `FileFailure` and the others are still classified.
@@ -25,7 +26,8 @@ from edge_client.bundle import Bundle, BundleError
 from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, iter_image_paths, load_image, path_fields, printable
 from edge_client.lora_store import ActiveLora, active_lora, bundle_lora
 from edge_client.preprocess import preprocess
-from edge_client.runtime import make_session
+from edge_client.engines import Engine, open_engine
+from edge_client.runtime_choice import choose
 from edge_client.update import check_lora
 
 DEFAULT_BATCH_SIZE = 8
@@ -83,6 +85,8 @@ class InferResult:
     batch_size: int
     seconds: float = 0.0
     classes: list[str] = field(default_factory=list)
+    runtime: str = "ort"
+    precision: str = "fp32"
 
     @property
     def ok(self) -> bool:
@@ -100,27 +104,32 @@ class InferResult:
     def summary(self) -> dict[str, Any]:
         """Counts and throughput for the closing line of `edge-client infer`."""
         images = len(self.predictions)
-        return {"images": images, "failed": len(self.errors), "provider": self.provider, "bundle": str(self.bundle),
+        return {"images": images, "failed": len(self.errors), "provider": self.provider,
+                "runtime": self.runtime, "precision": self.precision, "bundle": str(self.bundle),
                 "round": self.round, "lora": self.lora.get("source"), "batch_size": self.batch_size,
                 "seconds": round(self.seconds, 3),
                 "images_per_second": round(images / self.seconds, 3) if self.seconds > 0 and images else None}
 
 
 class Predictor:
-    """A verified bundle with one ONNX Runtime session (personalised LoRA applied)."""
+    """A verified bundle on one runtime (ONNX Runtime or OpenVINO, ``edge_client/engines.py``), personalised
+    LoRA applied."""
 
     def __init__(self, bundle: str | os.PathLike | Bundle | None = None, provider: str = "auto",
                  threads: int | None = None, personalised: bool = True,
-                 lora: ActiveLora | None = None) -> None:
+                 lora: ActiveLora | None = None, runtime: str = "ort", precision: str = "auto") -> None:
         """``lora``: run these LoRA tensors (e.g. a federation round's global LoRA) instead of the
-        device's own; their names and shapes must be the bundle's. A bundle directory replaced while
-        it loads (`fedmvp-export --force`, ./bundle pointed elsewhere) is loaded again, whole: the
-        session never mixes the old bundle's files with the new one's, nor fails on their hashes."""
+        device's own; their names and shapes must be the bundle's. ``runtime`` (ort | openvino | auto) and
+        ``precision`` (auto | fp32 | bf16 | fp16 | int8): what runs it, chosen by ``runtime_choice.choose``
+        (``auto``: the fastest verified here; ``self.choice.line`` says what). ``provider``: ONNX Runtime's.
+        A bundle directory replaced while it loads (`fedmvp-export --force`, ./bundle pointed elsewhere) is
+        loaded again, whole: the model never mixes the old bundle's files with the new one's, nor fails on
+        their hashes."""
         where = None if isinstance(bundle, Bundle) else Bundle.resolve_dir(bundle)
         for attempt in range(1, LOAD_ATTEMPTS + 1):
             before = _identity(where)
             try:
-                self._load(bundle, provider, threads, personalised, lora)
+                self._load(bundle, provider, threads, personalised, lora, runtime, precision)
             except Exception:
                 if _identity(where) == before or attempt == LOAD_ATTEMPTS:
                     raise
@@ -130,58 +139,61 @@ class Predictor:
         raise BundleError(f"{where}: replaced {LOAD_ATTEMPTS} times while it loaded; try again")
 
     def _load(self, bundle: str | os.PathLike | Bundle | None, provider: str, threads: int | None,
-              personalised: bool, lora: ActiveLora | None) -> None:
-        """Verify the bundle, choose the LoRA, create the session."""
+              personalised: bool, lora: ActiveLora | None, runtime: str, precision: str) -> None:
+        """Verify the bundle, choose the LoRA and the runtime, open the model."""
         self.bundle = Bundle.open(bundle, verify=True)
         if lora is None:
             lora = active_lora(self.bundle) if personalised else bundle_lora(self.bundle)
         else:
             check_lora(lora.tensors, self.bundle.lora_shapes, self.bundle.path, BundleError)
         self.lora: ActiveLora = lora
+        self.choice = choose(self.bundle, runtime, precision, provider, threads)
         overrides = self.lora.tensors if self.lora.source != "bundle" else None  # the stored ones otherwise
-        self.session, self.provider = make_session(self.bundle.file("onnx"), provider, threads,
-                                                   initializers=overrides)
+        self._lora_feed: dict[str, np.ndarray] = {}
+        if self.choice.engine is not None:  # built (with the bundle's LoRA) while auto verified it
+            self.engine: Engine = self.choice.engine
+            self.choice.engine = None
+        else:
+            self.engine = open_engine(self.bundle, self.choice.candidate, provider, threads, initializers=overrides)
+            overrides = None
+        self.provider = self.engine.device
         self.spec = self.bundle.preprocess
         self.classes = self.bundle.class_names
-        inputs = self.session.get_inputs()
-        wanted = self.bundle.manifest.get("onnx", {}).get("input", inputs[0].name)
-        self._input = next((i for i in inputs if i.name == wanted), inputs[0])
-        self._dtype = np.float16 if self._input.type == "tensor(float16)" else np.float32
-        self._outputs = [o.name for o in self.session.get_outputs()]
-        overridable = [*inputs, *self.session.get_overridable_initializers()]  # LoRA: initializers with a feed
-        self._lora_inputs = {i.name: i for i in overridable if i.name in self.bundle.lora_shapes}
-        self._lora_feed: dict[str, np.ndarray] = {}
+        wanted = self.bundle.manifest.get("onnx", {}).get("input", next(iter(self.engine.inputs)))
+        self._input = wanted if wanted in self.engine.inputs else next(iter(self.engine.inputs))
+        self._dtype = self.engine.inputs[self._input]
+        self._outputs = list(self.engine.outputs)
         self._check_outputs()
+        if overrides is not None:
+            self.use_lora(self.lora)
 
     def use_lora(self, lora: ActiveLora) -> None:
-        """Run ``lora`` from now on, in this session: the bundle's LoRA tensors are graph inputs with
-        defaults (export/onnx_export.py), so they are fed per run instead of building a new session.
+        """Run ``lora`` from now on, on this model: the bundle's LoRA tensors are graph inputs with defaults
+        (export/onnx_export.py; OpenVINO's made Parameters, edge_client/openvino_runtime.py), so they are fed
+        per run instead of opening the model again.
 
         Why: a federation node evaluates the round's global LoRA every round; a new ONNX Runtime session
         each time re-reads and re-optimises the whole model (docs/architecture.md, warm nodes)."""
         check_lora(lora.tensors, self.bundle.lora_shapes, self.bundle.path, BundleError)
-        missing = sorted(set(self.bundle.lora_shapes) - set(self._lora_inputs))
-        if missing:  # a model whose LoRA ORT folded into constants: it cannot be fed
+        missing = sorted(set(self.bundle.lora_shapes) - set(self.engine.lora_dtypes))
+        if missing:  # a model whose LoRA the runtime folded into constants: it cannot be fed
             raise BundleError(f"{self.bundle.file('onnx')}: LoRA tensor {missing[0]} cannot be overridden; "
                               f"export the bundle again")
-        dtypes = {name: np.float16 if i.type == "tensor(float16)" else np.float32
-                  for name, i in self._lora_inputs.items()}
-        self._lora_feed = {name: np.ascontiguousarray(value, dtype=dtypes[name])
+        self._lora_feed = {name: np.ascontiguousarray(value, dtype=self.engine.lora_dtypes[name])
                            for name, value in lora.tensors.items()}
         self.lora = lora
 
     def _check_outputs(self) -> None:
         """The model's class dimension is the manifest's class count (else a name lookup would fail)."""
-        for output in self.session.get_outputs():
-            width = output.shape[-1] if output.name in ("logits", "probs") and output.shape else None
-            if isinstance(width, int) and width != len(self.classes):
+        for name, width in self.engine.output_widths.items():
+            if name in ("logits", "probs") and isinstance(width, int) and width != len(self.classes):
                 raise BundleError(f"{self.bundle.path / 'manifest.json'}: field classes.names lists "
                                   f"{len(self.classes)} classes, model.onnx outputs {width}")
 
     def run(self, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
         """Preprocessed images [N, 3, S, S] -> every model output by name (logits, probs, image_embeds)."""
-        feed = {self._input.name: np.ascontiguousarray(pixel_values, dtype=self._dtype), **self._lora_feed}
-        return dict(zip(self._outputs, self.session.run(None, feed)))
+        feed = {self._input: np.ascontiguousarray(pixel_values, dtype=self._dtype), **self._lora_feed}
+        return dict(zip(self._outputs, self.engine.run(feed)))
 
     def decode(self, path: Path, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, float]:
         """One file -> (preprocessed [3, S, S], milliseconds); raises ImageReadError."""
@@ -248,7 +260,8 @@ class Predictor:
         bar.close()
         return InferResult(predictions=predictions, errors=errors, provider=self.provider, bundle=self.bundle.path,
                            round=self.bundle.round, lora=self.lora.to_json(), batch_size=batch_size,
-                           seconds=time.perf_counter() - start, classes=list(self.classes))
+                           seconds=time.perf_counter() - start, classes=list(self.classes),
+                           runtime=self.engine.runtime, precision=self.engine.precision)
 
     def _decode_chunk(self, chunk: list[Path], max_pixels: int | None) -> list[tuple[Path, Any, float]]:
         out: list[tuple[Path, Any, float]] = []
@@ -265,18 +278,20 @@ class Predictor:
 
 def infer_paths(paths: Iterable[str | os.PathLike], bundle: str | os.PathLike | Bundle | None = None, *,
                 top_k: int = DEFAULT_TOP_K, batch_size: int = DEFAULT_BATCH_SIZE, provider: str = "auto",
-                threads: int | None = None, max_pixels: int | None = DEFAULT_MAX_PIXELS, progress: bool = False,
-                personalised: bool = True,
+                runtime: str = "ort", precision: str = "auto", threads: int | None = None,
+                max_pixels: int | None = DEFAULT_MAX_PIXELS, progress: bool = False, personalised: bool = True,
                 on_result: Callable[[Prediction | FileFailure], None] | None = None) -> InferResult:
     """Classify image files, directories (recursive) and glob patterns with a bundle.
 
     ``bundle``: directory (default ``$FEDMVP_BUNDLE``, then ``./bundle``); verified before
     loading (``BundleError`` if tampered). ``provider``: auto | cpu | cuda | tensorrt
-    (``ProviderError`` if a named one cannot load). ``personalised=False`` runs the bundle's
-    exported LoRA even where the device has a personalised one. Unreadable files are
-    collected in ``result.errors``; ``on_result`` is called for each file as it finishes.
+    (``ProviderError`` if a named one cannot load). ``runtime``: ort | openvino | auto, ``precision``: auto |
+    fp32 | bf16 | fp16 | int8 (`Predictor`; a runtime named and missing: ``RuntimeUnavailable``).
+    ``personalised=False`` runs the bundle's exported LoRA even where the device has a personalised one.
+    Unreadable files are collected in ``result.errors``; ``on_result`` is called for each file as it finishes.
     """
-    predictor = Predictor(bundle, provider=provider, threads=threads, personalised=personalised)
+    predictor = Predictor(bundle, provider=provider, threads=threads, personalised=personalised, runtime=runtime,
+                          precision=precision)
     return predictor.infer(list(paths), top_k=top_k, batch_size=batch_size, max_pixels=max_pixels,
                            progress=progress, on_result=on_result)
 

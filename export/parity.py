@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedmvp_formats.parity_rules import FP32_MAX_ABS_DIFF, MIN_AGREEMENT, agreement
+
 from fedmvp.model import FedMVP
 
-FP32_MAX_ABS_DIFF = 1e-3
-MIN_AGREEMENT = {"fp32": 1.0, "fp16": 0.99, "int8": 0.99}
+__all__ = ["FP32_MAX_ABS_DIFF", "MIN_AGREEMENT", "MIN_IMAGES", "ParityResult", "check", "compare"]
 MIN_IMAGES = 32
 
 
@@ -69,15 +70,12 @@ def onnx_outputs(path: Path, images: np.ndarray, batch_size: int = 32, threads: 
 
 
 def compare(reference: np.ndarray, candidate: np.ndarray, precision: str) -> ParityResult:
-    """Max |diff| and top-1 agreement; fp32 must also stay within FP32_MAX_ABS_DIFF."""
-    diff = float(np.max(np.abs(reference.astype(np.float64) - candidate.astype(np.float64))))
-    agreement = float(np.mean(reference.argmax(-1) == candidate.argmax(-1)))
-    passed = agreement >= MIN_AGREEMENT[precision]
-    if precision == "fp32":
-        passed = passed and diff <= FP32_MAX_ABS_DIFF
-    return ParityResult(precision=precision, images=int(len(reference)),
-                        max_abs_logit_diff=float(f"{diff:.2e}"), top1_agreement=round(agreement, 6),
-                        passed=bool(passed))
+    """Max |diff| and top-1 agreement by the parity rules (fedmvp_formats/parity_rules.py): fp32 must
+    also stay within FP32_MAX_ABS_DIFF."""
+    found = agreement(reference, candidate, precision)
+    return ParityResult(precision=precision, images=found.images,
+                        max_abs_logit_diff=float(f"{found.max_abs_logit_diff:.2e}"),
+                        top1_agreement=round(found.top1_agreement, 6), passed=found.passed)
 
 
 def check(path: Path, reference: np.ndarray, images: torch.Tensor, precision: str) -> ParityResult:

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from edge_client.engines import PRECISIONS, RUNTIMES
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainOptions
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -33,6 +34,29 @@ def _bundle_option(f: Any) -> Any:
 
 def _json_option(f: Any) -> Any:
     return click.option("--json", "as_json", is_flag=True, help="Machine-readable output (JSON).")(f)
+
+
+def _provider_options(f: Any) -> Any:
+    """ONNX Runtime's --provider, and --threads (every runtime's)."""
+    f = click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="CPU threads for the runtime (default: the cores this process may use).")(f)
+    return click.option("--provider", type=click.Choice(["auto", "cpu", "cuda", "tensorrt"], case_sensitive=False),
+                        default="auto", show_default=True,
+                        help="ONNX Runtime's execution provider; auto takes TensorRT, then CUDA, then CPU. A named "
+                             "one that cannot load is an error.")(f)
+
+
+def _runtime_options(f: Any) -> Any:
+    """--runtime and --precision (edge_client/runtime_choice.py), shared by infer and info."""
+    f = click.option("--precision", type=click.Choice(["auto", *PRECISIONS], case_sensitive=False),
+                     default="auto", show_default=True,
+                     help="What the model computes in, where the runtime and this machine offer it (int8: the "
+                          "bundle's int8 model). auto: the fastest verified against the bundle as exported.")(f)
+    return click.option("--runtime", type=click.Choice(["auto", *RUNTIMES], case_sensitive=False), default="ort",
+                        show_default=True,
+                        help="ort (ONNX Runtime), openvino (fedmvp[openvino]) or auto: the fastest runtime and "
+                             "precision that pass verification on the bundle's check images (cached per bundle "
+                             "and machine). A runtime named and missing is an error.")(f)
 
 
 def _wait_option(f: Any) -> Any:
@@ -74,18 +98,15 @@ def main() -> None:
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True, help="Classes shown per image.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Images per ONNX Runtime call.")
-@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda", "tensorrt"], case_sensitive=False),
-              default="auto", show_default=True,
-              help="Execution provider; auto takes TensorRT, then CUDA, then CPU. A named one that cannot load "
-                   "is an error.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads for ONNX Runtime (default: the cores this process may use).")
+@_provider_options
+@_runtime_options
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Refuse images with more pixels (decompression bombs; default 100,000,000).")
 @click.option("--bundle-lora", is_flag=True, help="Run the bundle's exported LoRA, not this device's personalised one.")
 @_json_option
 def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: int, provider: str,
-          threads: int | None, max_pixels: int | None, bundle_lora: bool, as_json: bool) -> None:
+          threads: int | None, runtime: str, precision: str, max_pixels: int | None, bundle_lora: bool,
+          as_json: bool) -> None:
     """Classify images: PATHS are files, directories (recursive) and glob patterns.
 
     Prints a table (or with --json one JSON line per file: path, top_k classes with
@@ -96,13 +117,16 @@ def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: i
     from edge_client.images import DEFAULT_MAX_PIXELS, printable
     from edge_client.infer import FileFailure, Prediction, Predictor
     from edge_client.runtime import ProviderError
+    from fedmvp_apps.edge_cli_output import print_table
 
     try:
-        predictor = Predictor(bundle, provider=provider.lower(), threads=threads, personalised=not bundle_lora)
+        predictor = Predictor(bundle, provider=provider.lower(), threads=threads, personalised=not bundle_lora,
+                              runtime=runtime.lower(), precision=precision.lower())
     except (BundleError, ProviderError, ImportError) as err:
         _fail(as_json, EXIT_INPUT, str(err))
-    except Exception as err:  # noqa: BLE001 - ORT's own load errors (e.g. a model it cannot parse)
+    except Exception as err:  # noqa: BLE001 - the runtime's own load errors (e.g. a model it cannot parse)
         _fail(as_json, EXIT_INPUT, f"cannot load the model: {err}")
+    click.echo(predictor.choice.line, err=True)
     if not as_json:
         loaded = predictor.bundle
         shown = printable(str(loaded.path))
@@ -111,7 +135,9 @@ def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: i
 
     def stream(item: Prediction | FileFailure) -> None:
         if as_json:
-            click.echo(json.dumps({**item.to_json(), "provider": predictor.provider}, ensure_ascii=False))
+            engine = predictor.engine
+            click.echo(json.dumps({**item.to_json(), "provider": predictor.provider, "runtime": engine.runtime,
+                                   "precision": engine.precision}, ensure_ascii=False))
         elif isinstance(item, FileFailure):
             click.echo(f"error: {printable(item.error)}", err=True)
 
@@ -119,29 +145,11 @@ def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: i
                              max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
                              progress=not as_json and sys.stderr.isatty(), on_result=stream)
     if not as_json:
-        _print_table(result.predictions)
+        print_table(result.predictions)
     s = result.summary()
     rate = f", {s['images_per_second']:.1f} images/s" if s["images_per_second"] else ""
     click.echo(f"{s['images']} classified, {s['failed']} failed in {s['seconds']:.2f} s{rate}", err=True)
     sys.exit(EXIT_FAILED if result.errors else EXIT_OK)
-
-
-def _print_table(predictions: list) -> None:
-    if not predictions:
-        return
-    from edge_client.images import printable
-
-    paths = [printable(str(p.path)) for p in predictions]
-    width = min(max(len("PATH"), *(len(p) for p in paths)), 60)
-    cwidth = max(len("CLASS"), *(len(c) for p in predictions for c, _ in p.top_k))
-    click.echo(f"{'PATH':<{width}}  {'CLASS':<{cwidth}}  {'PROB':>7}  {'LATENCY':>10}")
-    for pred, path in zip(predictions, paths):
-        shown = path if len(path) <= width else "..." + path[-(width - 3):]
-        for rank, (name, prob) in enumerate(pred.top_k):
-            first = rank == 0
-            latency = f"{pred.latency_ms:.1f} ms" if first else ""
-            row = f"{shown if first else '':<{width}}  {name:<{cwidth}}  {100 * prob:6.2f}%  {latency:>10}"
-            click.echo(row.rstrip())
 
 
 # ---- train ---------------------------------------------------------------------------------------------
@@ -301,49 +309,26 @@ def _rollback_refresh(path: Path, as_json: bool, wait: float) -> None:
 # ---- info ---------------------------------------------------------------------------------------------
 @main.command()
 @_bundle_option
+@_provider_options
+@_runtime_options
 @_json_option
-def info(bundle: Path | None, as_json: bool) -> None:
-    """Describe the bundle (round, classes, precision, hashes) and this device (providers, torch, memory)."""
+def info(bundle: Path | None, provider: str, threads: int | None, runtime: str, precision: str,
+         as_json: bool) -> None:
+    """Describe the bundle (round, classes, precision, hashes), this device (runtimes, torch, memory) and what
+    would run the bundle (--runtime/--precision; auto verifies, or reads its cached verdict)."""
     from edge_client.device import describe
+    from fedmvp_apps.edge_cli_output import info_lines
 
-    report = describe(bundle)
+    report = describe(bundle, runtime=runtime.lower(), precision=precision.lower(), provider=provider.lower(),
+                      threads=threads)
     if as_json:
         click.echo(json.dumps(report, sort_keys=True, ensure_ascii=False))
     else:
-        for line in _info_lines(report):
+        for line in info_lines(report):
             click.echo(line)
-    sys.exit(EXIT_OK if report["bundle"].get("hashes_ok") else EXIT_INPUT)
-
-
-def _info_lines(report: dict[str, Any]) -> list[str]:
-    b, d = report["bundle"], report["device"]
-    lines = [f"bundle:     {b['path']}"]
-    if b.get("error"):
-        lines.append(f"  error:    {b['error']}")
-    if b.get("manifest"):
-        classes = b.get("classes") or []
-        shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
-        lines += [f"  round:    {b.get('round')} of run {b.get('run')}",
-                  f"  model:    {b.get('model')}, precision {b.get('precision')}",
-                  f"  classes:  {len(classes)} ({shown})",
-                  f"  hashes:   {'OK' if b.get('hashes_ok') else 'FAILED'}"
-                  + ("" if not b.get("hashes_ok") else ", class names checked against model.onnx"
-                     if b.get("classes_pinned") else ", class names not pinned by model.onnx (re-export to pin them)"),
-                  f"  LoRA:     {b.get('lora', {}).get('describe', '?')}",
-                  f"  training: {'yes (edge-client train)' if b.get('trainable') else 'no (inference-only bundle)'}",
-                  f"  size:     {b.get('bytes', 0) / 1e6:.1f} MB"]
-    lines.append(f"providers:  {', '.join(d['providers']) or 'onnxruntime not installed'}")
-    torch = d["torch"]
-    if torch.get("installed"):
-        cuda = ", ".join(f"{g['name']} ({g['free_gb']:.1f}/{g['total_gb']:.1f} GiB free)"
-                         for g in torch.get("gpus", [])) or "no CUDA"
-        lines.append(f"torch:      {torch.get('version')} ({cuda})")
-    else:
-        lines.append("torch:      not installed (inference works; `train` needs fedmvp[edge-train])")
-    memory = d.get("memory_available_gb")
-    lines.append(f"memory:     {memory:.1f} GiB available" if memory is not None else "memory:     unknown")
-    lines.append(f"cpus:       {d.get('cpus')}")
-    return lines
+    asked = runtime.lower() != "ort" or precision.lower() != "auto"  # a runtime named and missing: exit 2
+    failed = not report["bundle"].get("hashes_ok") or (asked and report["runtime"].get("error"))
+    sys.exit(EXIT_INPUT if failed else EXIT_OK)
 
 
 if __name__ == "__main__":  # pragma: no cover

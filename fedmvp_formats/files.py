@@ -1,4 +1,4 @@
-"""Files read whole or probed: ``sha256_file``, the writable probe, an OSError as one line.
+"""Files read whole or probed: ``sha256_file``, the writable probe, an OSError as one line; the cache root.
 
 Why here: a bundle's manifest, a personalised LoRA and a run's files are hashed the same way, and
 every command that will write for minutes probes its target first the same way. Standard library only.
@@ -20,6 +20,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def cache_root() -> Path:
+    """Where fedmvp keeps what it can recompute: ``$FEDMVP_CACHE``, else ``~/.cache/fedmvp`` (the synthetic
+    world, text features, the device's runtime verdicts)."""
+    return Path(os.environ.get("FEDMVP_CACHE") or Path.home() / ".cache" / "fedmvp")
 
 
 def nearest_existing(path: str | os.PathLike) -> Path:

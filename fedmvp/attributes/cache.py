@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from fedmvp_formats.files import cache_root
+
 from fedmvp.atomic import save_safetensors
 from fedmvp.attributes.sentences import ClassSentences
 from fedmvp.clip import LoadedClip
@@ -23,8 +25,7 @@ from fedmvp.clip import LoadedClip
 def default_cache_dir() -> Path:
     if os.environ.get("FEDMVP_TEXT_CACHE"):
         return Path(os.environ["FEDMVP_TEXT_CACHE"])
-    root = os.environ.get("FEDMVP_CACHE") or Path.home() / ".cache" / "fedmvp"
-    return Path(root) / "text-features"
+    return cache_root() / "text-features"
 
 
 class TextFeatureCache:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterable
 
 from fedmvp_formats.atomic import replace_dir
+from fedmvp_formats.files import cache_root
 
 from fedmvp.synthetic.render import IMAGE_SIZE, image_rng, render
 from fedmvp.synthetic.world import DOMAINS, K_PHRASES, SPLITS, attributes_dict, load_classes
@@ -34,7 +35,7 @@ DEFAULT_COUNTS: dict[str, int] = {"train": 16, "val": 8, "test": 16}  # images p
 
 
 def default_cache_root() -> Path:
-    return Path(os.environ.get("FEDMVP_CACHE") or Path.home() / ".cache" / "fedmvp")
+    return cache_root()
 
 
 def world_metadata(seed: int, counts: dict[str, int], domains: Iterable[str]) -> dict:

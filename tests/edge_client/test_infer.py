@@ -46,11 +46,11 @@ def test_a_lora_fed_to_a_warm_session_equals_a_session_built_with_it(edge_bundle
     warm = Predictor(edge_bundle, provider="cpu", personalised=False)
     pixels = preprocess_batch([Image.open(p).convert("RGB") for p in files], warm.spec)
     own = warm.run(pixels)["logits"]
-    session = warm.session
+    engine = warm.engine
     warm.use_lora(lora)
     fed = warm.run(pixels)["logits"]
     built = Predictor(edge_bundle, provider="cpu", lora=lora).run(pixels)["logits"]
-    assert warm.session is session and np.allclose(fed, built, atol=1e-5) and not np.allclose(fed, own, atol=1e-3)
+    assert warm.engine is engine and np.allclose(fed, built, atol=1e-5) and not np.allclose(fed, own, atol=1e-3)
     warm.use_lora(ActiveLora(tensors=bundle.lora(), source="bundle", file=bundle.path))
     assert np.allclose(warm.run(pixels)["logits"], own, atol=1e-6)
     with pytest.raises(BundleError, match="shape|missing|LoRA"):

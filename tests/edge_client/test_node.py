@@ -109,9 +109,9 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     assert counts["edge:total"] == 2 and 0 <= counts["edge:correct"] <= 2
     from edge_client import node as edge_node
 
-    (session,) = [p.session for p in edge_node._PREDICTORS.values()]
-    again = evaluate(message, context).content["metrics"]  # the next round: the same session, fed its LoRA
-    assert dict(again) == dict(counts) and [p.session for p in edge_node._PREDICTORS.values()] == [session]
+    (engine,) = [p.engine for p in edge_node._PREDICTORS.values()]
+    again = evaluate(message, context).content["metrics"]  # the next round: the same model, fed its LoRA
+    assert dict(again) == dict(counts) and [p.engine for p in edge_node._PREDICTORS.values()] == [engine]
 
 
 def parse(node: EdgeNodeConfig) -> dict:

@@ -78,9 +78,9 @@ def test_unknown_precision_is_a_usage_error(tiny_run, precision):
 
 
 def test_fp32_parity_failure_exits_1_and_writes_nothing(tiny_run, tmp_path, monkeypatch):
-    import export.parity
+    import fedmvp_formats.parity_rules
 
-    monkeypatch.setattr(export.parity, "FP32_MAX_ABS_DIFF", -1.0)  # no export can meet this
+    monkeypatch.setattr(fedmvp_formats.parity_rules, "FP32_MAX_ABS_DIFF", -1.0)  # no export can meet this
     out = tmp_path / "bundle"
     result = _run("--run", str(tiny_run), "--out", str(out), "--parity-images", "32")
     assert result.exit_code == 1, result.output

@@ -1,0 +1,59 @@
+"""The parity rules: when a model's logits count as the same model's as a reference's.
+
+Why here: the exporter holds each precision it writes to these rules against PyTorch fp32
+(``export/parity.py``), and the device holds each runtime and precision it may pick to the same
+rules against the bundle as exported (``edge_client/runtime_choice.py``); one copy, numpy only.
+fp32 must agree on every image and stay within ``FP32_MAX_ABS_DIFF``; a reduced precision must
+agree on at least ``MIN_AGREEMENT`` of the images. The device adds a logit bound for reduced
+precisions (``REDUCED_MAX_REL_DIFF`` of the reference's logit range): top-1 agreement alone would
+pass a runtime whose logits are off in scale (docs/architecture.md, "Runtimes").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FP32_MAX_ABS_DIFF = 1e-3
+MIN_AGREEMENT = {"fp32": 1.0, "bf16": 0.99, "fp16": 0.99, "int8": 0.99}
+REDUCED_MAX_REL_DIFF = 0.1  # the device's bound for bf16/fp16/int8: a tenth of the reference logits' range
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How far ``candidate``'s logits are from ``reference``'s, and whether that passes the rules."""
+
+    precision: str
+    images: int
+    max_abs_logit_diff: float
+    top1_agreement: float
+    max_allowed_diff: float | None  # None: no logit bound for this precision here
+    passed: bool
+
+    def describe(self) -> str:
+        bound = f" (allowed {self.max_allowed_diff:.2e})" if self.max_allowed_diff is not None else ""
+        need = 100 * MIN_AGREEMENT[self.precision]
+        return (f"{self.images} images, max |logit diff| {self.max_abs_logit_diff:.2e}{bound}, "
+                f"top-1 agreement {100 * self.top1_agreement:.2f}% (need >= {need:g}%)")
+
+
+def agreement(reference: np.ndarray, candidate: np.ndarray, precision: str,
+              bound_reduced: bool = False) -> Agreement:
+    """``reference`` and ``candidate``: [N, C] logits. fp32: 100% top-1 and max |diff| <= FP32_MAX_ABS_DIFF;
+    others: MIN_AGREEMENT, and with ``bound_reduced`` max |diff| <= REDUCED_MAX_REL_DIFF * range(reference)."""
+    if precision not in MIN_AGREEMENT:
+        raise ValueError(f"precision {precision!r}: choose one of {', '.join(MIN_AGREEMENT)}")
+    ref = np.asarray(reference, dtype=np.float64)
+    got = np.asarray(candidate, dtype=np.float64)
+    if ref.shape != got.shape or ref.ndim != 2 or not len(ref):
+        raise ValueError(f"logits of shapes {ref.shape} and {got.shape} cannot be compared")
+    diff = float(np.max(np.abs(ref - got))) if np.all(np.isfinite(got)) else float("inf")
+    top1 = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+    if precision == "fp32":
+        allowed: float | None = FP32_MAX_ABS_DIFF
+    else:
+        allowed = REDUCED_MAX_REL_DIFF * float(np.ptp(ref)) if bound_reduced else None
+    passed = top1 >= MIN_AGREEMENT[precision] and (allowed is None or diff <= allowed)
+    return Agreement(precision=precision, images=int(len(ref)), max_abs_logit_diff=diff, top1_agreement=top1,
+                     max_allowed_diff=allowed, passed=bool(passed))
