@@ -347,6 +347,8 @@ class FedMVPStrategy(Strategy):
     def evaluate_round(self, grid: Grid, state: dict[str, np.ndarray] | None, round_number: int) -> dict[str, Any]:
         """Evaluate ``state`` (None: zero-shot) on the nodes as of global round ``round_number``."""
         server_round = round_number - self.round_offset
+        if state is None:  # the zero-shot row, before any round: wait, as round 1 will, for the nodes it needs
+            self._targets(grid, round_number + 1, 0)  # else it covers whoever connected first (one site, say)
         messages = self.configure_evaluate(server_round, array_record(state) if state is not None else ArrayRecord(),
                                            ConfigRecord(), grid)
         self.aggregate_evaluate(server_round, send_and_receive(grid, messages, self.policy.server.round_timeout))

@@ -142,6 +142,10 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
     for number in served:  # shown when an assertion below fails: what differed, and by how much
         print(f"round {number}: served {served[number]}\n         simulated {simulated.get(number)}")
     assert sorted(served) == sorted(simulated) == list(range(1, ROUNDS + 1))
+    # the zero-shot row too: it waits, as round 1 does, for the sites (not whoever connected first)
+    zero = [json.loads((r / "zero_shot.json").read_text()) for r in (run, sim_run)]
+    assert zero[0]["local_sites"] == 3 and {k: zero[0].get(k) for k in ACCURACIES + SITE_COUNTS} == \
+        {k: zero[1].get(k) for k in ACCURACIES + SITE_COUNTS}
     for number in served:
         got, want = served[number], simulated[number]
         assert got["eval_sites"] == 3 and got["clients"] == want["clients"] == 3, (number, got)
