@@ -42,7 +42,7 @@ METHOD = {"num_prompts": 4, "heads": 4, "ff_mult": 4, "alpha": 10.0, "flip_prob"
           "lora_targets": ["to_q", "to_k", "to_v"], "use_lora": True}
 LOCAL = {"local_epochs": 1, "batch_size": 8, "momentum": 0.9, "weight_decay": 1e-5, "sigma": 0.5}
 TRAIN = Instruction(round=3, run_id="r1", promptformer_digest="d" * 64, preset="demo", device="cpu", method=METHOD,
-                    lr=0.0029, lora_clients=(), selected=(0, 2), local=LOCAL)
+                    lr=0.0029, lora_clients=(), threads=2, local=LOCAL)
 EVALUATE = Instruction(round=3, run_id="r1", prompted=False, preset="demo", method=METHOD,
                        assignment={"shapes/new": 0, "shapes/base": 2})
 RECORD_VALUES = (int, float, str, bool, bytes)
@@ -52,8 +52,8 @@ def _values(records: dict[str, dict]) -> list:
     return [value for record in records.values() for value in record.values()]
 
 
-@pytest.mark.parametrize("instruction", [TRAIN, EVALUATE, Instruction(round=1, run_id="r", selected=None)],
-                         ids=["train", "evaluate", "deployment"])
+@pytest.mark.parametrize("instruction", [TRAIN, EVALUATE, Instruction(round=1, run_id="r")],
+                         ids=["train", "evaluate", "bare"])
 def test_an_instruction_survives_its_records_exactly(instruction):
     records = instruction.records()
     assert read_instruction(records) == instruction
@@ -78,7 +78,8 @@ def test_no_json_text_travels_every_value_is_a_config_record_value(instruction):
     ({"config": {"round": 1}}, "run-id None is not a string"),
     ({"config": {"round": 1, "run-id": "r", "lora-clients": "[1, 2]"}},
      "lora-clients is not a list of integers ('[1, 2]')"),  # JSON text is refused, not parsed
-    ({"config": {"round": 1, "run-id": "r", "selected": [1.0]}}, "selected is not a list of integers"),
+    ({"config": {"round": 1, "run-id": "r", "threads": 0}}, "threads 0 is not a positive integer"),
+    ({"config": {"round": 1, "run-id": "r", "threads": 2.0}}, "threads 2.0 is not a positive integer"),
     ({"config": {"round": 1, "run-id": "r", "lr": float("nan")}}, "lr nan is not a finite number"),
     ({"config": {"round": 1, "run-id": "r", "prompted": 1}}, "prompted 1 is not true or false"),
     ({"config": {"round": 1, "run-id": "r"}, "assignment": {"shapes/new": "0"}}, "does not map set names"),

@@ -68,7 +68,7 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     rng = np.random.default_rng(0)
     start = {k: (v + rng.normal(scale=0.05, size=v.shape)).astype(np.float32) for k, v in bundle.lora().items()}
     config = ConfigRecord(Instruction(round=3, run_id="r", promptformer_digest=bundle.promptformer_digest,
-                                      lr=0.1, lora_clients=(), selected=None).records()["config"])
+                                      lr=0.1, lora_clients=()).records()["config"])
 
     def one_round(node: EdgeNodeConfig) -> tuple[Message, Context]:
         context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
