@@ -80,6 +80,7 @@ def test_no_json_text_travels_every_value_is_a_config_record_value(instruction):
      "lora-clients is not a list of integers ('[1, 2]')"),  # JSON text is refused, not parsed
     ({"config": {"round": 1, "run-id": "r", "lora-clients": [1.0]}}, "lora-clients is not a list of integers"),
     ({"config": {"round": 1, "run-id": "r", "threads": 0}}, "threads 0 is not a positive integer"),
+    ({"config": {"round": 1, "run-id": "r", "threads": 2.0}}, "threads 2.0 is not a positive integer"),
     ({"config": {"round": 1, "run-id": "r", "lr": float("nan")}}, "lr nan is not a finite number"),
     ({"config": {"round": 1, "run-id": "r", "prompted": 1}}, "prompted 1 is not true or false"),
     ({"config": {"round": 1, "run-id": "r"}, "assignment": {"shapes/new": "0"}}, "does not map set names"),
