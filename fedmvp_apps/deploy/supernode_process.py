@@ -25,12 +25,11 @@ import time
 from functools import partial
 from types import ModuleType
 
-from fedmvp_apps.deploy.supernode import SUPERNODE_START_REFUSED as START_REFUSED_EXIT  # the join retries it
-
 OBJECT_BACKOFF = (0.02, 0.5)  # Flower: 1 s, doubling to 10 s, while a message's objects reach the SuperLink
 IDLE_PULL_SECONDS = 0.5  # Flower: 3 s between two empty pulls from the SuperLink
 LOCAL_POLL_SECONDS = 0.05  # Flower: 0.5 s between two looks at the node's own state (a reply, an object)
 FLOWER_WAITS = ("time.sleep(3)", "time.sleep(0.5)")  # in flwr 1.42's start_client_internal
+START_REFUSED_EXIT = 75  # EX_TEMPFAIL: the SuperLink refused the node (or was unreachable) at start
 
 
 class PacedTime:

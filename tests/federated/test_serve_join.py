@@ -83,8 +83,7 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
             start([*join, "--site", str(site), "--root-certificates", str(certs / "ca.crt"),
                    "--auth-key", str(certs / f"node-{site}")], f"site-{site}.log")
         assert server.wait(timeout=240) == 0, log("serve.log") + log("site-0.log")
-        # refused at start, each join tries again for a while (a restarted site may be let in), then gives up
-        assert intruder.wait(timeout=150) != 0 and stranger.wait(timeout=150) != 0
+        assert intruder.wait(timeout=30) != 0 and stranger.wait(timeout=30) != 0
     finally:
         for proc in procs:
             if proc.poll() is None:
