@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from fedmvp_apps.deploy.supernode_process import START_REFUSED_EXIT
 from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
 
 # Every deployed Flower process (SuperLink, SuperExec, SuperNodes): Flower quiet, and no model hub
@@ -36,8 +35,9 @@ RUNTIME_HOST = "127.0.0.1"  # the SuperNode's Runtime API: only this machine's e
 STOP_SECONDS = 15  # a stopped process's grace before it is killed
 EXECUTOR_MODULE = "fedmvp_apps.deploy.warm_executor"
 SUPERNODE_MODULE = "fedmvp_apps.deploy.supernode_process"  # flower-supernode, its loop's waits shortened
-# the SuperNode's exit code when the SuperLink refused it at start (supernode_process.report_start_refusal)
-SUPERNODE_START_REFUSED = START_REFUSED_EXIT
+# flwr's ExitCode.SUPERNODE_CONNECTION_ERROR (activation refused, no SuperLink): 305, which the operating
+# system reports modulo 256, as 49
+SUPERNODE_START_REFUSED = 305 % 256
 ACTIVATION_RETRY_SECONDS = 120.0  # > two of Flower's 30 s heartbeats: a killed node's key is free again
 RETRY_EVERY = 5.0
 
@@ -100,8 +100,8 @@ def become_supernode(args: list[str], retry_seconds: float | None = None) -> NoR
     messages, both children of this process, stopped together; exits with the SuperNode's code
     (1 where the executor died).
 
-    A SuperNode whose start is refused (Flower's SUPERNODE_CONNECTION_ERROR, which its wrapper exits with as
-    ``START_REFUSED_EXIT``: the SuperLink cannot be reached, or refuses to activate the node) is started again every ``RETRY_EVERY`` s for ``retry_seconds``
+    A SuperNode whose start is refused (Flower's exit code 305: the SuperLink cannot be reached, or
+    it refuses to activate the node; 49 as the system reports it) is started again every ``RETRY_EVERY`` s for ``retry_seconds``
     (default ``ACTIVATION_RETRY_SECONDS``). Why: a site killed and restarted at once finds the
     SuperLink still counting its earlier node as online (up to two 30 s heartbeats) and is refused
     its key until then; an operator restarting a site expects it to rejoin, not to exit."""

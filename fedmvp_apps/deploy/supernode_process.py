@@ -29,7 +29,6 @@ OBJECT_BACKOFF = (0.02, 0.5)  # Flower: 1 s, doubling to 10 s, while a message's
 IDLE_PULL_SECONDS = 0.5  # Flower: 3 s between two empty pulls from the SuperLink
 LOCAL_POLL_SECONDS = 0.05  # Flower: 0.5 s between two looks at the node's own state (a reply, an object)
 FLOWER_WAITS = ("time.sleep(3)", "time.sleep(0.5)")  # in flwr 1.42's start_client_internal
-START_REFUSED_EXIT = 75  # EX_TEMPFAIL: the SuperLink refused the node (or was unreachable) at start
 
 
 class PacedTime:
@@ -61,25 +60,6 @@ def pace(loop: ModuleType) -> bool:
     return True
 
 
-def report_start_refusal(connection: ModuleType, refused: list[int]) -> bool:
-    """Note in ``refused`` when Flower's SuperNode gives up at start (its connection module calls
-    ``flwr_exit(SUPERNODE_CONNECTION_ERROR)``: activation refused, or no SuperLink). Why: Flower then
-    exits with 1, as for any error, and the join could not tell "try again shortly" (a restarted site
-    whose dead node the SuperLink still counts online) from a real failure."""
-    original = getattr(connection, "flwr_exit", None)
-    code = getattr(getattr(connection, "ExitCode", None), "SUPERNODE_CONNECTION_ERROR", None)
-    if not callable(original) or code is None:
-        return False
-
-    def flwr_exit(exit_code, *args, **kwargs):
-        if exit_code == code:
-            refused.append(int(exit_code))
-        return original(exit_code, *args, **kwargs)
-
-    connection.flwr_exit = flwr_exit
-    return True
-
-
 def main() -> None:
     import importlib
 
@@ -87,17 +67,10 @@ def main() -> None:
     if not pace(loop):
         print("fedmvp supernode: warning: this Flower's SuperNode loop is not flwr 1.42's; it runs with "
               "Flower's own waits (3 s between pulls)", file=sys.stderr, flush=True)
-    refused: list[int] = []
-    report_start_refusal(importlib.import_module("flwr.supernode.fleet_http_connection"), refused)
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     sys.argv[0] = "flower-supernode"
-    try:
-        flower_supernode()
-    except SystemExit:
-        if refused:
-            sys.exit(START_REFUSED_EXIT)
-        raise
+    flower_supernode()
 
 
 if __name__ == "__main__":

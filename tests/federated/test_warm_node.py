@@ -102,36 +102,3 @@ def test_stopping_the_join_stops_both(tmp_path):
     join, supernode, executor = start_join(tmp_path)
     join.send_signal(signal.SIGTERM)  # the join alone, as a service manager stops it
     assert finish(join, supernode, executor) == 0
-
-
-def test_a_supernode_refused_at_start_exits_with_its_own_code_and_the_join_starts_it_again(tmp_path):
-    """Flower exits 1 for every error; the wrapper tells a start refusal (a restarted site whose dead node
-    the SuperLink still counts online) apart, and the join starts the SuperNode again for a while."""
-    import importlib
-    import types
-
-    from fedmvp_apps.deploy.supernode_process import START_REFUSED_EXIT, report_start_refusal
-
-    connection = importlib.import_module("flwr.supernode.fleet_http_connection")
-    original = connection.flwr_exit
-    try:  # flwr 1.42's connection module has the shape the wrapper expects
-        assert report_start_refusal(connection, []) and connection.flwr_exit is not original
-    finally:
-        connection.flwr_exit = original
-    calls, refused = [], []
-    fake = types.ModuleType("connection")
-    fake.ExitCode = connection.ExitCode
-    fake.flwr_exit = lambda code, *args: calls.append(code)
-    assert report_start_refusal(fake, refused)
-    fake.flwr_exit(connection.ExitCode.SUPERNODE_CONNECTION_ERROR, "refused")
-    fake.flwr_exit(connection.ExitCode.GRACEFUL_EXIT_SIGINT)
-    assert refused == [connection.ExitCode.SUPERNODE_CONNECTION_ERROR] and len(calls) == 2
-    assert not report_start_refusal(types.ModuleType("other"), [])  # another Flower: nothing changed
-
-    script = tmp_path / "refused.py"  # a SuperNode refused at once, every time: the join retries, then gives up
-    script.write_text(f"import sys\nsys.exit({START_REFUSED_EXIT})\n")
-    code = ("import sys\nfrom fedmvp_apps.deploy.supernode import become_supernode\n"
-            f"become_supernode([sys.executable, {str(script)!r}, '--port', '{free_port()}'], retry_seconds=12)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == START_REFUSED_EXIT
-    assert 1 <= done.stderr.count("join: the SuperLink refused this node") <= 3, done.stderr[-2000:]
