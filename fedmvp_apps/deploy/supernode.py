@@ -35,9 +35,7 @@ RUNTIME_HOST = "127.0.0.1"  # the SuperNode's Runtime API: only this machine's e
 STOP_SECONDS = 15  # a stopped process's grace before it is killed
 EXECUTOR_MODULE = "fedmvp_apps.deploy.warm_executor"
 SUPERNODE_MODULE = "fedmvp_apps.deploy.supernode_process"  # flower-supernode, its loop's waits shortened
-# flwr's ExitCode.SUPERNODE_CONNECTION_ERROR (activation refused, no SuperLink): 305, which the operating
-# system reports modulo 256, as 49
-SUPERNODE_START_REFUSED = 305 % 256
+SUPERNODE_START_REFUSED = 305  # flwr's ExitCode.SUPERNODE_CONNECTION_ERROR (activation refused, no SuperLink)
 ACTIVATION_RETRY_SECONDS = 120.0  # > two of Flower's 30 s heartbeats: a killed node's key is free again
 RETRY_EVERY = 5.0
 
@@ -101,7 +99,7 @@ def become_supernode(args: list[str], retry_seconds: float | None = None) -> NoR
     (1 where the executor died).
 
     A SuperNode whose start is refused (Flower's exit code 305: the SuperLink cannot be reached, or
-    it refuses to activate the node; 49 as the system reports it) is started again every ``RETRY_EVERY`` s for ``retry_seconds``
+    it refuses to activate the node) is started again every ``RETRY_EVERY`` s for ``retry_seconds``
     (default ``ACTIVATION_RETRY_SECONDS``). Why: a site killed and restarted at once finds the
     SuperLink still counting its earlier node as online (up to two 30 s heartbeats) and is refused
     its key until then; an operator restarting a site expects it to rejoin, not to exit."""
@@ -122,7 +120,7 @@ def become_supernode(args: list[str], retry_seconds: float | None = None) -> NoR
                                          "--secret-file", str(secret), "--parent-pid", str(os.getpid())], env=env,
                                         preexec_fn=_die_with_parent)
             code = supervise(supernode, executor)
-            refused = supernode.returncode == SUPERNODE_START_REFUSED  # whichever of the two ended first
+            refused = code == SUPERNODE_START_REFUSED and supernode.returncode == code
             if not refused or time.monotonic() + RETRY_EVERY > deadline:
                 break
             print(f"join: the SuperLink refused this node after {time.monotonic() - started:.0f} s (a node of "
