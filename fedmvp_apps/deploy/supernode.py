@@ -35,9 +35,6 @@ RUNTIME_HOST = "127.0.0.1"  # the SuperNode's Runtime API: only this machine's e
 STOP_SECONDS = 15  # a stopped process's grace before it is killed
 EXECUTOR_MODULE = "fedmvp_apps.deploy.warm_executor"
 SUPERNODE_MODULE = "fedmvp_apps.deploy.supernode_process"  # flower-supernode, its loop's waits shortened
-SUPERNODE_START_REFUSED = 305  # flwr's ExitCode.SUPERNODE_CONNECTION_ERROR (activation refused, no SuperLink)
-ACTIVATION_RETRY_SECONDS = 120.0  # > two of Flower's 30 s heartbeats: a killed node's key is free again
-RETRY_EVERY = 5.0
 
 
 class LaunchError(RuntimeError):
@@ -93,40 +90,23 @@ def supernode_command(superlink: str, node_config: str, root_certificates: Path 
     return args
 
 
-def become_supernode(args: list[str], retry_seconds: float | None = None) -> NoReturn:
+def become_supernode(args: list[str]) -> NoReturn:
     """Run this node until it ends: the SuperNode ``args`` and the warm executor of its ClientApp
     messages, both children of this process, stopped together; exits with the SuperNode's code
-    (1 where the executor died).
-
-    A SuperNode whose start is refused (Flower's exit code 305: the SuperLink cannot be reached, or
-    it refuses to activate the node) is started again every ``RETRY_EVERY`` s for ``retry_seconds``
-    (default ``ACTIVATION_RETRY_SECONDS``). Why: a site killed and restarted at once finds the
-    SuperLink still counting its earlier node as online (up to two 30 s heartbeats) and is refused
-    its key until then; an operator restarting a site expects it to rejoin, not to exit."""
+    (1 where the executor died)."""
     env = {**os.environ, **QUIET_ENV}
     runtime = f"{RUNTIME_HOST}:{args[args.index('--port') + 1]}"
-    window = ACTIVATION_RETRY_SECONDS if retry_seconds is None else retry_seconds
     with tempfile.TemporaryDirectory(prefix="fedmvp-node-") as private:
         secret = Path(private) / "superexec.secret"  # only this join's executor may claim the node's tasks
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
             handle.write(secrets.token_bytes(32))
-        deadline = time.monotonic() + window
-        while True:
-            started = time.monotonic()
-            supernode = subprocess.Popen([*args, "--superexec-auth-secret-file", str(secret)], env=env,
-                                         preexec_fn=_die_with_parent)
-            executor = subprocess.Popen([sys.executable, "-m", EXECUTOR_MODULE, "--runtime-api-address", runtime,
-                                         "--secret-file", str(secret), "--parent-pid", str(os.getpid())], env=env,
-                                        preexec_fn=_die_with_parent)
-            code = supervise(supernode, executor)
-            refused = code == SUPERNODE_START_REFUSED and supernode.returncode == code
-            if not refused or time.monotonic() + RETRY_EVERY > deadline:
-                break
-            print(f"join: the SuperLink refused this node after {time.monotonic() - started:.0f} s (a node of "
-                  f"this key still counted online, or the SuperLink unreachable); trying again in {RETRY_EVERY:g} s, "
-                  f"until {window:g} s have passed", file=sys.stderr, flush=True)
-            time.sleep(RETRY_EVERY)
+        supernode = subprocess.Popen([*args, "--superexec-auth-secret-file", str(secret)], env=env,
+                                     preexec_fn=_die_with_parent)
+        executor = subprocess.Popen([sys.executable, "-m", EXECUTOR_MODULE, "--runtime-api-address", runtime,
+                                     "--secret-file", str(secret), "--parent-pid", str(os.getpid())], env=env,
+                                    preexec_fn=_die_with_parent)
+        code = supervise(supernode, executor)
     sys.exit(code)
 
 
