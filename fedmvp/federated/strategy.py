@@ -198,10 +198,10 @@ class FedMVPStrategy(Strategy):
             self.registry.learn(grid, connected, self._instruction(round_number), server.round_timeout)
             sites = self.registry.nodes_of(selected, connected)
             edges = sample_edges(self.seed, self.fraction, self.registry.edges(connected), round_number, attempt)
-            needed = min(server.min_nodes or len(selected), len(selected) + len(edges))
+            self.asked_edges = len(edges)
+            needed = self.needed_replies(round_number)  # the one rule: min_nodes, at most the nodes asked
             present = len({self.registry.site_of(node) for node in sites}) + len(edges)
             if present >= needed:
-                self.asked_edges = len(edges)
                 return sites, edges
             if time.monotonic() >= deadline:
                 raise RoundFailed(f"only {present} of the {needed} nodes a round needs connected within "
