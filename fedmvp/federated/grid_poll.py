@@ -7,12 +7,23 @@ round (train, evaluate): issue 24 §5, the deploy benchmark. Here the wait start
 ``FIRST_POLL_SECONDS`` and grows to at most ``MAX_POLL_SECONDS`` (one small Runtime API request on
 the server's own SuperLink each time). The replies are the same ones Flower's method returns;
 their order may differ, and the strategy sorts them before it averages (docs/method.md).
+
+``bound_reply_pulls``: the same Grid pulls a reply's objects (its tensors) for up to 2 hours, backing
+off from 1 s to 10 s, until they arrive. A device killed between pushing a reply and pushing its
+objects (seen in the buffered test) therefore stalled the server for that long; a healthy reply's
+objects follow its head at once. Bounded, the stuck reply becomes Flower's own error reply
+(``MESSAGE_UNAVAILABLE``) after ``REPLY_OBJECT_SECONDS``, which the strategy leaves out like any
+failed reply, and objects still on their way are polled every few ms rather than after 1 s.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Iterable
+
+REPLY_OBJECT_SECONDS = 30.0  # Flower: 7200 s (500 tries) before a reply with missing objects fails
+OBJECT_BACKOFF = (0.02, 0.5)  # Flower: 1 s doubling to 10 s
 
 FIRST_POLL_SECONDS = 0.05
 MAX_POLL_SECONDS = 0.25  # Flower: 3 s
@@ -34,3 +45,21 @@ def send_and_receive(grid, messages: Iterable, timeout: float | None) -> list:
         time.sleep(pause if left is None else min(pause, left))
         pause = min(pause * 2, MAX_POLL_SECONDS)
     return replies
+
+
+def bound_reply_pulls(max_time: float = REPLY_OBJECT_SECONDS) -> bool:
+    """Bound how long the deployed Grid (``http_grid``) pulls one reply's objects; False (nothing
+    changed) where this Flower's Grid has no module-level ``pull_objects`` to bound."""
+    try:
+        from flwr.superlink.grid import http_grid
+    except ImportError:
+        return False
+    pull = getattr(http_grid, "pull_objects", None)
+    if not callable(pull):
+        return False
+    original = getattr(pull, "func", pull) if getattr(pull, "fedmvp_bounded", False) else pull
+    bounded = partial(original, max_time=max_time, max_tries_per_object=None, initial_backoff=OBJECT_BACKOFF[0],
+                      backoff_cap=OBJECT_BACKOFF[1])
+    bounded.fedmvp_bounded = True  # type: ignore[attr-defined]  # applied once, whatever calls it
+    http_grid.pull_objects = bounded
+    return True

@@ -19,6 +19,8 @@ import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedmvp.federated.buffered import BufferedVersions
+from fedmvp.federated.grid_poll import bound_reply_pulls
 from fedmvp.federated.prepare import check_same_preset, prepare_run
 from fedmvp.federated.replies import ClassRules
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
@@ -199,7 +201,10 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     strategy_ref.append(strategy)
     if start == 0 and run.read_json("zero_shot.json") is None:
         run.write_json("zero_shot.json", evaluate(0, None))
-    strategy.start(grid, array_record(initial), num_rounds=total - start)
+    if policy.server.mode == "buffered":  # edge devices without a barrier (FedBuff): fedmvp/federated/buffered.py
+        BufferedVersions(strategy).run(grid, array_record(initial), start, total)
+    else:
+        strategy.start(grid, array_record(initial), num_rounds=total - start)
 
 
 def server_app_for(settings: ServerSettings, failures: list | None = None) -> ServerApp:
@@ -228,6 +233,7 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Deployment: everything comes from the run config (``flwr run ... --run-config``). The run's lock
     is taken before an existing run's config.json is read, and held until the last round is written."""
+    bound_reply_pulls()  # a device killed mid-reply must not stall the server for hours (grid_poll.py)
     with lock_existing(str(context.run_config.get("run-dir", "")).strip(), SERVER_COMMAND):
         run_server(grid, deployment_settings(context.run_config))
 

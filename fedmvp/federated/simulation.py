@@ -32,6 +32,9 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     from fedmvp.federated.server_app import ServerSettings, server_app_for
 
     config = run.read_config()
+    if run.server().mode == "buffered":  # buffered versions are trained by edge devices, which a simulation lacks
+        raise RunError(f"{run.path}: [server] mode = 'buffered' trains on edge devices (`edge-client join`); "
+                       f"run it with `fedmvp serve`, or use mode = 'sync' here")
     cpus = cpus or max(1, min(os.cpu_count() or 1, int(config["num_clients"])))
     gpu = 0.0
     if config.get("client_device") == "cuda":

@@ -18,6 +18,7 @@ from typing import Any
 from fedmvp.presets.fields import is_float, spec_field, type_name, type_ok
 
 NORM_ACTIONS = ("reject", "clip")
+MODES = ("sync", "buffered")
 
 
 class ServerRecordError(ValueError):
@@ -44,7 +45,16 @@ class ServerSpec:
                                         "cannot bound its training set (shots unset: the site's own folder, "
                                         "which the server never sees)", 10000)
     max_staleness: int = spec_field("`fedmvp ingest`: rounds an update's bundle may be behind the run's "
-                                    "last round (0: only updates of bundles exported from that round)", 5)
+                                    "last round (0: only updates of bundles exported from that round); "
+                                    "mode = 'buffered': versions a reply's base may be behind", 5)
+    staleness_exponent: float = spec_field("a in s(t) = (1+t)^-a, the weight of an update t rounds (or "
+                                           "versions) behind (0: staleness is not discounted)", 0.5)
+    server_lr: float = spec_field("eta in theta <- theta + eta * weighted mean of the updates' deltas", 1.0)
+    mode: str = spec_field("'sync': rounds with a barrier (sites and devices); 'buffered': edge devices "
+                           "train asynchronously and a version is written every buffer_size updates "
+                           "(FedBuff; `fedmvp serve` only)", "sync")
+    concurrency: int = spec_field("mode = 'buffered': edge devices kept training at once", 4)
+    buffer_size: int = spec_field("mode = 'buffered': accepted device updates that make the next version", 2)
 
     def problem(self) -> str | None:
         """The first value out of range, as one message (None: all in range). A preset's [server] table,
@@ -64,6 +74,14 @@ class ServerSpec:
             return f"site_max_examples must be at least 1, got {self.site_max_examples}"
         if self.max_staleness < 0:
             return f"max_staleness must be 0 or more, got {self.max_staleness}"
+        if not (math.isfinite(self.staleness_exponent) and self.staleness_exponent >= 0):
+            return f"staleness_exponent must be a finite number >= 0, got {self.staleness_exponent}"
+        if not (math.isfinite(self.server_lr) and self.server_lr > 0):
+            return f"server_lr must be a finite number > 0, got {self.server_lr}"
+        if self.mode not in MODES:
+            return f"mode must be 'sync' or 'buffered', got {self.mode!r}"
+        if self.concurrency < 1 or self.buffer_size < 1:
+            return f"concurrency and buffer_size must be at least 1, got {self.concurrency} and {self.buffer_size}"
         if self.update_norm_action not in NORM_ACTIONS:
             return f"update_norm_action must be 'reject' or 'clip', got {self.update_norm_action!r}"
         return None

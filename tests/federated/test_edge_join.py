@@ -42,14 +42,15 @@ sys.meta_path.insert(0, _EdgeInstall())
 '''
 
 
-def prepare_run(tmp_path: Path, world: Path) -> tuple[Path, Path]:
-    """A run of 4 rounds with rounds 1 and 2 done (different PromptFormers), the site never switching."""
+def prepare_run(tmp_path: Path, world: Path, rounds: int = 4, extra: str = "") -> tuple[Path, Path]:
+    """A run of ``rounds`` rounds with rounds 1 and 2 done (different PromptFormers), the site never
+    switching; ``extra``: TOML appended to the preset (a [server] table)."""
     from fedmvp.federated.prepare import prepare_run as prepare
     from fedmvp.model import FedMVP
 
     preset = write_preset(tmp_path, world, sigma=0.0)
-    preset.write_text(preset.read_text().replace('pretrained = ""', 'pretrained = "synthetic"'))
-    run = prepare(str(preset), str(tmp_path / "runs" / "edge"), 4, resume=False, device="cpu")
+    preset.write_text(preset.read_text().replace('pretrained = ""', 'pretrained = "synthetic"') + extra)
+    run = prepare(str(preset), str(tmp_path / "runs" / "edge"), rounds, resume=False, device="cpu")
     config = run.read_config()
     model = FedMVP.from_run(run, 0)  # the run's initial model
     state = model.state("all")
@@ -57,7 +58,7 @@ def prepare_run(tmp_path: Path, world: Path) -> tuple[Path, Path]:
     for number in (1, 2):
         state = {k: v + 0.02 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
         run.save_checkpoint(number, state, {"lora_clients": [], "seed": config["seed"], "lr": config["lr"],
-                                            "total_rounds": 4, "method": config["method"], "sites": [0]})
+                                            "total_rounds": rounds, "method": config["method"], "sites": [0]})
     return preset, run.path
 
 

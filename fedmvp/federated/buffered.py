@@ -1,0 +1,253 @@
+"""Buffered asynchronous versions for edge devices (FedBuff; docs/architecture.md "Buffered rounds").
+
+Flower 1.42 has no asynchronous aggregation, but its ``Grid`` pushes and pulls messages one by one,
+so the server can keep ``concurrency`` devices busy without a barrier: whenever a device is free it
+is sent the newest version; every reply is checked as a synchronous round's would be
+(``replies.check_reply``, against the version the device was sent) and turned into a *delta*
+against that version's LoRA; as soon as ``buffer_size`` accepted deltas have arrived the next
+version is written:
+
+    theta <- theta + server_lr * sum_i n_i s(t_i) Delta_i / sum_i n_i,   s(t) = (1 + t)^(-a)
+
+with ``t`` the versions written since the device's base (its staleness), ``a`` the
+``staleness_exponent`` and ``n_i`` its examples. A reply staler than ``max_staleness`` is left out.
+A device that never answers (killed, offline) is forgotten after ``round_timeout``: its message
+changes nothing. Each version is a checkpoint like a round (atomic, resumable, recorded with every
+reply's base, t, s(t) and weight); a resumed server starts from the last one, and devices that were
+mid-update are simply sent the newest version again.
+
+Only edge devices train here (they train the LoRA alone, so the PromptFormer stays the run's);
+sites keep synchronous rounds (``mode = "sync"``) and evaluate each due version where their data is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from logging import INFO, WARNING
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedmvp_formats import messages as schema
+from fedmvp_formats.names import LORA_PREFIX
+from fedmvp_formats.promptformer import promptformer_digest
+
+from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
+from fedmvp.federated.strategy import RoundFailed, cosine_lr
+from fedmvp.federated.wire import array_record, instruction_content, numpy_state
+
+POLL_SECONDS = (0.05, 0.25)  # first and longest pause between two pulls when nothing arrived
+
+
+def staleness_weight(staleness: int, exponent: float) -> float:
+    """s(t) = (1 + t)^(-a): FedBuff's and Papaya's polynomial discount (a = 0.5 by default)."""
+    return float((1.0 + staleness) ** (-exponent))
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One accepted reply: its delta against its base version and what weighs it."""
+
+    node: int
+    base: int  # the version the device was sent
+    staleness: int  # versions written since its base (counted again when the delta is used)
+    examples: int
+    delta: dict[str, np.ndarray]
+    loss: float
+    bundle_id: str
+
+    def weight(self, exponent: float) -> float:
+        return self.examples * staleness_weight(self.staleness, exponent)
+
+    def record(self, exponent: float) -> dict:
+        """As the version's state.json lists it."""
+        return {"node": self.node, "role": schema.EDGE, "examples": self.examples, "loss": self.loss,
+                "bundle_id": self.bundle_id, "base": self.base, "staleness": self.staleness,
+                "staleness_weight": staleness_weight(self.staleness, exponent), "weight": self.weight(exponent)}
+
+
+def apply_deltas(state: dict[str, np.ndarray], contributions: list[Contribution], exponent: float,
+                 server_lr: float) -> dict[str, np.ndarray]:
+    """theta + eta * sum n_i s(t_i) Delta_i / sum n_i over the tensors the deltas hold (float64 sums in
+    a fixed order: the contributions sorted by node, base; arrival order never changes a bit)."""
+    ordered = sorted(contributions, key=lambda c: (c.base, c.bundle_id, c.node))
+    total = float(sum(c.examples for c in ordered))
+    out = dict(state)
+    for key in sorted({k for c in ordered for k in c.delta}):
+        step = sum(c.weight(exponent) * c.delta[key].astype(np.float64) for c in ordered if key in c.delta)
+        out[key] = (state[key].astype(np.float64) + server_lr * step / total).astype(np.float32)
+    return out
+
+
+@dataclass
+class Pending:
+    """A train message out at a device."""
+
+    node: int
+    base: int
+    sent: float
+
+
+class BufferedVersions:
+    """The buffered loop over a FedMVPStrategy's registry, reply rules and recorder (``on_aggregated``)."""
+
+    def __init__(self, strategy, sleep: Callable[[float], None] = time.sleep):
+        self.strategy, self.server, self.sleep = strategy, strategy.policy.server, sleep
+        self.pending: dict[str, Pending] = {}  # message id -> what it carried
+        self.served: dict[int, int] = {}  # node -> train messages sent (the least served is sent first)
+        self.bases: dict[int, dict[str, np.ndarray]] = {}  # version -> its LoRA (kept while a device holds it)
+        self.buffer: list[Contribution] = []
+        self.rejected: list[dict] = []
+
+    # ---- one version's LoRA and who may be sent it ------------------------------------------------------
+    def _lora(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in state.items() if k.startswith(LORA_PREFIX)}
+
+    def _send(self, grid: Grid, state: dict[str, np.ndarray], version: int) -> None:
+        """The newest version to free devices, up to ``concurrency`` out at once (least served first)."""
+        strategy = self.strategy
+        connected = sorted(grid.get_node_ids())
+        strategy.registry.learn(grid, connected, strategy._instruction(version + 1), self.server.round_timeout)
+        busy = {p.node for p in self.pending.values()}
+        free = sorted((n for n in strategy.registry.edges(connected) if n not in busy),
+                      key=lambda n: (self.served.get(n, 0), n))
+        room = max(0, self.server.concurrency - len(self.pending))
+        if not free or not room:
+            return
+        digest = promptformer_digest(state)
+        instruction = strategy._instruction(
+            version + 1, promptformer_digest=digest, lr=cosine_lr(strategy.base_lr, version + 1, strategy.total_rounds),
+            lora_clients=tuple(sorted(strategy.lora_clients)), local=strategy.client_config.get("local"))
+        full = instruction_content(array_record(state), instruction, ConfigRecord())
+        lora = instruction_content(array_record(self._lora(state)), instruction, ConfigRecord())
+        messages = [Message(content=lora if strategy.holds(node, digest) else full, message_type=MessageType.TRAIN,
+                            dst_node_id=node) for node in free[:room]]
+        now = time.monotonic()
+        for node, message_id in zip(free[:room], grid.push_messages(messages)):
+            if message_id:
+                self.pending[message_id] = Pending(node, version, now)
+                self.served[node] = self.served.get(node, 0) + 1
+        self.bases.setdefault(version, self._lora(state))
+
+    # ---- what comes back -----------------------------------------------------------------------------
+    def _receive(self, grid: Grid, state: dict[str, np.ndarray], version: int) -> int:
+        """Pull whatever replies arrived; check each and buffer its delta. Returns how many arrived."""
+        if not self.pending:
+            return 0
+        replies = list(grid.pull_messages(list(self.pending)))
+        for msg in replies:
+            sent = self.pending.pop(msg.metadata.reply_to_message_id, None)
+            if sent is not None:
+                self._take(msg, sent, state, version)
+        return len(replies)
+
+    def _take(self, msg: Message, sent: Pending, state: dict[str, np.ndarray], version: int) -> None:
+        strategy, node = self.strategy, sent.node
+        if msg.has_error():
+            return self._reject(version, node, f"the device failed: {msg.error.reason}")
+        fields = reply_fields(msg.content)
+        if isinstance(fields, str):
+            return self._reject(version, node, fields)
+        arrays, metrics = fields
+        base_state = {**state, **self.bases[sent.base]}  # checked against what the device was sent
+        verdict = check_reply(arrays, metrics, rules=ReplyRules(run_id=strategy.run_id, round=sent.base + 1,
+                                                                server=self.server),
+                              global_state=base_state, expected_names={}, declared_examples={},
+                              site_names=strategy.site_names, class_rules=strategy.class_rules)
+        if verdict.accepted and verdict.role != schema.EDGE:
+            verdict.arrays, verdict.reason = None, "a site's reply in a buffered run (only edge devices train here)"
+        if not verdict.accepted:
+            strategy.known.pop(node, None)
+            return self._reject(version, node, verdict.reason or "rejected")
+        if self._too_stale(node, sent.base, version):
+            return
+        identity = verdict.identity
+        strategy.known[node] = {schema.ROLE: schema.EDGE, schema.BUNDLE_ID: identity.bundle_id,
+                                schema.PROMPTFORMER_DIGEST: identity.promptformer_digest}
+        base = self.bases[sent.base]
+        delta = {k: verdict.arrays[k].astype(np.float64) - base[k] for k in verdict.arrays}
+        self.buffer.append(Contribution(node, sent.base, version - sent.base, int(metrics[schema.NUM_EXAMPLES]), delta,
+                                        float(metrics.get(schema.TRAIN_LOSS, float("nan"))),
+                                        str(identity.bundle_id or "")))
+
+    def _too_stale(self, node: int, base: int, version: int) -> bool:
+        """Whether a delta based on ``base`` is beyond ``max_staleness`` for the version after
+        ``version`` (left out, with a line)."""
+        staleness = version - base
+        if staleness <= self.server.max_staleness:
+            return False
+        self._reject(version, node, f"based on version {base}, {staleness} versions behind (max_staleness "
+                                    f"{self.server.max_staleness})")
+        return True
+
+    def _reject(self, version: int, node: int, reason: str) -> None:
+        log(WARNING, "version %s: reply of node %s (edge device) left out: %s", version + 1, node, reason)
+        self.rejected.append({"node": node, "site": None, "reason": reason, "role": schema.EDGE})
+
+    def _expire(self, version: int) -> None:
+        """Forget messages out longer than ``round_timeout``: the device is gone; its base is freed."""
+        now = time.monotonic()
+        for message_id, sent in list(self.pending.items()):
+            if now - sent.sent > self.server.round_timeout:
+                del self.pending[message_id]
+                self._reject(version, sent.node, f"no reply within round_timeout {self.server.round_timeout:g} s")
+
+    # ---- the versions -----------------------------------------------------------------------------------
+    def _write(self, state: dict[str, np.ndarray], version: int) -> dict[str, np.ndarray]:
+        """The next version from the buffer (``buffer_size`` deltas), recorded through the run's recorder."""
+        strategy, exponent = self.strategy, self.server.staleness_exponent
+        # Staleness is counted when the delta is used: a reply that waited in the buffer got staler.
+        self.buffer = [replace(c, staleness=version - c.base) for c in self.buffer
+                       if not self._too_stale(c.node, c.base, version)]
+        if len(self.buffer) < self.server.buffer_size:
+            return state
+        taken, self.buffer = self.buffer[:self.server.buffer_size], self.buffer[self.server.buffer_size:]
+        new = apply_deltas(state, taken, exponent, self.server.server_lr)
+        bad = next((k for k, v in new.items() if not np.all(np.isfinite(v))), None)
+        if bad is not None:
+            raise RoundFailed(f"version {version + 1}: {bad} holds NaN or infinite values; the run stops")
+        total = sum(c.examples for c in taken)
+        loss = sum(c.loss * c.examples for c in taken) / total
+        summary = {"train-loss": loss, "train-ce": float("nan"), "train-consistency": float("nan"),
+                   "clients": len(taken), "lora-clients": len(strategy.lora_clients), "lora-uploads": len(taken),
+                   "edges": len(taken), "sites": [], "replies": [c.record(exponent) for c in taken],
+                   "rejected": list(self.rejected), "mode": "buffered"}
+        self.rejected = []
+        strategy.global_state = new
+        if strategy.on_aggregated:
+            strategy.on_aggregated(version + 1, new, summary)
+        log(INFO, "version %s written from %s device updates (staleness %s)", version + 1, len(taken),
+            [c.staleness for c in taken])
+        return new
+
+    def run(self, grid: Grid, initial: ArrayRecord, start: int, total: int) -> dict[str, np.ndarray]:
+        """Versions ``start+1`` .. ``total``; raises RoundFailed when no device is connected for
+        ``node_wait`` seconds or a version would hold non-finite values."""
+        state, version = numpy_state(initial), start
+        self.strategy.global_state = state
+        idle_since, pause = time.monotonic(), POLL_SECONDS[0]
+        while version < total:
+            self._send(grid, state, version)
+            arrived = self._receive(grid, state, version)
+            self._expire(version)
+            while len(self.buffer) >= self.server.buffer_size and version < total:
+                written = self._write(state, version)
+                if written is state:  # stale deltas were dropped: the buffer is short again
+                    break
+                state, version = written, version + 1
+            self.bases = {v: lora for v, lora in self.bases.items()
+                          if v == version or any(p.base == v for p in self.pending.values())}
+            if self.pending or arrived:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > self.server.node_wait:
+                raise RoundFailed(f"version {version + 1}: no edge device connected within node_wait "
+                                  f"{self.server.node_wait:g} s (a buffered run trains on edge devices: "
+                                  f"`edge-client join`)")
+            pause = POLL_SECONDS[0] if arrived else min(pause * 2, POLL_SECONDS[1])
+            if version < total:
+                self.sleep(pause)
+        return state
