@@ -45,6 +45,11 @@ class ServerSpec:
                                         "which the server never sees)", 10000)
     max_staleness: int = spec_field("`fedmvp ingest`: rounds an update's bundle may be behind the run's "
                                     "last round (0: only updates of bundles exported from that round)", 5)
+    staleness_exponent: float = spec_field("a in s(t) = (1 + t)^(-a): an update t rounds behind the state it is "
+                                           "applied to moves it s(t) times what a fresh one would (0: no discount)",
+                                           0.5)
+    server_lr: float = spec_field("eta: the server applies eta times the weighted mean of the updates' deltas "
+                                  "(1: FedAvg when every update is fresh)", 1.0)
 
     def problem(self) -> str | None:
         """The first value out of range, as one message (None: all in range). A preset's [server] table,
@@ -64,6 +69,10 @@ class ServerSpec:
             return f"site_max_examples must be at least 1, got {self.site_max_examples}"
         if self.max_staleness < 0:
             return f"max_staleness must be 0 or more, got {self.max_staleness}"
+        if not (math.isfinite(self.staleness_exponent) and self.staleness_exponent >= 0):
+            return f"staleness_exponent must be a finite number >= 0, got {self.staleness_exponent}"
+        if not (math.isfinite(self.server_lr) and self.server_lr > 0):
+            return f"server_lr must be a finite number > 0, got {self.server_lr}"
         if self.update_norm_action not in NORM_ACTIONS:
             return f"update_norm_action must be 'reject' or 'clip', got {self.update_norm_action!r}"
         return None
