@@ -109,3 +109,15 @@ def round_record(settings: PrivacyRecord, q: float, spent: float, rounds: int) -
     """What a round's state.json keeps of its privacy: the settings, q, epsilon and how many rounds it covers."""
     return {**settings.record(), "sampling_rate": q, "epsilon": spent, "delta": settings.target_delta,
             "dp_rounds": rounds}
+
+
+def round_privacy(run: RunDir, round_number: int) -> dict[str, Any] | None:
+    """What a round's weights have spent, as `fedmvp evaluate` reports it and the exported bundle's manifest
+    records it: the run's settings, epsilon at ``target_delta`` over the DP rounds up to ``round_number``,
+    and how many they are (None: the run has no ``[privacy]``)."""
+    settings = run.privacy()
+    if settings is None:
+        return None
+    events = run_events(run, round_number)
+    return round_record(settings, events[-1][0] if events else 0.0, epsilon(events, settings.target_delta),
+                        len(events))
