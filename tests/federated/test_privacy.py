@@ -17,6 +17,7 @@ from fedmvp.federated.ingest import ingest
 from fedmvp.federated.privacy_budget import epsilon
 from fedmvp.runs import RunDir, RunError
 from fedmvp_formats.privacy import PrivacyError, PrivacyRecord, delta_norm, privatise
+from tests.federated.test_aggregation import _flower_run_identity  # noqa: F401 (fixture)
 from tests.federated.test_ingest import SERVER, base_run, configure, good_update, lora_of, run  # noqa: F401
 
 
@@ -179,3 +180,64 @@ def test_a_record_out_of_range_is_refused_naming_where():
         PrivacyRecord.from_record({**PrivacyRecord().record(), "mode": "both"}, "manifest.json")
     assert PrivacyRecord.from_record({k: v for k, v in PrivacyRecord().record().items() if k != "max_epsilon"},
                                      "a message").max_epsilon is None
+
+
+def test_an_online_round_carries_the_settings_and_charges_its_sampling_rate(_flower_run_identity):
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+    from flwr.app import ConfigRecord
+
+    from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy
+    from fedmvp.federated.wire import array_record, content_instruction
+    from fedmvp.presets.server import ServerSpec
+    from tests.federated.test_aggregation import RUN, SiteGrid, edge_reply
+
+    settings = PrivacyRecord(clip_norm=0.1, noise_multiplier=1.0, max_epsilon=None)
+    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
+                              policy=RoundPolicy(0.5, ServerSpec(min_nodes=1, node_wait=5)), privacy=settings)
+    theta = {"lora.a": np.zeros(6, np.float32)}
+    messages = strategy.configure_train(1, array_record(theta), ConfigRecord(), SiteGrid({7: "edge", 8: "edge",
+                                                                                         100: 0}))
+    for message in messages:  # what a sender clips and noises by: the run's record
+        assert PrivacyRecord.from_record(content_instruction(message.content).privacy, "message") == settings
+    summary = {}
+    strategy.on_aggregated = lambda number, state, s: summary.update(s)
+    arrays, _ = strategy.aggregate_train(1, [edge_reply(7, {"lora.a": np.ones(6, np.float32)}, 10)])
+    assert not np.array_equal(arrays["lora.a"].numpy(), theta["lora.a"])
+    accountant = RdpAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(1.0)))
+    assert summary["privacy"]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    assert summary["privacy"]["noise_std"] == pytest.approx(0.1) and summary["replies"][0]["weight"] == 1.0
+    assert strategy.privacy_events == [(0.5, 1.0)]
+
+    strategy.privacy = PrivacyRecord(clip_norm=0.1, noise_multiplier=0.5, max_epsilon=1.0)
+    with pytest.raises(RoundFailed, match=r"privacy budget: round 2 would take epsilon to .* past \[privacy\] "
+                                          r"max_epsilon 1"):
+        strategy.configure_train(2, array_record(theta), ConfigRecord(), SiteGrid({7: "edge", 100: 0}))
+
+
+def test_a_sites_lora_reply_is_clipped_as_a_devices(monkeypatch):
+    import torch
+
+    from fedmvp.federated.client_app import private_lora
+
+    received = {"lora.a": torch.zeros(4, 4), "promptformer.w": torch.ones(3)}
+    state = {"lora.a": torch.full((4, 4), 0.5)}
+    for mode in ("central", "local"):
+        record = PrivacyRecord(clip_norm=0.2, noise_multiplier=0.01, mode=mode).record()
+        sent = private_lora(state, received, record)
+        norm = float(sent["lora.a"].norm())
+        assert (norm == pytest.approx(0.2, rel=1e-5)) if mode == "central" else (0.1 < norm < 0.3 and norm != 0.2)
+
+
+def test_evaluate_reports_the_rounds_epsilon(run, tmp_path):
+    from fedmvp.federated.evaluation import format_table
+    from fedmvp.federated.privacy_budget import round_privacy
+
+    _with_privacy(run, clip_norm=0.05, noise_multiplier=1.5, max_epsilon=None)
+    ingest(run, [good_update(tmp_path / "u.st", lora_of(run), 0.05, 10, 1.0)])
+    report = round_privacy(RunDir(run), 3)
+    assert report["epsilon"] == RunDir(run).load_checkpoint(3).state["privacy"]["epsilon"] > 0
+    assert round_privacy(RunDir(run), 2)["epsilon"] == 0.0  # round 2's weights spent nothing yet
+    table = format_table({"run": str(run), "round": 3, "zero-shot": {}, "tuned": {}, "privacy": report})
+    assert f"privacy: epsilon {report['epsilon']:.3g} at delta 1e-05 over 1 rounds (central" in table
