@@ -1,10 +1,9 @@
 """FedMVP's Flower strategy: rounds over whoever is there, every reply checked, per-tensor FedAvg.
 
 Each round the strategy picks who trains, sends the global tensors, waits up to the round timeout,
-checks every reply (``fedmvp.federated.replies``) and averages each tensor, weighted by examples,
-over the clients that sent it (a LoRA-only client sends only ``lora.*``; stock FedAvg would refuse
-such mixed replies). Tensors nobody sent keep their global value. A round that got fewer than
-``min_nodes`` usable replies is tried again, never skipped silently.
+checks every reply (``replies.py``) and applies them per tensor over the clients that sent it
+(``aggregate.apply_updates``: FedAvg of fresh replies, as all of these are; ``server_lr``, [privacy]).
+Tensors nobody sent keep their value. A round short of ``min_nodes`` usable replies is tried again.
 
 Who trains (``fedmvp.federated.sampling``, one way for the simulation and a deployment): a seeded
 sample of *sites* per round (``fraction``; a resumed run replays exactly), sent only to the nodes
@@ -119,10 +118,10 @@ class FedMVPStrategy(Strategy):
         (``preset``, ``device``, ``threads``; ``method`` and ``local``, records as dicts:
         ``fedmvp_formats.messages``); ``declared_examples[site]``: the most training images a site can
         report (run record; None: its folder's, bounded by [server] site_max_examples); ``site_names``: a
-        [federation] run's site names by id, the one each site's reply must carry (``replies.check_reply``);
-        ``federation``: the run record's federation (which site evaluates which set); ``class_rules``:
-        the classes each site may claim (``replies.check_reply``); ``privacy``: the run's [privacy] settings
-        (None: none), ``privacy_events``: the recorded rounds' events (``privacy_budget.run_events``)."""
+        [federation] run's site names by id, the one each site's reply must carry; ``federation``: the run
+        record's federation (which site evaluates which set); ``class_rules``: the classes each site may
+        claim (``replies.check_reply``); ``privacy``: the run's [privacy] (None: none), ``privacy_events``
+        the recorded rounds' (``privacy_budget.run_events``)."""
         self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
@@ -223,14 +222,11 @@ class FedMVPStrategy(Strategy):
                         dst_node_id=node) for node in sorted(sites + edges)]
 
     def charge_privacy(self, round_number: int) -> None:
-        """The round's privacy record (``self.charged``), epsilon over the recorded rounds and this one;
-        a round that would pass ``[privacy] max_epsilon`` stops the run (`RoundFailed`, one line)."""
-        if self.privacy is None:
-            self.charged = None
-            return
+        """The round's privacy record (``self.charged``: epsilon over the recorded rounds and this one); past
+        ``[privacy] max_epsilon`` the run stops (`RoundFailed`, one line)."""
         try:
-            self.charged = charge(self.privacy, self.privacy_events, sampling_rate(self.privacy, self.fraction),
-                                  round_number)
+            self.charged = None if self.privacy is None else charge(
+                self.privacy, self.privacy_events, sampling_rate(self.privacy, self.fraction), round_number)
         except BudgetExceeded as err:
             raise RoundFailed(str(err)) from None
 
@@ -295,9 +291,9 @@ class FedMVPStrategy(Strategy):
         if self.privacy is not None and self.charged is None:
             self.charge_privacy(round_number)
         server = self.policy.server  # every reply of a synchronous round is fresh: t = 0, its base the global state
-        step = apply_updates(self.global_state, [Update(v.arrays, int(m[schema.NUM_EXAMPLES]))
-                                                 for _, v, m, _ in contents],
-                             server_lr=server.server_lr, exponent=server.staleness_exponent, privacy=self.privacy)
+        step = apply_updates(self.global_state, [Update(v.arrays, int(m[schema.NUM_EXAMPLES])) for _, v, m, _ in
+                                                 contents], server_lr=server.server_lr,
+                             exponent=server.staleness_exponent, privacy=self.privacy)
         averaged = step.tensors
         bad = next((k for k, v in averaged.items() if not np.all(np.isfinite(v))), None)
         if bad is not None:  # never publish (or train on) a NaN global state
