@@ -222,8 +222,7 @@ class FedMVPStrategy(Strategy):
                         dst_node_id=node) for node in sorted(sites + edges)]
 
     def charge_privacy(self, round_number: int) -> None:
-        """The round's privacy record (``self.charged``: epsilon over the recorded rounds and this one); past
-        ``[privacy] max_epsilon`` the run stops (`RoundFailed`, one line)."""
+        """``self.charged``: the round's privacy record; past ``max_epsilon`` the run stops (`RoundFailed`)."""
         try:
             self.charged = None if self.privacy is None else charge(
                 self.privacy, self.privacy_events, sampling_rate(self.privacy, self.fraction), round_number)
