@@ -62,6 +62,8 @@ from fedmvp_formats.bundle_manifest import (CLASSES_KEY, MANIFEST, REFRESH_DERIV
                                             check_manifest, classes_digest)
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.method import MethodRecord
+from fedmvp_formats.privacy import RECORD as PRIVACY
+from fedmvp_formats.privacy import PrivacyError, PrivacyRecord
 
 # BundleError and verify_program_archive are the bundle format's: the rest of the package imports them from here.
 from edge_client.bundle_files import (BundleError, check_device_dirs, check_onnx_external,  # noqa: F401
@@ -115,6 +117,18 @@ class Bundle:
         """The run the bundle was exported from (``source.run_id``), if the exporter recorded it."""
         value = (self.manifest.get("source") or {}).get("run_id")
         return value if isinstance(value, str) and value else None
+
+    @property
+    def privacy(self) -> PrivacyRecord | None:
+        """The run's ``[privacy]`` settings the exporter recorded (manifest ``privacy``; None: none): what
+        `edge-client train` clips, and in local mode noises, its delta by (docs/howto/privacy.md)."""
+        record = self.manifest.get(PRIVACY)
+        if record is None:
+            return None
+        try:
+            return PrivacyRecord.from_record(record, f"{self.path / MANIFEST}: field {PRIVACY}")
+        except PrivacyError as err:
+            raise BundleError(str(err)) from None
 
     @property
     def method(self) -> dict[str, Any]:

@@ -11,7 +11,8 @@ Each train message carries the global tensors and the digest of the global Promp
 has trained it since the export) refreshes the bundle in place from the message's
 ``promptformer.*`` tensors first (``edge_client.refresh``), then trains the global LoRA on its
 training share of ``data`` and replies with the LoRA tensors, its number of examples and its
-bundle id. Images never leave the device. The trained tensors come back from the training in
+bundle id; under the run's ``[privacy]`` (the message's ``privacy`` record) its delta is clipped, and
+in local mode noised, first (docs/howto/privacy.md). Images never leave the device. The trained tensors come back from the training in
 memory (`TrainResult.tensors`, checked against the bundle as an update file is); an update file
 is written too only where the node config's ``out`` asks for one. With ``personalise`` the result also becomes the
 device's own active LoRA; by default the device's personal LoRA is left alone.
@@ -37,6 +38,7 @@ from flwr.supercore import log
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity, Instruction, read_instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
+from fedmvp_formats.privacy import PrivacyRecord
 from fedmvp_formats.promptformer import promptformer_digest
 
 from edge_client.bundle import Bundle, BundleError
@@ -204,7 +206,9 @@ def train(msg: Message, context: Context) -> Message:
     synced = sync_bundle(node, arrays, instruction.promptformer_digest, round_number - 1, training.files)
     start = _global_lora(arrays, synced.bundle)
     log(INFO, "edge: round %s, training the global LoRA on %d local images", round_number, len(training))
-    result = train_local(training, synced.bundle, node.options(round_number), start_lora=start)
+    privacy = None if instruction.privacy is None else \
+        PrivacyRecord.from_record(instruction.privacy, "the server's privacy record")  # the run's, not the bundle's
+    result = train_local(training, synced.bundle, node.options(round_number), start_lora=start, privacy=privacy)
     trained = result.tensors  # in memory, checked against the bundle as an update file would be
     metrics = schema.train_metrics(result.num_examples, result.mean_loss, refresh_seconds=synced.refresh_seconds)
     return _reply(msg, instruction, synced, metrics, trained)

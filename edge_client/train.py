@@ -47,6 +47,7 @@ import numpy as np
 
 from fedmvp_formats.atomic import write_bytes
 from fedmvp_formats.objective import fedmvp_objective
+from fedmvp_formats.privacy import LOCAL, PrivacyRecord, privatise
 
 from edge_client.batch_fit import auto_batch, probe_step
 from edge_client.bundle import Bundle
@@ -85,6 +86,7 @@ class TrainResult:
     autocast: str | None = None
     checkpoint_segments: int = 1
     tensors: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # the trained LoRA, float32
+    privacy: dict[str, Any] | None = None  # [privacy]: mode, clip_norm, the delta's norm before the clip
 
     def to_json(self) -> dict[str, Any]:
         """The `edge-client train --json` report."""
@@ -97,7 +99,7 @@ class TrainResult:
                 "seconds": round(self.seconds, 3), "alpha": self.alpha, "lr": self.lr,
                 "optimizer": self.optimizer, "started_from": self.started_from,
                 "personalised": self.personalised.to_json() if self.personalised else None,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "privacy": self.privacy}
 
 
 def default_out_path(out: str | os.PathLike, bundle: Bundle) -> Path:
@@ -134,7 +136,7 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
                 options: TrainOptions | None = None, *, progress: bool = False,
                 on_step: Callable[[int, float], None] | None = None,
                 start_lora: Mapping[str, np.ndarray] | None = None, allow_run_dir: bool = False,
-                wait: float = 0.0, **overrides: Any) -> TrainResult:
+                wait: float = 0.0, privacy: PrivacyRecord | None | str = "bundle", **overrides: Any) -> TrainResult:
     """Train the bundle's LoRA on ``data`` (ImageFolder of bundle classes); the result holds the trained
     tensors (`TrainResult.tensors`) and, where ``options.out`` names one, the update file written.
 
@@ -148,6 +150,9 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
     directory, nor replace a file; ``options.apply`` makes the result the device's active LoRA.
     The bundle's lock is held throughout (``edge_client.bundle_lock``): the LoRA it starts from is
     still the active one when the result is applied; ``wait``: seconds to wait for another holder.
+    ``privacy``: the ``[privacy]`` settings the result obeys (``"bundle"``: the manifest's, `Bundle.privacy`;
+    None: none): its delta against ``start_lora`` (else the bundle's LoRA, what the server subtracts) is
+    clipped to ``clip_norm`` and, in local mode, noised before anything is written (docs/howto/privacy.md).
     Raises `TrainInputError` (bad data/options), `BundleError` (bad bundle; `BundleBusy`: locked) or
     `TrainingError`.
     """
@@ -155,14 +160,16 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
     options = dataclasses.replace(options or TrainOptions(), **overrides)  # checks them (TrainInputError)
     with bundle_lock(bundle.path if isinstance(bundle, Bundle) else Bundle.resolve_dir(bundle), wait):
         return _train_locked(data, Bundle.open(bundle, verify=True), options, began, progress, on_step, start_lora,
-                             allow_run_dir)
+                             allow_run_dir, privacy)
 
 
 def _train_locked(data: str | os.PathLike | LocalDataset, bundle: Bundle, options: TrainOptions, began: float,
                   progress: bool, on_step: Callable[[int, float], None] | None,
-                  start_lora: Mapping[str, np.ndarray] | None, allow_run_dir: bool) -> TrainResult:
+                  start_lora: Mapping[str, np.ndarray] | None, allow_run_dir: bool,
+                  privacy: PrivacyRecord | None | str = "bundle") -> TrainResult:
     """`train_local` with the bundle's lock held and the bundle verified."""
     bundle.require_trainable()
+    settings = bundle.privacy if privacy == "bundle" else privacy
     dataset = data if isinstance(data, LocalDataset) else scan_folder(data, bundle.class_names)
     initial = None
     if start_lora is not None:
@@ -177,7 +184,7 @@ def _train_locked(data: str | os.PathLike | LocalDataset, bundle: Bundle, option
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     try:
-        result, update = _train(torch, bundle, dataset, began, options, alpha, progress, on_step, initial)
+        result, update = _train(torch, bundle, dataset, began, options, alpha, progress, on_step, initial, settings)
     finally:
         torch.set_num_threads(previous_threads)
     return _keep(result, update, bundle, options, target)
@@ -185,7 +192,7 @@ def _train_locked(data: str | os.PathLike | LocalDataset, bundle: Bundle, option
 
 def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: TrainOptions, alpha: float,
            progress: bool, on_step: Callable[[int, float], None] | None,
-           initial: ActiveLora | None = None) -> tuple[TrainResult, bytes]:
+           initial: ActiveLora | None = None, privacy: PrivacyRecord | None = None) -> tuple[TrainResult, bytes]:
     """The training loop proper (torch loaded, options ``o`` checked), in memory: the result and the
     update's bytes (`update_bytes`, checked against the bundle); nothing is written."""
     import torch.nn.functional as F
@@ -273,6 +280,14 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
     finally:
         bar.close()
     trained = {k: v.detach().float().cpu().numpy() for k, v in lora.items()}
+    kept_privacy = None
+    if privacy is not None:  # the delta the server will see, bounded (and noised) before it exists anywhere
+        reference = initial.tensors if initial.source == "global" else bundle_lora(bundle).tensors
+        trained, norm = privatise(trained, reference, privacy)
+        if norm == 0.0:  # the post-step weight check Opacus users had to add: a DP round must move the LoRA
+            raise TrainingError("the LoRA did not change in training (its delta is 0); nothing was written")
+        kept_privacy = {"mode": privacy.mode, "clip_norm": privacy.clip_norm, "delta_norm": norm,
+                        "clipped": norm > privacy.clip_norm, "noised": privacy.mode == LOCAL}
     seconds = time.perf_counter() - began
     mean_loss = total_loss / total_seen
     try:  # the checks an update file's reader makes, on the tensors in memory
@@ -286,7 +301,7 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
                          final_loss=epoch_losses[-1], epoch_losses=epoch_losses, seconds=seconds, alpha=alpha,
                          lr=o.lr, optimizer=o.optimizer, started_from=initial.source, skipped=list(dataset.skipped),
                          autocast=str(amp_dtype).replace("torch.", "") if use_autocast else None,
-                         checkpoint_segments=len(runner.plan(segments)), tensors=trained)
+                         checkpoint_segments=len(runner.plan(segments)), tensors=trained, privacy=kept_privacy)
     return result, data
 
 

@@ -29,6 +29,7 @@ from fedmvp_formats.bundle_manifest import (CONTEXT_SOURCES, FORMAT, FORMAT_VERS
                                             REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES, file_entries,
                                             write_manifest)
 from fedmvp_formats.files import sha256_file
+from fedmvp_formats.privacy import RECORD as PRIVACY
 from fedmvp_formats.promptformer import promptformer_digest
 
 from edge_client.bundle import read_bundle, verify_program_archive
@@ -40,6 +41,7 @@ from export.int8 import Int8Plan
 from export.publish import check_out, publish
 from export.run_inputs import export_images, find_run, images_folder, load_checkpoint, preprocess_spec, read_config, rebuild_model
 from fedmvp.clip import LoadedClip
+from fedmvp.federated.privacy_budget import round_privacy
 from fedmvp.model import FedMVP
 from fedmvp.runs import warn
 
@@ -99,7 +101,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
                  precision: str = "fp32", force: bool = False, source: dict[str, Any] | None = None,
                  image_note: dict[str, int] | None = None, calibration: torch.Tensor | None = None,
                  training: bool = True, progress: bool = False,
-                 discard_device_state: bool = False) -> BundleResult:
+                 discard_device_state: bool = False, privacy: dict[str, Any] | None = None) -> BundleResult:
     """Export ``model`` (round tensors loaded) over ``classes`` into the bundle directory ``out``.
 
     ``calibration``: images that choose which layers int8 keeps in fp32 (default: ``images``;
@@ -107,7 +109,9 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     ``training=False``: an inference-only bundle, without the training program, and without the
     fp32 frozen weights when the ONNX model embeds its own (fp16, int8).
     ``discard_device_state``: with ``force``, also replace an ``out`` holding device state
-    (``export.publish.device_state``); refused otherwise, since the device's training would be lost."""
+    (``export.publish.device_state``); refused otherwise, since the device's training would be lost.
+    ``privacy``: the manifest's ``privacy`` section (the run's [privacy] settings and the round's epsilon:
+    what a device clips and noises by, docs/howto/privacy.md); None: none."""
     out = Path(out)
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
@@ -185,6 +189,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         manifest = _manifest(model, clip, classes, edge, precision, results, source or {},
                              image_note or {"given": len(images)}, linked, names, int8_plan)
         manifest["promptformer"] = promptformer_section(model, edge, external)
+        if privacy is not None:
+            manifest[PRIVACY] = dict(privacy)
         manifest["files"] = file_entries(tmp, list(names.values()))
         write_manifest(tmp, manifest)
         read_bundle(tmp)
@@ -328,4 +334,5 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
               "checkpoint_sha256": sha256_file(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
     return write_bundle(model, clip, classes, target, images=chosen.parity, precision=precision, force=force,
                         source=source, image_note=chosen.note, calibration=chosen.calibration, training=training,
-                        progress=progress, discard_device_state=discard_device_state)
+                        progress=progress, discard_device_state=discard_device_state,
+                        privacy=round_privacy(run_dir, checkpoint.round))

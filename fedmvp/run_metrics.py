@@ -20,7 +20,7 @@ from fedmvp.runs import RunDir, warn
 METRICS = "metrics.jsonl"
 METRIC_COLUMNS = ["round", "train_loss", "train_ce", "train_consistency", "lora_clients", "clients",
                   "local", "base", "new", "hm", "domain", "edges", "edge_acc", "source", "updates", "examples",
-                  *SITE_COUNT_KEYS]  # how many sites each metric is a mean over (docs/method.md §7)
+                  "epsilon", *SITE_COUNT_KEYS]  # how many sites each metric is a mean over (docs/method.md §7)
 
 
 def metrics_path(run: RunDir) -> Path:

@@ -33,6 +33,8 @@ import torch
 from safetensors.torch import load_file
 
 from fedmvp_formats.names import PROMPTFORMER_PREFIX
+from fedmvp_formats.privacy import RECORD as PRIVACY
+from fedmvp_formats.privacy import PrivacyError, PrivacyRecord
 from fedmvp_formats.tensors import first_nonfinite
 
 from fedmvp import atomic
@@ -234,6 +236,17 @@ class RunDir:
             spec = ServerSpec.from_record(record, str(self.config_path))
             return spec.with_overrides(overrides, where) if overrides else spec
         except ServerRecordError as err:
+            raise RunError(str(err)) from None
+
+    def privacy(self) -> PrivacyRecord | None:
+        """The run's ``[privacy]`` settings as recorded (config.json ``privacy``); None: no differential
+        privacy (a run without the table, or of a fedmvp before it existed). Out of range: refused."""
+        record = self.read_config().get(PRIVACY)
+        if record is None:
+            return None
+        try:
+            return PrivacyRecord.from_record(record, str(self.config_path))
+        except PrivacyError as err:
             raise RunError(str(err)) from None
 
     def federation_record(self) -> dict[str, Any]:

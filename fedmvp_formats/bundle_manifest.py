@@ -24,6 +24,8 @@ from fedmvp_formats.atomic import write_bytes
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.method import MethodRecord
 from fedmvp_formats.names import PROMPTFORMER_PREFIX
+from fedmvp_formats.privacy import RECORD as PRIVACY
+from fedmvp_formats.privacy import PrivacyRecord
 
 FORMAT = "fedmvp-edge-bundle"
 FORMAT_VERSION = 2  # 2: the manifest records the method config (``method``)
@@ -43,6 +45,7 @@ SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
     "precision": ((str,), True), "files_by_role": ((dict,), True), "lora": ((dict,), True),
     "source": ((dict,), False), "model": ((dict,), False), "onnx": ((dict,), False),
     "training": ((dict, type(None)), False), "parity": ((dict,), False), "promptformer": ((dict,), False),
+    PRIVACY: ((dict,), False),  # the run's [privacy] settings and the round's epsilon (none: no DP)
 }
 
 # What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
@@ -119,6 +122,11 @@ def check_manifest(m: Any, where: str) -> MethodRecord:
         raise bad("source.round", f"not a round number, got {source['round']!r}")
     if source.get("run_id") is not None and not isinstance(source["run_id"], str):
         raise bad("source.run_id", f"not a string, got {type(source['run_id']).__name__}")
+    if PRIVACY in m:  # what the device clips (and noises) by: the one record's checks
+        try:
+            PrivacyRecord.from_record(m[PRIVACY], f"{where}: field {PRIVACY}")
+        except ValueError as err:
+            raise ManifestError(str(err)) from None
     return method
 
 

@@ -17,6 +17,7 @@ its own record in the RecordDict:
 ``metrics``      a reply's numbers (a MetricRecord: ``train_metrics``, ``count_metrics``)
 ``identity``     who replies, for which run and round (``Identity``: one builder, one reader)
 ``classes``      a site's train reply: class name -> training images (``read_class_counts``)
+``privacy``      the run's ``[privacy]`` settings (``fedmvp_formats.privacy``), train only, when set
 ===============  ======================================================================
 
 Every reader checks what arrives: a wrong type or a missing key raises `MessageError`, one line
@@ -37,6 +38,7 @@ from fedmvp_formats.shown import name_shown, shown
 ARRAYS, CONFIG, METHOD, LOCAL, ASSIGNMENT = "arrays", "config", "method", "local", "assignment"
 METRICS, IDENTITY = "metrics", "identity"
 CLASSES = "classes"  # a train reply's training images per class, recorded per site (docs/architecture.md)
+PRIVACY = "privacy"  # the run's [privacy] settings: what a sender clips (and noises) its delta by
 
 # ---- keys ---------------------------------------------------------------------------------------------
 ROUND, RUN_ID, PROMPTFORMER_DIGEST = "round", "run-id", "promptformer-digest"  # instruction and identity
@@ -108,8 +110,9 @@ def _record(records: Mapping[str, Any], name: str) -> dict[str, Any] | None:
 @dataclass(frozen=True)
 class Instruction:
     """What a train, evaluate or identify message tells a node. Train: ``lr``, ``lora_clients``,
-    ``local``; evaluate: ``prompted``, ``assignment``. ``preset``, ``device``, ``method`` and
-    ``threads`` (the CPU threads the server allots each node, the simulation's share of its machine;
+    ``local``, ``privacy`` (what the sender clips and, in local mode, noises its LoRA delta by; a None
+    value left out, records hold none); evaluate: ``prompted``, ``assignment``. ``preset``, ``device``,
+    ``method`` and ``threads`` (the CPU threads the server allots each node, the simulation's share of its machine;
     None: the node's own) are a site's (an edge device has its bundle). Every node asked trains: the
     server sends work only to the nodes of the sites it sampled (fedmvp.federated.sampling)."""
 
@@ -125,6 +128,7 @@ class Instruction:
     local: dict[str, Any] | None = None
     prompted: bool = True
     assignment: dict[str, int] | None = None
+    privacy: dict[str, Any] | None = None  # fedmvp_formats.privacy.PrivacyRecord.record(); None: no DP
 
     def records(self) -> dict[str, dict[str, Any]]:
         """The message's config records by name (absent parts left out)."""
@@ -135,9 +139,10 @@ class Instruction:
                     THREADS: self.threads}
         config |= {k: v for k, v in optional.items() if v is not None}
         out = {CONFIG: config}
-        for name, record in ((METHOD, self.method), (LOCAL, self.local), (ASSIGNMENT, self.assignment)):
+        for name, record in ((METHOD, self.method), (LOCAL, self.local), (ASSIGNMENT, self.assignment),
+                             (PRIVACY, self.privacy)):
             if record is not None:
-                out[name] = dict(record)
+                out[name] = {k: v for k, v in record.items() if v is not None}
         return out
 
     def need(self, part: str) -> Any:
@@ -173,7 +178,8 @@ def read_instruction(records: Mapping[str, Any]) -> Instruction:
                        preset=_string(config, PRESET), device=_text(config, DEVICE),
                        method=_record(records, METHOD), lr=None if lr is None else float(lr),
                        lora_clients=_int_list(config, LORA_CLIENTS), threads=threads,
-                       local=_record(records, LOCAL), prompted=prompted, assignment=assignment)
+                       local=_record(records, LOCAL), prompted=prompted, assignment=assignment,
+                       privacy=_record(records, PRIVACY))
 
 
 def _string(fields: Mapping[str, Any], key: str) -> str | None:

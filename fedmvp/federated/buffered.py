@@ -5,12 +5,14 @@ so the server can keep ``concurrency`` devices busy without a barrier: whenever 
 is sent the newest version; every reply is checked as a synchronous round's would be
 (``replies.check_reply``, against the version the device was sent) and turned into a *delta*
 against that version's LoRA; as soon as ``buffer_size`` accepted deltas have arrived the next
-version is written:
+version is written by the server's one update rule (``aggregate.apply_updates``, docs/method.md §6):
 
     theta <- theta + server_lr * sum_i n_i s(t_i) Delta_i / sum_i n_i,   s(t) = (1 + t)^(-a)
 
 with ``t`` the versions written since the device's base (its staleness), ``a`` the
-``staleness_exponent`` and ``n_i`` its examples. A reply staler than ``max_staleness`` is left out.
+``staleness_exponent`` and ``n_i`` its examples; ``[privacy]`` central mode clips and noises the LoRA's
+step there, each version charged to the budget with q = 1 (devices are not sampled by the server,
+as for `fedmvp ingest`). A reply staler than ``max_staleness`` is left out.
 A device that never answers (killed, offline) is forgotten after ``round_timeout``: its message
 changes nothing. Each version is a checkpoint like a round (atomic, resumable, recorded with every
 reply's base, t, s(t) and weight); a resumed server starts from the last one, and devices that were
@@ -36,6 +38,8 @@ from fedmvp_formats import messages as schema
 from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
+from fedmvp.federated.aggregate import Update, apply_updates
+from fedmvp.federated.privacy_budget import BudgetExceeded, charge
 from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
 from fedmvp.federated.strategy import RoundFailed, cosine_lr
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
@@ -43,44 +47,17 @@ from fedmvp.federated.wire import array_record, instruction_content, numpy_state
 POLL_SECONDS = (0.05, 0.25)  # first and longest pause between two pulls when nothing arrived
 
 
-def staleness_weight(staleness: int, exponent: float) -> float:
-    """s(t) = (1 + t)^(-a): FedBuff's and Papaya's polynomial discount (a = 0.5 by default)."""
-    return float((1.0 + staleness) ** (-exponent))
-
-
 @dataclass(frozen=True)
 class Contribution:
-    """One accepted reply: its delta against its base version and what weighs it."""
+    """One accepted reply: the LoRA it trained, the version it started from and what weighs it."""
 
     node: int
     base: int  # the version the device was sent
     staleness: int  # versions written since its base (counted again when the delta is used)
     examples: int
-    delta: dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray]
     loss: float
     bundle_id: str
-
-    def weight(self, exponent: float) -> float:
-        return self.examples * staleness_weight(self.staleness, exponent)
-
-    def record(self, exponent: float) -> dict:
-        """As the version's state.json lists it."""
-        return {"node": self.node, "role": schema.EDGE, "examples": self.examples, "loss": self.loss,
-                "bundle_id": self.bundle_id, "base": self.base, "staleness": self.staleness,
-                "staleness_weight": staleness_weight(self.staleness, exponent), "weight": self.weight(exponent)}
-
-
-def apply_deltas(state: dict[str, np.ndarray], contributions: list[Contribution], exponent: float,
-                 server_lr: float) -> dict[str, np.ndarray]:
-    """theta + eta * sum n_i s(t_i) Delta_i / sum n_i over the tensors the deltas hold (float64 sums in
-    a fixed order: the contributions sorted by node, base; arrival order never changes a bit)."""
-    ordered = sorted(contributions, key=lambda c: (c.base, c.bundle_id, c.node))
-    total = float(sum(c.examples for c in ordered))
-    out = dict(state)
-    for key in sorted({k for c in ordered for k in c.delta}):
-        step = sum(c.weight(exponent) * c.delta[key].astype(np.float64) for c in ordered if key in c.delta)
-        out[key] = (state[key].astype(np.float64) + server_lr * step / total).astype(np.float32)
-    return out
 
 
 @dataclass
@@ -121,7 +98,8 @@ class BufferedVersions:
         digest = promptformer_digest(state)
         instruction = strategy._instruction(
             version + 1, promptformer_digest=digest, lr=cosine_lr(strategy.base_lr, version + 1, strategy.total_rounds),
-            lora_clients=tuple(sorted(strategy.lora_clients)), local=strategy.client_config.get("local"))
+            lora_clients=tuple(sorted(strategy.lora_clients)), local=strategy.client_config.get("local"),
+            privacy=strategy.privacy.record() if strategy.privacy else None)
         full = instruction_content(array_record(state), instruction, ConfigRecord())
         lora = instruction_content(array_record(self._lora(state)), instruction, ConfigRecord())
         messages = [Message(content=lora if strategy.holds(node, digest) else full, message_type=MessageType.TRAIN,
@@ -168,11 +146,19 @@ class BufferedVersions:
         identity = verdict.identity
         strategy.known[node] = {schema.ROLE: schema.EDGE, schema.BUNDLE_ID: identity.bundle_id,
                                 schema.PROMPTFORMER_DIGEST: identity.promptformer_digest}
-        base = self.bases[sent.base]
-        delta = {k: verdict.arrays[k].astype(np.float64) - base[k] for k in verdict.arrays}
-        self.buffer.append(Contribution(node, sent.base, version - sent.base, int(metrics[schema.NUM_EXAMPLES]), delta,
-                                        float(metrics.get(schema.TRAIN_LOSS, float("nan"))),
+        self.buffer.append(Contribution(node, sent.base, version - sent.base, int(metrics[schema.NUM_EXAMPLES]),
+                                        verdict.arrays, float(metrics.get(schema.TRAIN_LOSS, float("nan"))),
                                         str(identity.bundle_id or "")))
+
+    def _charge(self, version: int) -> dict | None:
+        """The version's privacy record (None: no [privacy]); past ``max_epsilon`` the run stops."""
+        privacy = self.strategy.privacy
+        if privacy is None:
+            return None
+        try:
+            return charge(privacy, self.strategy.privacy_events, 1.0, version)
+        except BudgetExceeded as err:
+            raise RoundFailed(str(err)) from None
 
     def _too_stale(self, node: int, base: int, version: int) -> bool:
         """Whether a delta based on ``base`` is beyond ``max_staleness`` for the version after
@@ -199,23 +185,34 @@ class BufferedVersions:
     # ---- the versions -----------------------------------------------------------------------------------
     def _write(self, state: dict[str, np.ndarray], version: int) -> dict[str, np.ndarray]:
         """The next version from the buffer (``buffer_size`` deltas), recorded through the run's recorder."""
-        strategy, exponent = self.strategy, self.server.staleness_exponent
+        strategy = self.strategy
         # Staleness is counted when the delta is used: a reply that waited in the buffer got staler.
         self.buffer = [replace(c, staleness=version - c.base) for c in self.buffer
                        if not self._too_stale(c.node, c.base, version)]
         if len(self.buffer) < self.server.buffer_size:
             return state
         taken, self.buffer = self.buffer[:self.server.buffer_size], self.buffer[self.server.buffer_size:]
-        new = apply_deltas(state, taken, exponent, self.server.server_lr)
+        # Arrival order must not change a bit: the deltas are summed by base version, bundle and node.
+        taken.sort(key=lambda c: (c.base, c.bundle_id, c.node))
+        charged = self._charge(version + 1)
+        step = apply_updates(state, [Update(c.arrays, c.examples, c.staleness, self.bases[c.base]) for c in taken],
+                             server_lr=self.server.server_lr, exponent=self.server.staleness_exponent,
+                             privacy=strategy.privacy)
+        new = {**state, **step.tensors}
         bad = next((k for k, v in new.items() if not np.all(np.isfinite(v))), None)
         if bad is not None:
             raise RoundFailed(f"version {version + 1}: {bad} holds NaN or infinite values; the run stops")
         total = sum(c.examples for c in taken)
         loss = sum(c.loss * c.examples for c in taken) / total
+        replies = [{"node": c.node, "role": schema.EDGE, "examples": c.examples, "loss": c.loss,
+                    "bundle_id": c.bundle_id, "base": c.base, **weight} for c, weight in zip(taken, step.weights)]
         summary = {"train-loss": loss, "train-ce": float("nan"), "train-consistency": float("nan"),
                    "clients": len(taken), "lora-clients": len(strategy.lora_clients), "lora-uploads": len(taken),
-                   "edges": len(taken), "sites": [], "replies": [c.record(exponent) for c in taken],
-                   "rejected": list(self.rejected), "mode": "buffered"}
+                   "edges": len(taken), "sites": [], "replies": replies, "rejected": list(self.rejected),
+                   "mode": "buffered"}
+        if charged is not None:
+            summary["privacy"] = {**charged, **(step.privacy or {})}
+            strategy.privacy_events.append((float(charged["sampling_rate"]), strategy.privacy.noise_multiplier))
         self.rejected = []
         strategy.global_state = new
         if strategy.on_aggregated:

@@ -18,6 +18,8 @@ from flwr.clientapp import ClientApp
 
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity, Instruction
+from fedmvp_formats.names import LORA_PREFIX
+from fedmvp_formats.privacy import PrivacyRecord, privatise
 
 from fedmvp.data.federation import SiteRequest
 from fedmvp.data.site_federation import site_id
@@ -96,11 +98,24 @@ def train(msg: Message, context: Context) -> Message:
     ctx = task_context(preset, method, _device(instruction.device), request)
     client = ctx.client(client_id)
     lora_active = client_id in instruction.need("lora-clients")
-    result = local_train(ctx, client, record_to_torch(msg.content[schema.ARRAYS]), instruction.round,
+    received = record_to_torch(msg.content[schema.ARRAYS])
+    result = local_train(ctx, client, received, instruction.round,
                          instruction.need("lr"), lora_active, LocalSettings.from_record(instruction.need("local")))
+    if instruction.privacy is not None and result.lora_active:  # [privacy]: the LoRA delta clipped (local: noised)
+        result.state = private_lora(result.state, received, instruction.privacy)
     metrics = schema.train_metrics(result.num_examples, result.loss, ce=result.ce, consistency=result.consistency,
                                    lora_active=result.lora_active, switch_next=result.switch_next)
     return _reply(msg, identity, metrics, torch_record(result.state), train_class_counts(client))
+
+
+def private_lora(state: dict[str, torch.Tensor], received: dict[str, torch.Tensor], record: dict
+                 ) -> dict[str, torch.Tensor]:
+    """A LoRA-only reply under the run's ``[privacy]``: its delta against the round's LoRA clipped to
+    ``clip_norm`` and, in local mode, noised, as a device does (``fedmvp_formats.privacy.privatise``)."""
+    settings = PrivacyRecord.from_record(record, "the server's privacy record")
+    lora = {k: v.detach().cpu().numpy() for k, v in state.items() if k.startswith(LORA_PREFIX)}
+    sent, _ = privatise(lora, {k: received[k].detach().cpu().numpy() for k in lora}, settings)
+    return {**state, **{k: torch.from_numpy(v) for k, v in sent.items()}}
 
 
 @app.evaluate()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fedmvp.federated.metrics import SITE_COUNT_KEYS, Counts, combine_counts, evaluation_sites
+from fedmvp.federated.privacy_budget import round_privacy
 from fedmvp.federated.task import Samples, TaskContext, task_context
 from fedmvp.model import autocast_for
 from fedmvp.runs import RunDir
@@ -78,8 +79,10 @@ def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
         if tuned.get("hm") is None:
             tuned = evaluate_global(ctx, checkpoint.tensors)
     keys = (*COLUMNS, "domain", *SITE_COUNT_KEYS)  # how many sites each metric is a mean over (None: not recorded)
-    return {"run": str(run.path), "round": checkpoint.round,
-            "zero-shot": {k: zero_shot.get(k) for k in keys}, "tuned": {k: tuned.get(k) for k in keys}}
+    result = {"run": str(run.path), "round": checkpoint.round,
+              "zero-shot": {k: zero_shot.get(k) for k in keys}, "tuned": {k: tuned.get(k) for k in keys}}
+    privacy = round_privacy(run, checkpoint.round)  # [privacy]: what this round's weights have spent
+    return result if privacy is None else {**result, "privacy": privacy}
 
 
 def format_table(result: dict) -> str:
@@ -94,4 +97,9 @@ def format_table(result: dict) -> str:
             d = values.get("domain")
             cells += f" {100 * d:8.2f}" if d is not None else f" {'-':>8}"
         lines.append(f"{row:<10} {cells}")
+    privacy = result.get("privacy")
+    if privacy is not None:
+        lines.append(f"privacy: epsilon {privacy['epsilon']:.3g} at delta {privacy['delta']:g} over "
+                     f"{privacy['dp_rounds']} rounds ({privacy['mode']}, noise_multiplier {privacy['noise_multiplier']:g}, "
+                     f"clip_norm {privacy['clip_norm']:g})")
     return "\n".join(lines)

@@ -4,9 +4,13 @@ A device runs `edge-client train --data local/` on a bundle exported from some r
 its update file (edge_client/update.py: the bundle's LoRA tensors + string metadata) later. Each
 file is as untrusted as a network reply (the one tensor check, ``fedmvp_formats.tensors``, and
 ``replies.py``'s norm bound): it is checked, and a rejected file gets a reason and changes nothing.
-The accepted ones are averaged, weighted by their examples (FedAvg over the devices that reported,
-``strategy.weighted_average``), into the LoRA of round R+1, R being the run's last round; every
-other tensor is round R's, bit for bit. The round is published whole (``RunDir.save_checkpoint``),
+Each accepted file is a delta against the LoRA of the round its bundle came from (``bundle_round``,
+whose checkpoint the run keeps), and round R+1's LoRA is round R's plus ``server_lr`` times the
+example- and staleness-weighted mean of those deltas (``fedmvp.federated.aggregate``: t = R minus
+the bundle's round, s(t) = (1 + t)^(-staleness_exponent); with every file fresh, FedAvg of their
+values, as before). Under ``[privacy]`` the deltas are clipped and noised there (central) or were
+noised by the devices (local), and the round's epsilon is charged first (``privacy_budget``: a round
+past ``max_epsilon`` is refused). Every other tensor is round R's, bit for bit. The round is published whole (``RunDir.save_checkpoint``),
 then its metrics row; nothing is written when no file is accepted. The run's lock
 (``fedmvp.run_lock``) is held from reading round R to writing R+1, so two ingests of one run
 never both build on R: the second is refused, or waits and builds on R+1.
@@ -33,8 +37,9 @@ from fedmvp_formats.shown import shown
 from fedmvp_formats.tensors import shapes_of, tensor_problem
 from fedmvp_formats.update import UpdateFormatError
 
+from fedmvp.federated.aggregate import Update, apply_updates
+from fedmvp.federated.privacy_budget import BudgetExceeded, charge, run_events
 from fedmvp.federated.replies import ReplyRules, bound_update
-from fedmvp.federated.strategy import weighted_average
 from fedmvp.federated.wire import to_numpy_state, to_torch_state
 from fedmvp.run_lock import run_lock
 from fedmvp.run_metrics import append_metrics
@@ -45,7 +50,9 @@ MAX_REASON = 300  # a rejection reason is one line of at most this many characte
 
 
 # The server rules an ingest applies (fedmvp/presets/server.py), recorded with the round it writes.
-INGEST_RULES = ("max_staleness", "edge_max_examples", "max_update_norm", "update_norm_action")
+INGEST_RULES = ("max_staleness", "edge_max_examples", "max_update_norm", "update_norm_action", "staleness_exponent",
+                "server_lr")
+INGEST_SAMPLING_RATE = 1.0  # the server samples no sender of an update file: no amplification is claimed
 
 
 def ingest_rules(run: RunDir, config: dict[str, Any], round_number: int,
@@ -68,6 +75,9 @@ class FileVerdict:
     bundle_id: str | None = None
     mean_loss: float | None = None
     clipped_from: float | None = None  # its update norm, when it was clipped onto max_update_norm
+    staleness: int | None = None  # rounds between its bundle's round and the round it is applied to
+    s: float | None = None  # s(t), its staleness weight
+    weight: float | None = None  # the share of its delta that reached the LoRA (aggregate.apply_updates)
     arrays: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     @property
@@ -77,7 +87,8 @@ class FileVerdict:
     def record(self) -> dict[str, Any]:
         return {"file": self.file, "sha256": self.sha256, "accepted": self.accepted, "reason": self.reason,
                 "num_examples": self.num_examples, "bundle_round": self.bundle_round,
-                "bundle_id": self.bundle_id, "mean_loss": self.mean_loss, "clipped_from": self.clipped_from}
+                "bundle_id": self.bundle_id, "mean_loss": self.mean_loss, "clipped_from": self.clipped_from,
+                "staleness": self.staleness, "s": self.s, "weight": self.weight}
 
 
 @dataclass
@@ -138,9 +149,10 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
                        f"edge updates have nothing to go into")
     rules = ingest_rules(run, config, base, max_staleness)
     seen = accepted_before(run)
+    bases = BaseLoras(run, base, lora)
     verdicts = []
     for path in files:
-        verdict = check_file(Path(path), rules, lora, seen)
+        verdict = check_file(Path(path), rules, lora, seen, bases)
         if verdict.sha256 is not None:
             seen.setdefault(verdict.sha256, f"given earlier in this command ({verdict.file})")
         verdicts.append(verdict)
@@ -148,16 +160,31 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
     accepted = sorted(result.accepted, key=lambda v: v.sha256 or "")  # argument order must not change the sums
     if not accepted:
         return result
-    averaged = weighted_average([(v.arrays, float(v.num_examples)) for v in accepted])
+    privacy = run.privacy()
+    try:
+        spent = None if privacy is None else charge(privacy, run_events(run), INGEST_SAMPLING_RATE, base + 1)
+    except BudgetExceeded as err:
+        raise RunError(f"{run.path}: {err}") from None
+    updates = [Update(v.arrays, int(v.num_examples), base - int(v.bundle_round),
+                      None if v.bundle_round == base else bases(int(v.bundle_round))) for v in accepted]
+    server = rules.server
+    step = apply_updates(lora, updates, server_lr=server.server_lr, exponent=server.staleness_exponent,
+                         privacy=privacy)
+    for verdict, weight, clipped in zip(accepted, step.weights, step.clipped):
+        verdict.staleness, verdict.s, verdict.weight = weight["staleness"], weight["s"], weight["weight"]
+        verdict.clipped_from = verdict.clipped_from if clipped is None else clipped
+    averaged = step.tensors
     result.examples = sum(int(v.num_examples) for v in accepted)
     result.mean_loss = sum(float(v.mean_loss) * int(v.num_examples) for v in accepted) / result.examples
     result.round = base + 1
     row = {"round": result.round, "source": SOURCE, "updates": len(accepted), "examples": result.examples,
-           "train_loss": result.mean_loss}
-    state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete")}
+           "train_loss": result.mean_loss, **({"epsilon": spent["epsilon"]} if spent else {})}
+    state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete", "privacy")}
     state |= {key: [] for key in ("sites", "rejected") if key in state}  # those describe a Flower round
     state |= {"source": SOURCE, "ingested_onto": base, "metrics": row,
               "ingest_rules": rules.server.subset(INGEST_RULES), "ingest": [v.record() for v in verdicts]}
+    if spent is not None:
+        state["privacy"] = {**spent, **(step.privacy or {})}
     run.save_checkpoint(result.round, {**checkpoint.tensors, **to_torch_state(averaged)}, state, replace=False)
     append_metrics(run, row)
     return result
@@ -177,9 +204,27 @@ def accepted_before(run: RunDir) -> dict[str, str]:
     return seen
 
 
-def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen: dict[str, str]) -> FileVerdict:
+class BaseLoras:
+    """The LoRA of each round an update's bundle came from, read from the run's checkpoints once each:
+    an update is a delta against it (and its norm bound is measured from it)."""
+
+    def __init__(self, run: RunDir, last: int, lora: dict[str, np.ndarray]):
+        self.run, self.loaded = run, {last: lora}
+
+    def __call__(self, round_number: int) -> dict[str, np.ndarray]:
+        if round_number not in self.loaded:
+            if round_number not in self.run.rounds():
+                raise RunError(f"the run holds no round {round_number} (the update's base) any more")
+            tensors = self.run.load_checkpoint(round_number).tensors
+            self.loaded[round_number] = to_numpy_state({k: v for k, v in tensors.items() if k.startswith(LORA_PREFIX)})
+        return self.loaded[round_number]
+
+
+def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen: dict[str, str],
+               bases: BaseLoras | None = None) -> FileVerdict:
     """One update file judged against round ``rules.round``'s LoRA ``lora``; ``seen``: sha256s refused as
-    duplicates. The checks run in order and the first that fails is the reason: one line, at most
+    duplicates; ``bases``: the LoRA of the round its bundle came from, which its norm bound is measured
+    from (None: ``lora`` for every round). The checks run in order and the first that fails is the reason: one line, at most
     ``MAX_REASON`` characters, what the file says escaped (``fedmvp_formats.shown``)."""
     verdict = FileVerdict(file=str(path))
     try:
@@ -198,7 +243,14 @@ def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen:
             raise _Rejected(problem)
         arrays = {k: tensors[k].astype(np.float32) for k in sorted(tensors)}  # native byte order
         _check_run(metadata, rules)
-        kept, reason, verdict.clipped_from = bound_update(arrays, lora, rules.server.max_update_norm,
+        try:
+            base = lora if bases is None else bases(metadata["bundle_round"])
+        except RunError as err:
+            raise _Rejected(str(err)) from None
+        problem = tensor_problem(tensors, shapes_of(base))
+        if problem is not None:
+            raise _Rejected(f"against round {metadata['bundle_round']}: {problem}")
+        kept, reason, verdict.clipped_from = bound_update(arrays, base, rules.server.max_update_norm,
                                                                 rules.server.update_norm_action)
         if reason is not None:
             raise _Rejected(reason)

@@ -149,6 +149,7 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
         "method": method_config(train).to_dict(),
         "train": dict(vars(train)),
         "server": preset.server.record(),
+        **({"privacy": preset.privacy.record()} if preset.privacy is not None else {}),
         "federation": record,
         "client_device": dev, "server_device": dev,
     })

@@ -22,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedmvp.federated.buffered import BufferedVersions
 from fedmvp.federated.grid_poll import bound_reply_pulls
 from fedmvp.federated.prepare import check_same_preset, prepare_run
+from fedmvp.federated.privacy_budget import run_events
 from fedmvp.federated.replies import ClassRules
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
 from fedmvp.federated.task import LocalSettings
@@ -125,6 +126,9 @@ class RoundRecorder:
                "train_consistency": summary["train-consistency"], "clients": summary["clients"],
                "lora_clients": summary["lora-clients"], "edges": summary.get("edges", 0)}
         due = round_number == self.total or (self.settings.eval_every and round_number % self.settings.eval_every == 0)
+        privacy = summary.get("privacy")  # [privacy]: the round's epsilon so far (privacy_budget)
+        if privacy is not None:
+            row["epsilon"] = privacy["epsilon"]
         if due:
             row |= self.evaluate(round_number, state)
         self.run.save_checkpoint(round_number, {k: t for k, t in to_torch_state(state).items()},
@@ -132,7 +136,7 @@ class RoundRecorder:
                                   "lr": strategy.base_lr, "total_rounds": self.total,
                                   "method": self.method, "sites": summary["sites"],
                                   "replies": summary.get("replies", []), "rejected": summary["rejected"],
-                                  "metrics": row})
+                                  "metrics": row, **({"privacy": privacy} if privacy is not None else {})})
         append_metrics(self.run, row)
         if "hm" in row:
             plot(self.run)
@@ -197,7 +201,8 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
         num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),
         declared_examples=declared, site_names=site_names, federation=federation,
         class_rules=ClassRules.from_record(federation), policy=policy, round_offset=start,
-        lora_clients=lora_clients, on_aggregated=recorder)
+        lora_clients=lora_clients, on_aggregated=recorder, privacy=run.privacy(),
+        privacy_events=run_events(run, start))
     strategy_ref.append(strategy)
     if start == 0 and run.read_json("zero_shot.json") is None:
         run.write_json("zero_shot.json", evaluate(0, None))

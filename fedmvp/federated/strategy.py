@@ -1,10 +1,9 @@
 """FedMVP's Flower strategy: rounds over whoever is there, every reply checked, per-tensor FedAvg.
 
 Each round the strategy picks who trains, sends the global tensors, waits up to the round timeout,
-checks every reply (``fedmvp.federated.replies``) and averages each tensor, weighted by examples,
-over the clients that sent it (a LoRA-only client sends only ``lora.*``; stock FedAvg would refuse
-such mixed replies). Tensors nobody sent keep their global value. A round that got fewer than
-``min_nodes`` usable replies is tried again, never skipped silently.
+checks every reply (``replies.py``) and applies them per tensor over the clients that sent it
+(``aggregate.apply_updates``: FedAvg of fresh replies, as all of these are; ``server_lr``, [privacy]).
+Tensors nobody sent keep their value. A round short of ``min_nodes`` usable replies is tried again.
 
 Who trains (``fedmvp.federated.sampling``, one way for the simulation and a deployment): a seeded
 sample of *sites* per round (``fraction``; a resumed run replays exactly), sent only to the nodes
@@ -39,11 +38,14 @@ from flwr.supercore import log
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity, Instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
+from fedmvp_formats.privacy import PrivacyRecord
 from fedmvp_formats.promptformer import promptformer_digest
 
+from fedmvp.federated.aggregate import Update, apply_updates, weighted_average  # noqa: F401 (the server maths)
 from fedmvp.federated.eval_replies import combine_eval_replies
 from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.metrics import evaluation_sites
+from fedmvp.federated.privacy_budget import BudgetExceeded, Event, charge, sampling_rate
 from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, reply_fields
 from fedmvp.federated.sampling import NodeRegistry, sample_edges, sample_sites
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
@@ -56,22 +58,6 @@ def cosine_lr(base_lr: float, round_number: int, total_rounds: int) -> float:
     if total_rounds <= 1:
         return base_lr
     return 0.5 * base_lr * (1 + math.cos(math.pi * (round_number - 1) / total_rounds))
-
-
-def weighted_average(replies: list[tuple[dict[str, np.ndarray], float]]) -> dict[str, np.ndarray]:
-    """Per-tensor FedAvg weighted by examples over the clients that SENT that tensor.
-
-    LoRA-only clients send only ``lora.*``; full clients send ``promptformer.*``; a tensor
-    nobody sent is absent from the result (the caller keeps the previous global value).
-    """
-    sums: dict[str, np.ndarray] = {}
-    weights: dict[str, float] = {}
-    for arrays, weight in replies:
-        for key, value in arrays.items():
-            contribution = np.asarray(value, dtype=np.float64) * weight
-            sums[key] = sums[key] + contribution if key in sums else contribution
-            weights[key] = weights.get(key, 0.0) + weight
-    return {k: (sums[k] / weights[k]).astype(np.float32) for k in sums}
 
 
 @dataclass(frozen=True)
@@ -94,10 +80,10 @@ def _loss_summary(metrics: list[dict]) -> dict[str, float]:
     return out
 
 
-def _reply_record(node: int, verdict, metrics: dict, identity: Identity) -> dict:
-    """One accepted reply as the round's state.json lists it."""
+def _reply_record(node: int, verdict, metrics: dict, identity: Identity, weight: dict) -> dict:
+    """One accepted reply as the round's state.json lists it (``weight``: its staleness, s(t) and weight)."""
     record = {"node": node, "role": verdict.role, "examples": int(metrics[schema.NUM_EXAMPLES]),
-              "loss": float(metrics.get(schema.TRAIN_LOSS, float("nan")))}
+              "loss": float(metrics.get(schema.TRAIN_LOSS, float("nan"))), **weight}
     if verdict.role == schema.EDGE:
         record |= {"bundle_id": identity.bundle_id, "refreshed": identity.refreshed,
                    "refresh_bytes": identity.refresh_bytes}
@@ -126,14 +112,16 @@ class FedMVPStrategy(Strategy):
                  site_names: dict[int, str] | None = None, federation: dict | None = None,
                  class_rules: ClassRules | None = None,
                  policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
-                 on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None):
+                 on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None,
+                 privacy: PrivacyRecord | None = None, privacy_events: Iterable[Event] = ()):
         """``client_config``: what every round's message carries besides the round's own values
         (``preset``, ``device``, ``threads``; ``method`` and ``local``, records as dicts:
         ``fedmvp_formats.messages``); ``declared_examples[site]``: the most training images a site can
         report (run record; None: its folder's, bounded by [server] site_max_examples); ``site_names``: a
-        [federation] run's site names by id, the one each site's reply must carry (``replies.check_reply``);
-        ``federation``: the run record's federation (which site evaluates which set); ``class_rules``:
-        the classes each site may claim (``replies.check_reply``)."""
+        [federation] run's site names by id, the one each site's reply must carry; ``federation``: the run
+        record's federation (which site evaluates which set); ``class_rules``: the classes each site may
+        claim (``replies.check_reply``); ``privacy``: the run's [privacy] (None: none), ``privacy_events``
+        the recorded rounds' (``privacy_budget.run_events``)."""
         self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
@@ -155,6 +143,9 @@ class FedMVPStrategy(Strategy):
         self.registry = NodeRegistry(num_clients, run_id, self.site_names)  # node id -> its site, or edge
         self.asked_edges = 0  # edge devices sent this round's work
         self.evaluation: dict[str, Any] = {}  # the last evaluation, None for a metric no site could compute
+        self.privacy = privacy
+        self.privacy_events: list[Event] = list(privacy_events)
+        self.charged: dict[str, Any] | None = None  # the round's privacy record once it is charged
 
     @property
     def fraction(self) -> float:
@@ -215,18 +206,28 @@ class FedMVPStrategy(Strategy):
         only to an edge device that holds the global PromptFormer. ``attempt``: the round's try (a retry
         samples edge devices anew; the sites of a round are always the same)."""
         round_number = self.global_round(server_round)
+        self.charge_privacy(round_number)  # a round past max_epsilon is refused before any node works
         self.global_state = numpy_state(arrays)
         digest = promptformer_digest(self.global_state)
         sites, edges = self._targets(grid, round_number, attempt)
         instruction = self._instruction(round_number, promptformer_digest=digest,
                                         lr=cosine_lr(self.base_lr, round_number, self.total_rounds),
                                         lora_clients=tuple(sorted(self.lora_clients)),
-                                        local=self.client_config.get("local"))
+                                        local=self.client_config.get("local"),
+                                        privacy=self.privacy.record() if self.privacy else None)
         lora = array_record({k: v for k, v in self.global_state.items() if k.startswith(LORA_PREFIX)})
         record = instruction_content(arrays, instruction, config)
         lora_only = instruction_content(lora, instruction, config)
         return [Message(content=lora_only if self.holds(node, digest) else record, message_type=MessageType.TRAIN,
                         dst_node_id=node) for node in sorted(sites + edges)]
+
+    def charge_privacy(self, round_number: int) -> None:
+        """``self.charged``: the round's privacy record; past ``max_epsilon`` the run stops (`RoundFailed`)."""
+        try:
+            self.charged = None if self.privacy is None else charge(
+                self.privacy, self.privacy_events, sampling_rate(self.privacy, self.fraction), round_number)
+        except BudgetExceeded as err:
+            raise RoundFailed(str(err)) from None
 
     def holds(self, node: int, digest: str) -> bool:
         """Whether ``node`` is an edge device that last reported holding the PromptFormer ``digest``."""
@@ -286,7 +287,13 @@ class FedMVPStrategy(Strategy):
         # Arrival order must not change the float sums: sites by id, then edge devices by bundle and node.
         contents.sort(key=lambda c: (0, c[1].site, "", 0) if c[1].role == "site"
                       else (1, 0, str(c[3].bundle_id or ""), c[0]))
-        averaged = weighted_average([(v.arrays, float(m[schema.NUM_EXAMPLES])) for _, v, m, _ in contents])
+        if self.privacy is not None and self.charged is None:
+            self.charge_privacy(round_number)
+        server = self.policy.server  # every reply of a synchronous round is fresh: t = 0, its base the global state
+        step = apply_updates(self.global_state, [Update(v.arrays, int(m[schema.NUM_EXAMPLES])) for _, v, m, _ in
+                                                 contents], server_lr=server.server_lr,
+                             exponent=server.staleness_exponent, privacy=self.privacy)
+        averaged = step.tensors
         bad = next((k for k, v in averaged.items() if not np.all(np.isfinite(v))), None)
         if bad is not None:  # never publish (or train on) a NaN global state
             raise RoundFailed(f"round {round_number}: the averaged tensor {bad} holds NaN or infinite values; "
@@ -303,8 +310,12 @@ class FedMVPStrategy(Strategy):
                     "lora-uploads": sum(int(m.get(schema.LORA_ACTIVE, 1)) for _, _, m, _ in contents),
                     "edges": sum(v.role == "edge" for _, v, _, _ in contents),
                     "sites": [v.site for _, v, _, _ in contents if v.role == "site"],
-                    "replies": [_reply_record(node, v, m, i) for node, v, m, i in contents],
+                    "replies": [_reply_record(node, v, m, i, w) for (node, v, m, i), w in zip(contents, step.weights)],
                     "rejected": list(self.rejected)}
+        if self.charged is not None:
+            summary["privacy"] = {**self.charged, **(step.privacy or {})}
+            self.privacy_events.append((float(self.charged["sampling_rate"]), self.privacy.noise_multiplier))
+            self.charged = None
         if self.on_aggregated:
             self.on_aggregated(round_number, self.global_state, summary)
         return array_record(self.global_state), MetricRecord({k: v for k, v in summary.items()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmvp_formats.method import field_problem, method_field
+from fedmvp_formats.privacy import PrivacyRecord
 
 from fedmvp.presets.fields import is_float
 from fedmvp.presets.fields import spec_field as _help
@@ -175,6 +176,8 @@ class Preset:
     model: ModelSpec = _help("[model] table", None)
     train: TrainSpec = _help("[train] table", None)
     server: ServerSpec = _help("[server] table", None)
+    privacy: PrivacyRecord | None = _help("[privacy] table: differential privacy for the LoRA updates "
+                                          "(docs/howto/privacy.md); absent: none", None)
     datasets: list[DatasetSpec] = _help("[[datasets]] tables", [])
     federation: FederationSpec | None = _help("[federation] table: the federation by its class set "
                                               "(instead of [[datasets]])", None)
@@ -224,11 +227,12 @@ def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = Non
     hints = typing.get_type_hints(cls)
     allowed = [f for f in fields(cls) if not f.metadata.get("internal")
                and not (isinstance(hints[f.name], type) and hints[f.name] in (ModelSpec, TrainSpec, ServerSpec))
-               and f.name not in ("datasets", "federation", "sites")]
+               and f.name not in ("datasets", "federation", "sites", "privacy")]
     names = [f.name for f in allowed]
     unknown = [k for k in table if k not in names]
     if unknown:
-        tables = ", [model], [train], [server], [[datasets]], [federation], [[sites]]" if cls is Preset else ""
+        tables = ", [model], [train], [server], [privacy], [[datasets]], [federation], [[sites]]" \
+            if cls is Preset else ""
         raise err(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(names)}{tables})")
     missing = [f.name for f in allowed if f.default is MISSING and f.default_factory is MISSING
                and f.name not in table]
@@ -260,6 +264,9 @@ def _check_values(preset: Preset, err: Any) -> None:
     problem = preset.server.problem()  # the server rules' one range check (fedmvp/presets/server.py)
     if problem:
         raise err(f"[server]: {problem}")
+    problem = preset.privacy.problem() if preset.privacy is not None else None  # fedmvp_formats/privacy.py
+    if problem:
+        raise err(f"[privacy]: {problem}")
     if not 0 < t.fraction_fit <= 1:
         raise err(f"[train]: fraction_fit must be in (0, 1], got {t.fraction_fit}")
     if preset.federation is not None:
@@ -380,6 +387,8 @@ def load_preset(name_or_path: str | os.PathLike, check_roots: bool = True) -> Pr
     model = _build(ModelSpec, top.pop("model", {}), "[model]", err)
     train = _build(TrainSpec, top.pop("train", {}), "[train]", err)
     server = _build(ServerSpec, top.pop("server", {}), "[server]", err)
+    privacy = top.pop("privacy", None)  # no table: no differential privacy
+    privacy = None if privacy is None else _build(PrivacyRecord, privacy, "[privacy]", err)
     tables = top.pop("datasets", [])
     federation, sites = top.pop("federation", None), top.pop("sites", [])
     for key, value in (("datasets", tables), ("sites", sites)):
@@ -391,7 +400,7 @@ def load_preset(name_or_path: str | os.PathLike, check_roots: bool = True) -> Pr
         raise err("top level: missing key 'protocol'")
     top.setdefault("name", path.stem)
     preset = _build(Preset, top, "top level", err, {"model": model, "train": train, "server": server,
-                                                     "path": path, "raw": raw})
+                                                     "privacy": privacy, "path": path, "raw": raw})
     preset.protocol = PROTOCOL_ALIASES.get(preset.protocol, preset.protocol)
     try:
         base = expand_path(preset.base_dir, path.parent).resolve() if preset.base_dir else path.parent.resolve()

@@ -47,9 +47,11 @@ class ServerSpec:
     max_staleness: int = spec_field("`fedmvp ingest`: rounds an update's bundle may be behind the run's "
                                     "last round (0: only updates of bundles exported from that round); "
                                     "mode = 'buffered': versions a reply's base may be behind", 5)
-    staleness_exponent: float = spec_field("a in s(t) = (1+t)^-a, the weight of an update t rounds (or "
-                                           "versions) behind (0: staleness is not discounted)", 0.5)
-    server_lr: float = spec_field("eta in theta <- theta + eta * weighted mean of the updates' deltas", 1.0)
+    staleness_exponent: float = spec_field("a in s(t) = (1 + t)^(-a): an update t rounds behind the state it is "
+                                           "applied to moves it s(t) times what a fresh one would (0: no discount)",
+                                           0.5)
+    server_lr: float = spec_field("eta: the server applies eta times the weighted mean of the updates' deltas "
+                                  "(1: FedAvg when every update is fresh)", 1.0)
     mode: str = spec_field("'sync': rounds with a barrier (sites and devices); 'buffered': edge devices "
                            "train asynchronously and a version is written every buffer_size updates "
                            "(FedBuff; `fedmvp serve` only)", "sync")

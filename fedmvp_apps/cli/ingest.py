@@ -30,9 +30,13 @@ def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, wa
     files later. Each file is checked against the run's last round R: the update format,
     exactly round R's LoRA names and shapes (float32, finite), num_examples (1 to
     [server] edge_max_examples), its bundle's round (R - max_staleness to R), the run_id
-    it names, [server] max_update_norm, and not a file accepted before. Round R+1 gets
-    the example-weighted mean of the accepted files' LoRA and round R's other tensors
-    unchanged; a rejected file changes nothing. It never overlaps another writer of the run
+    it names, [server] max_update_norm (measured from its bundle's round), and not a file
+    accepted before. Each accepted file is a delta against the LoRA of its bundle's round;
+    round R+1's LoRA is round R's plus [server] server_lr times the example-weighted mean
+    of those deltas, each discounted by s(t) = (1+t)^-staleness_exponent for a bundle t
+    rounds behind R (every file fresh: FedAvg, as before). Under [privacy] the round's
+    epsilon is charged first; a round past max_epsilon is refused (exit 2). Round R's
+    other tensors stay unchanged; a rejected file changes nothing. It never overlaps another writer of the run
     (another ingest, a live `fedmvp train` or Flower server): it exits 2 naming the holder
     (pid, host, since), or with --wait builds on the round the holder wrote last.
 

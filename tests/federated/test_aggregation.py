@@ -258,7 +258,7 @@ def test_edge_replies_record_what_the_round_state_lists():
     strategy.on_aggregated = lambda number, state, s: summary.update(s)
     strategy.aggregate_train(1, [edge_reply(5, {"lora.a": np.ones(3, np.float32)}, 12)])
     assert summary["replies"] == [{"node": 5, "role": "edge", "examples": 12, "loss": 0.5, "bundle_id": "b5",
-                                   "refreshed": False, "refresh_bytes": 0}]
+                                   "refreshed": False, "refresh_bytes": 0, "staleness": 0, "s": 1.0, "weight": 1.0}]
     assert summary["sites"] == [] and summary["edges"] == 1
 
 
@@ -274,8 +274,10 @@ def test_a_non_finite_round_stops_the_run_naming_the_round(monkeypatch, what):
         monkeypatch.setattr(strategy_module, "_loss_summary", lambda metrics: {
             "train-loss": float("nan"), "train-ce": 0.0, "train-consistency": 0.0})
     else:
-        monkeypatch.setattr(strategy_module, "weighted_average",
-                            lambda replies: {"promptformer.w": np.full(2, np.inf, np.float32)})
+        from fedmvp.federated.aggregate import Aggregate
+
+        monkeypatch.setattr(strategy_module, "apply_updates", lambda theta, updates, **_: Aggregate(
+            {"promptformer.w": np.full(2, np.inf, np.float32)}, [{}] * len(updates)))
     calls = []
     strategy.on_aggregated = lambda *args: calls.append(args)
     with pytest.raises(RoundFailed, match="round 5: the (training loss|averaged tensor promptformer.w)"):

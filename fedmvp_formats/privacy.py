@@ -1,0 +1,134 @@
+"""Differential privacy for device updates: the settings' one definition and the clip and the noise.
+
+Why here: the settings travel from the preset's ``[privacy]`` table (``fedmvp.presets.schema``)
+to config.json, to every round's Flower message (its own ``privacy`` record,
+``fedmvp_formats.messages``) and to the exported bundle's manifest (``privacy`` section,
+``fedmvp_formats.bundle_manifest``), and the server, a site and the edge device (which imports
+nothing of ``fedmvp``) all read them: one record, its fields' types, defaults, ranges and help
+declared once below. The device's clip and local noise are numpy here, so `edge-client train`,
+an edge node and a site's ClientApp do the same arithmetic the server's tests hold them to.
+
+The mechanism (docs/howto/privacy.md): an update is a delta against the LoRA its sender started
+from; every delta is clipped to ``clip_norm`` (L2 over all LoRA tensors together). ``central``:
+the server averages m clipped deltas with equal weights and adds N(0, (z C / m)^2) to every
+coordinate (``fedmvp.federated.aggregate``). ``local``: the sender adds N(0, (z C)^2) itself
+before the update leaves it. Accounting is the server's (``fedmvp.federated.privacy_budget``,
+Google's dp-accounting), never a formula of ours.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+CENTRAL, LOCAL = "central", "local"
+MODES = (CENTRAL, LOCAL)
+RECORD = "privacy"  # the config.json key, the message record's name and the manifest's section
+
+
+class PrivacyError(ValueError):
+    """A privacy record out of type or range; one line naming where it came from and the key."""
+
+
+def _field(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class PrivacyRecord:
+    """The ``[privacy]`` table: no table, no differential privacy (docs/howto/privacy.md)."""
+
+    clip_norm: float = _field(0.1, "C: every update's LoRA delta is clipped to this L2 norm (all LoRA tensors "
+                                   "together) before it counts")
+    noise_multiplier: float = _field(1.0, "z: Gaussian noise of standard deviation z * C (local) or z * C / m "
+                                          "(central, m clipped deltas averaged)")
+    target_delta: float = _field(1e-5, "delta at which epsilon is reported and bounded")
+    mode: str = _field(CENTRAL, "'central': the server adds the noise to the mean of the clipped deltas; 'local': "
+                                "each device adds it before its update leaves (offline update files)")
+    max_epsilon: float | None = _field(8.0, "a run refuses a round that would take epsilon past this (none: "
+                                            "no bound, epsilon still reported)")
+
+    def problem(self) -> str | None:
+        """The first value out of range, one message (None: every value in range)."""
+        if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            return f"clip_norm must be a finite number > 0, got {self.clip_norm}"
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
+            return f"noise_multiplier must be a finite number > 0, got {self.noise_multiplier}"
+        if not 0 < self.target_delta < 1:
+            return f"target_delta must be in (0, 1), got {self.target_delta}"
+        if self.mode not in MODES:
+            return f"mode must be 'central' or 'local', got {self.mode!r}"
+        if self.max_epsilon is not None and not (math.isfinite(self.max_epsilon) and self.max_epsilon > 0):
+            return f"max_epsilon must be a finite number > 0, got {self.max_epsilon}"
+        return None
+
+    def record(self) -> dict[str, Any]:
+        """What config.json, a round's message and a bundle's manifest hold: every key."""
+        return asdict(self)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_record(cls, record: Any, where: str) -> "PrivacyRecord":
+        """The record as written (every key; keys besides these, e.g. a manifest's ``epsilon``, are the
+        writer's and ignored), checked by type and range; ``PrivacyError`` names ``where``."""
+        if not isinstance(record, Mapping):
+            raise PrivacyError(f"{where}: the privacy record must be a mapping, got {type(record).__name__}")
+        missing = [k for k in cls.keys() if k not in record and k != "max_epsilon"]  # a message leaves None out
+        if missing:
+            raise PrivacyError(f"{where}: privacy record lacks {', '.join(missing)}")
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for key in cls.keys():
+            value, hint = record.get(key), hints[key]
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if hint is str and not isinstance(value, str) or hint is not str and not (
+                    number or (value is None and key == "max_epsilon")):
+                raise PrivacyError(f"{where}: privacy {key} {value!r} is not "
+                                   f"{'a string' if hint is str else 'a number'}")
+            values[key] = float(value) if number else value
+        spec = cls(**values)
+        problem = spec.problem()
+        if problem:
+            raise PrivacyError(f"{where}: privacy {problem}")
+        return spec
+
+
+def privacy_fields() -> tuple[Any, ...]:
+    """The record's fields (name, default, ``metadata["help"]``): the ``[privacy]`` table's keys."""
+    return fields(PrivacyRecord)
+
+
+# ---- the sender's side: the delta clipped, and (local mode) noised -----------------------------------------
+def delta_norm(delta: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm of a delta over all its tensors together (float64)."""
+    return math.sqrt(sum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in delta.values()))
+
+
+def clip_delta(delta: Mapping[str, np.ndarray], clip_norm: float) -> tuple[dict[str, np.ndarray], float]:
+    """(``delta`` scaled onto L2 norm ``clip_norm`` when longer, else as it is; its norm before), float64."""
+    norm = delta_norm(delta)
+    scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+    return {k: np.asarray(v, np.float64) * scale for k, v in delta.items()}, norm
+
+
+def privatise(trained: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray], settings: PrivacyRecord,
+              rng: np.random.Generator | None = None) -> tuple[dict[str, np.ndarray], float]:
+    """What a sender sends under ``settings``: ``start`` plus its delta ``trained - start`` clipped to
+    ``clip_norm`` and, in local mode, plus N(0, (z C)^2) per coordinate (``rng``: default fresh OS
+    entropy, never a seed an observer could know). Returns (float32 tensors, the delta's norm before
+    clipping). ``start``: the LoRA the server subtracts (the round's global LoRA, or the bundle's)."""
+    delta = {k: np.asarray(trained[k], np.float64) - np.asarray(start[k], np.float64) for k in sorted(trained)}
+    clipped, norm = clip_delta(delta, settings.clip_norm)
+    if settings.mode == LOCAL:
+        rng = rng if rng is not None else np.random.default_rng()
+        sigma = settings.noise_multiplier * settings.clip_norm
+        clipped = {k: v + rng.normal(0.0, sigma, size=v.shape) for k, v in clipped.items()}
+    return {k: (np.asarray(start[k], np.float64) + v).astype(np.float32) for k, v in clipped.items()}, norm
