@@ -68,7 +68,8 @@ def _kind(hint: Any) -> str:
         inner = [a for a in args if a is not type(None)]
         return f"{_kind(inner[0])} (optional)" if len(inner) == 1 else type_name(hint)
     if typing.get_origin(hint) is list:
-        return "a list of " + ("lists" if typing.get_origin(args[0]) is list else _kind(args[0]).split(" ", 1)[-1] + "s")
+        element = "list" if typing.get_origin(args[0]) is list else _kind(args[0]).split(" ", 1)[-1]
+        return f"a list of {element}s"
     return type_name(hint)
 
 

@@ -22,7 +22,7 @@ from fedmvp.runs import RunDir
 
 # On-device personalisation recipe of the demo. The edge client's defaults are the paper's (SGD 0.003,
 # alpha 10), under which the tiny CLIP's LoRA barely moves; AdamW, the usual LoRA optimizer, with a
-# lighter consistency weight learns (README "What fedmvp demo does"; benchmarks/edge_personalise.py).
+# lighter consistency weight learns (docs/tutorials/demo.md; benchmarks/edge_personalise.py).
 EDGE_TRAIN = {"epochs": 20, "lr": 0.01, "optimizer": "adamw", "alpha": 1.0}
 EDGE_BATCH = 32
 DEMO_EVAL_EVERY = 5

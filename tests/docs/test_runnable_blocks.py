@@ -32,4 +32,5 @@ def test_runnable_blocks_run(page: Path, tmp_path):
             continue
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", block.body], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"{block.page} block {i}:\n{block.body}\n---\n{(done.stdout + done.stderr)[-3000:]}"
+        shown = (done.stdout + done.stderr)[-3000:]
+        assert done.returncode == 0, f"{block.page} block {i}:\n{block.body}\n---\n{shown}"
