@@ -27,7 +27,7 @@ from benchmarks.common import Goal, Options, Section, ratio  # noqa: E402
 from benchmarks.edge_refresh import MODELS, message_bytes  # noqa: E402
 from benchmarks.sections_cli import section_main  # noqa: E402
 
-PAPER_RATIO = 267.08  # PromptFormer / LoRA parameters on ViT-B/16 (docs/method.md §3, README)
+PAPER_RATIO = 267.08  # PromptFormer / LoRA parameters on ViT-B/16 (docs/method.md §3, docs/benchmarks.md)
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 

@@ -12,7 +12,7 @@
 # 4. one federated demo round on CUDA (`fedmvp train --config demo --rounds 1 --device cuda`)
 # Every step has its own time limit and the script goes on when one fails; each step's output is kept in
 # OUT_DIR (default $OUT, else gpu-check-<time>): results.json/results.md of the suite, autofit.json,
-# demo-round.json, and log.txt. Never guess a GPU number: only what this script printed goes in the README.
+# demo-round.json, and log.txt. Never guess a GPU number: only what this script printed goes in docs/benchmarks.md.
 set -u
 DEVICE="${DEVICE:-cuda}"
 QUICK="${QUICK:-0}"

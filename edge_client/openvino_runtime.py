@@ -1,7 +1,7 @@
 """OpenVINO as the device's second runtime: the bundle's model.onnx compiled by ``openvino.Core``.
 
 Why: on CPUs with BF16 (AVX-512 BF16, AMX) OpenVINO's bf16 precision hint runs the same ONNX model
-about twice as fast as ONNX Runtime fp32 (README, edge table); fp32 is near its ceiling in both.
+about twice as fast as ONNX Runtime fp32 (docs/benchmarks.md, edge runtimes); fp32 is near its ceiling in both.
 OpenVINO reads the bundle's LoRA initializers as constants, so they are turned back into graph
 Parameters of the same names before compiling: the LoRA the device runs (the bundle's, a
 personalised one, a round's global one) is fed per run, as ONNX Runtime feeds its overridable

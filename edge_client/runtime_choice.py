@@ -1,7 +1,7 @@
 """Which runtime and precision a bundle runs with here: named, or ``auto`` (the fastest verified one).
 
 Why: reduced precision is where the speed left on a CPU is (OpenVINO bf16 is ~2x ONNX Runtime fp32 on
-ViT-B-16, README's edge table), but it must not change the answers. ``auto`` therefore runs every
+ViT-B-16, docs/benchmarks.md, edge runtimes), but it must not change the answers. ``auto`` therefore runs every
 candidate (``edge_client/engines.py``) on the bundle's check images, holds its logits to the parity
 rules the exporter uses (``fedmvp_formats/parity_rules.py``: top-1 agreement, and a logit bound)
 against the bundle as exported on ONNX Runtime's CPU provider, times the ones that pass at batch 8,

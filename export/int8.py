@@ -17,7 +17,7 @@ The summed estimates predict how many to keep; a real run verifies that (usually
 one), and only a failed verification searches further (doubling from the prediction, then
 bisection). Without a torch twin (``shifts`` None) each layer is quantised alone and run once
 to rank them, as before (one ONNX run per layer: slow on a ViT). What the guard keeps, and how
-long it takes, is measured by ``python -m benchmarks edge`` (README, "Benchmarks"), not here.
+long it takes, is measured by ``python -m benchmarks edge`` (docs/benchmarks.md), not here.
 
 Weights use 7 bits (``reduce_range``): x86 CPUs without VNNI saturate in the u8 x s8
 multiply-add at 8 bits, and the bundle must behave the same on whatever device runs it.

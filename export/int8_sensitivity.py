@@ -1,7 +1,7 @@
 """First-order estimate of what dynamic int8 of each weight MatMul does to each image's top-1 margin.
 
 Why: ranking layers by quantising each one alone and running the ONNX model costs one
-quantisation + session + run per layer (the benchmark's figures are in the README). Here one torch
+quantisation + session + run per layer (the benchmark's figures are in docs/howto/precisions.md). Here one torch
 forward + backward per calibration image gives every layer's estimate at once: for a layer
 y = x @ M, ONNX Runtime's dynamic int8 computes fq_u8(x) @ fq_s8(M) instead, an output error
 dy; with g = d(margin)/dy from one backward of the image's top-1 minus runner-up logit, the

@@ -48,6 +48,32 @@ SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
     PRIVACY: ((dict,), False),  # the run's [privacy] settings and the round's epsilon (none: no DP)
 }
 
+# What each section holds (the reference page docs/reference/bundle.md is generated from SECTIONS and this).
+SECTION_HELP: dict[str, str] = {
+    "format": f"always {FORMAT!r}",
+    "format_version": f"{FORMAT_VERSION}; a reader refuses any other with one line saying to re-export",
+    "files": "every file of the bundle: {name: {sha256, bytes}}; the manifest's own sha256 is the bundle's id",
+    "method": "the method record the weights were trained as (num_prompts, heads, alpha, flip_prob, lora_rank, "
+              "lora_targets, use_lora; docs/method.md §3-5): `edge-client train` takes its alpha from it",
+    "classes": "names (in logit order, unique), count, attributes_per_class, source (the run or --attributes)",
+    "preprocess": "image size, resize and crop, mean and std: what the device does to an image before the model",
+    "precision": "the ONNX model's precision: " + ", ".join(PRECISIONS),
+    "files_by_role": "{role: file name} for the roles below; onnx and lora are required",
+    "lora": "file, scaling, and tensors: {name: shape} of the LoRA tensors an update file must match",
+    "source": "the run and round it was exported from (run_id; refreshed_from after a refresh)",
+    "model": "the CLIP backbone: clip, pretrained, weights_identity, embed_dim, vision_width",
+    "onnx": "file, opset, input and outputs, num_classes, external data, numerics, LoRA initializer names, "
+            "int8 (the layers kept fp32)",
+    "training": "the torch.export training program (file, inputs, outputs, trainable: lora); null in an "
+                "inference-only bundle",
+    "parity": "ONNX Runtime against PyTorch at export: images used, per precision max |logit diff| and top-1 "
+              "agreement, passed",
+    "promptformer": "digest of the PromptFormer it holds, copy map and derivation: what a refresh to a later "
+                    "round needs (docs/method.md §10)",
+    PRIVACY: "the run's [privacy] settings (clip_norm, noise_multiplier, target_delta, mode, max_epsilon) and "
+             "the epsilon spent up to the exported round; absent without differential privacy",
+}
+
 # What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
 PERSONALISED = "personalised"  # the device's own LoRAs (edge_client.lora_store)
 PREVIOUS = "previous"  # what the last refresh replaced, for `edge-client rollback --refresh`

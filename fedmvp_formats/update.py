@@ -1,23 +1,8 @@
 """The update file: what `edge-client train` writes and `fedmvp ingest` (or a device) reads.
 
 One safetensors file holding exactly a bundle's LoRA tensors (``lora.*``, float32) and string
-metadata (safetensors metadata is str -> str; numbers as decimal strings, lists as JSON):
-
-=================  =====================================================================
-``format``         ``fedmvp-edge-update``
-``format_version`` ``1``
-``bundle_id``      the bundle's id: sha256 of its ``manifest.json`` (which hashes every file)
-``bundle_round``   the federated round the bundle was exported from (empty: none recorded)
-``run_id``         the run it was exported from (only when the manifest records it)
-``num_examples``   local images trained on (the FedAvg weight)
-``mean_loss``      mean training loss over every step (CE + alpha * L_con)
-``final_loss``     mean loss of the last epoch
-``epochs``         local epochs
-``created``        UTC time the file was written, ISO 8601
-``train_seconds``  wall time of the training
-``classes``        JSON list of the local class names that had images
-``device``         where it trained (``cpu``, ``cuda``)
-=================  =====================================================================
+metadata (safetensors metadata is str -> str; numbers as decimal strings, lists as JSON): the keys
+and their meaning are ``FIELDS`` (docs/reference/update-file.md is generated from it).
 
 One reader and one writer, here, for both sides. A file read is untrusted: refused on its size
 before it is read (`read_bounded`), its header checked before safetensors parses it
@@ -48,6 +33,21 @@ from fedmvp_formats.shown import name_shown, shown
 
 FORMAT = "fedmvp-edge-update"
 FORMAT_VERSION = 1
+FIELDS: dict[str, str] = {  # metadata key: its meaning
+    "format": f"``{FORMAT}``",
+    "format_version": f"``{FORMAT_VERSION}``",
+    "bundle_id": "the bundle's id: sha256 of its ``manifest.json`` (which hashes every file)",
+    "bundle_round": "the federated round the bundle was exported from (empty: none recorded)",
+    "run_id": "the run it was exported from (only when the manifest records it)",
+    "num_examples": "local images trained on (the FedAvg weight)",
+    "mean_loss": "mean training loss over every step (CE + alpha * L_con)",
+    "final_loss": "mean loss of the last epoch",
+    "epochs": "local epochs",
+    "created": "UTC time the file was written, ISO 8601",
+    "train_seconds": "wall time of the training",
+    "classes": "JSON list of the local class names that had images",
+    "device": "where it trained (``cpu``, ``cuda``)",
+}
 REQUIRED = ("format", "format_version", "bundle_id", "bundle_round", "num_examples", "mean_loss", "created")
 INT_FIELDS = ("format_version", "bundle_round", "num_examples", "epochs")
 FLOAT_FIELDS = ("mean_loss", "final_loss", "train_seconds")

@@ -1,4 +1,4 @@
-"""docs/architecture.md and the README's layout name every module of the tree (they must not drift)."""
+"""docs/architecture.md and the docs site's layout (docs/index.md) name every module of the tree (they must not drift)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,6 @@ def test_architecture_doc_names_every_module():
     assert sorted(_modules(depth_one_only=False) - _mentioned(text)) == []
 
 
-def test_readme_layout_names_every_top_level_module():
-    text = _section((ROOT / "README.md").read_text(encoding="utf-8"), "## Layout")
+def test_docs_home_layout_names_every_top_level_module():
+    text = _section((ROOT / "docs" / "index.md").read_text(encoding="utf-8"), "## Layout")
     assert sorted(_modules(depth_one_only=True) - _mentioned(text)) == []

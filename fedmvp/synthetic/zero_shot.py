@@ -1,6 +1,6 @@
 """Zero-shot top-1 of a CLIP on the synthetic world, the way the method classifies.
 
-Why: the shipped tiny CLIP must be measured (README figures, a drift test) with the
+Why: the shipped tiny CLIP must be measured (docs/tiny-clip.md figures, a drift test) with the
 classifier FedMVP itself uses (docs/method.md §2): t_ck = normalize(E_text(sentence_ck)),
 logit_c = s * mean_k cos(f_img, t_ck), i.e. the image feature against the UN-renormalised
 mean of the class's sentence features. "name" prompts are the one-sentence case

@@ -23,7 +23,7 @@ from fedmvp_apps.cli.common import BadInput, emit_json
 def certs(out: Path, hosts: tuple[str, ...], nodes: int, force: bool, as_json: bool) -> None:
     """Write a private CA, a TLS certificate for the SuperLink signed by it, and (with --nodes)
     SuperNode key pairs for node authentication. For trials and small sites: production
-    federations bring certificates from their own CA (README, "Across machines").
+    federations bring certificates from their own CA (docs/tutorials/across-machines.md).
 
     \b
     Copy to each site: ca.crt, and with node authentication its own node-N (private key).

@@ -38,6 +38,16 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
+def echo_run_table(result: dict, run_path: Any) -> None:
+    """How `fedmvp train` and `fedmvp demo` end: the paper's table of the last round and where the run
+    is (one definition, so both print the same lines; ``result`` is ``evaluate_run``'s)."""
+    from fedmvp.federated.evaluation import format_table
+
+    click.echo("")
+    click.echo(format_table(result))
+    click.echo(f"\nrun directory: {run_path}  (metrics.csv, accuracy.png, round-NNNN/ checkpoints)")
+
+
 def quiet_open_clip_logging() -> None:
     """open_clip logs a warning for every random-init model; the CLI says what it loads itself."""
     import logging

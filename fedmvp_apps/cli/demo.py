@@ -17,12 +17,12 @@ from pathlib import Path
 
 import click
 
-from fedmvp_apps.cli.common import BadInput, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, echo_run_table, emit_json, quiet_open_clip_logging
 from fedmvp.runs import RunDir
 
 # On-device personalisation recipe of the demo. The edge client's defaults are the paper's (SGD 0.003,
 # alpha 10), under which the tiny CLIP's LoRA barely moves; AdamW, the usual LoRA optimizer, with a
-# lighter consistency weight learns (README "What fedmvp demo does"; benchmarks/edge_personalise.py).
+# lighter consistency weight learns (docs/tutorials/demo.md; benchmarks/edge_personalise.py).
 EDGE_TRAIN = {"epochs": 20, "lr": 0.01, "optimizer": "adamw", "alpha": 1.0}
 EDGE_BATCH = 32
 DEMO_EVAL_EVERY = 5
@@ -118,7 +118,7 @@ def demo(rounds: int | None, run_dir: str | None, config: str, eval_every: int, 
     training."""
     quiet_open_clip_logging()
     from fedmvp_apps.cli.train import train_or_resume
-    from fedmvp.federated.evaluation import evaluate_run, format_table
+    from fedmvp.federated.evaluation import evaluate_run
     from fedmvp.runs import RunError
 
     try:
@@ -133,9 +133,7 @@ def demo(rounds: int | None, run_dir: str | None, config: str, eval_every: int, 
     if as_json:
         emit_json({**result, "edge": asdict(edge_result) if edge_result else None})
         return
-    click.echo("")
-    click.echo(format_table(result))
-    click.echo(f"\nrun directory: {run.path}  (metrics.csv, accuracy.png, round-NNNN/ checkpoints)")
+    echo_run_table(result, run.path)
     if edge_result:
         pct = lambda v: f"{100 * v:.2f}%" if v is not None else "-"  # noqa: E731
         click.echo(f"bundle: {edge_result.bundle} ({edge_result.bundle_mb:.2f} MB)")

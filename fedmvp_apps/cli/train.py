@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from fedmvp.atomic import os_error_line
-from fedmvp_apps.cli.common import BadInput, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, echo_run_table, emit_json, quiet_open_clip_logging
 
 if TYPE_CHECKING:
     from fedmvp.runs import RunDir
@@ -80,7 +80,8 @@ def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, ev
     Each round every selected client trains the PromptFormer (or, once its mean loss
     fell below sigma, only the LoRA) on its own few-shot data; the server averages
     each tensor over the clients that sent it. Writes runs/<name>/ with config.json,
-    round-NNNN/ checkpoints, metrics.jsonl/csv and accuracy.png. Exit codes: 0 done,
+    round-NNNN/ checkpoints, metrics.jsonl/csv and accuracy.png, and ends with the
+    Local/Base/New/HM table of the last round (as `fedmvp demo` does). Exit codes: 0 done,
     1 training failed (resume with --resume), 2 bad preset or arguments, or the run in use by
     another command (RUN/.lock: one line naming it; a dead holder's lock is taken over)."""
     quiet_open_clip_logging()
@@ -88,11 +89,12 @@ def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, ev
 
     try:
         run = train_or_resume(config, rounds, run_dir, resume, eval_every, device)
+        if as_json:
+            from fedmvp.run_metrics import read_metrics
+            emit_json({"run_dir": str(run.path), "final": (read_metrics(run) or [{}])[-1]})
+            return
+        from fedmvp.federated.evaluation import evaluate_run
+        result = evaluate_run(run)
     except RunError as err:
         raise click.ClickException(str(err)) from err
-    from fedmvp.run_metrics import read_metrics
-    metrics = (read_metrics(run) or [{}])[-1]
-    if as_json:
-        emit_json({"run_dir": str(run.path), "final": metrics})
-    else:
-        click.echo(f"run: {run.path}  (fedmvp evaluate --run {run.path})")
+    echo_run_table(result, run.path)  # the table `fedmvp demo` prints, and `fedmvp evaluate` for any round

@@ -7,7 +7,7 @@ Writes, with the ``cryptography`` package:
 - with ``nodes``: ``node-N`` / ``node-N.pub`` key pairs (ECDSA P-384, OpenSSH format, what Flower's
   SuperNode authentication reads) and ``node-keys.txt``, the public keys the SuperLink admits.
 Private keys are written 0600. Production sites bring certificates from their own CA instead
-(the README says which files go where).
+(docs/tutorials/across-machines.md says which files go where).
 """
 
 from __future__ import annotations

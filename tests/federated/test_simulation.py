@@ -33,14 +33,32 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, small_world):
+def trained(tmp_path_factory, small_world):
+    """(preset, run directory, what `fedmvp train` printed) of one uninterrupted run."""
     from tests.federated.conftest import write_preset
 
     folder = tmp_path_factory.mktemp("fed")
     preset = write_preset(folder, small_world)
     run_dir = folder / "uninterrupted"
-    finish(train(preset, run_dir))
-    return preset, run_dir
+    return preset, run_dir, finish(train(preset, run_dir))
+
+
+@pytest.fixture(scope="module")
+def finished_run(trained):
+    return trained[:2]
+
+
+def test_train_ends_with_the_table_demo_and_evaluate_print(trained):
+    """Issue 27: `fedmvp train` ends with the Local/Base/New/HM table of its last round, the same lines
+    `fedmvp evaluate` prints (one format_table, and echo_run_table shared with `fedmvp demo`)."""
+    _, run_dir, printed = trained
+    shown = CliRunner().invoke(main, ["evaluate", "--run", str(run_dir)])
+    assert shown.exit_code == 0, shown.output
+    table = shown.output.strip().splitlines()
+    assert table[0] == f"round 3 of {run_dir}" and table[2].startswith("zero-shot") and table[3].startswith("tuned")
+    tail = printed.strip().splitlines()[-(len(table) + 2):]
+    assert tail[:len(table)] == table, printed[-2000:]
+    assert tail[-1].startswith(f"run directory: {run_dir}")
 
 
 def test_run_directory_has_config_checkpoints_metrics_and_plot(finished_run):
