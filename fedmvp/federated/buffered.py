@@ -39,6 +39,7 @@ from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.aggregate import Update, apply_updates
+from fedmvp.federated.grid_poll import SeparatePulls
 from fedmvp.federated.privacy_budget import BudgetExceeded, charge
 from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
 from fedmvp.federated.strategy import RoundFailed, cosine_lr
@@ -74,9 +75,10 @@ class BufferedVersions:
 
     def __init__(self, strategy, sleep: Callable[[float], None] = time.sleep):
         self.strategy, self.server, self.sleep = strategy, strategy.policy.server, sleep
+        self.pulls: SeparatePulls | None = None  # one thread per awaited reply (grid_poll.py)
         self.pending: dict[str, Pending] = {}  # message id -> what it carried
         self.served: dict[int, int] = {}  # node -> train messages sent (the least served is sent first)
-        self.bases: dict[int, dict[str, np.ndarray]] = {}  # version -> its LoRA (kept while a device holds it)
+        self.bases: dict[int, dict[str, np.ndarray]] = {}  # version -> its LoRA (kept while a delta needs it)
         self.buffer: list[Contribution] = []
         self.rejected: list[dict] = []
 
@@ -116,7 +118,7 @@ class BufferedVersions:
         """Pull whatever replies arrived; check each and buffer its delta. Returns how many arrived."""
         if not self.pending:
             return 0
-        replies = list(grid.pull_messages(list(self.pending)))
+        replies = self.pulls.poll(list(self.pending))
         for msg in replies:
             sent = self.pending.pop(msg.metadata.reply_to_message_id, None)
             if sent is not None:
@@ -224,6 +226,13 @@ class BufferedVersions:
     def run(self, grid: Grid, initial: ArrayRecord, start: int, total: int) -> dict[str, np.ndarray]:
         """Versions ``start+1`` .. ``total``; raises RoundFailed when no device is connected for
         ``node_wait`` seconds or a version would hold non-finite values."""
+        self.pulls = SeparatePulls(grid, self.server.concurrency)
+        try:
+            return self._run(grid, initial, start, total)
+        finally:
+            self.pulls.close()
+
+    def _run(self, grid: Grid, initial: ArrayRecord, start: int, total: int) -> dict[str, np.ndarray]:
         state, version = numpy_state(initial), start
         self.strategy.global_state = state
         idle_since, pause = time.monotonic(), POLL_SECONDS[0]
@@ -236,8 +245,8 @@ class BufferedVersions:
                 if written is state:  # stale deltas were dropped: the buffer is short again
                     break
                 state, version = written, version + 1
-            self.bases = {v: lora for v, lora in self.bases.items()
-                          if v == version or any(p.base == v for p in self.pending.values())}
+            held = {version} | {p.base for p in self.pending.values()} | {c.base for c in self.buffer}
+            self.bases = {v: lora for v, lora in self.bases.items() if v in held}  # a base while a delta needs it
             if self.pending or arrived:
                 idle_since = time.monotonic()
             elif time.monotonic() - idle_since > self.server.node_wait:

@@ -56,8 +56,8 @@ class ServerSettings:
 
 # Run-config keys that override the run record's [server] table at run time (0: keep the record's);
 # the overrides pass the server rules' one range check (``ServerSpec.with_overrides``).
-RUN_TIME_KEYS = ("min-nodes", "round-timeout", "fraction")
-RUN_TIME_WHERE = "fedmvp serve flags (run config min-nodes, round-timeout)"
+RUN_TIME_KEYS = ("min-nodes", "round-timeout", "fraction", "mode")
+RUN_TIME_WHERE = "fedmvp serve flags (run config min-nodes, round-timeout, fraction, mode)"
 
 
 EXAMPLE = "flwr run app/ <superlink> --run-config \"preset='demo' run-dir='runs/deployed'\""

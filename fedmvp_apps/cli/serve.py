@@ -23,6 +23,10 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_
               help="Share of the connected nodes asked each round (default: the preset's fraction_fit).")
 @click.option("--round-timeout", type=FiniteFloat(min=0, min_open=True), default=None,
               help="Seconds a round waits; then it closes with the replies it has if at least --min-nodes came.")
+@click.option("--mode", type=click.Choice(["sync", "buffered"]), default=None,
+              help="Override the preset's [server] mode for this start: 'buffered' trains the edge devices without "
+                   "a barrier, a version every buffer_size updates (docs/howto/buffered.md); a run whose sites "
+                   "trained synchronously continues with its devices.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Evaluate every N rounds (0: only the last round).")
 @click.option("--certs", "certs", type=click.Path(path_type=Path, file_okay=False), default=Path("certs"),
@@ -38,7 +42,7 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_
               help="HOST:PORT the SuperLink listens on (SuperNodes and the CLI connect to this one port).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None, fraction: float | None,
-          round_timeout: float | None, eval_every: int, certs: Path, insecure: bool, node_keys: Path | None,
+          round_timeout: float | None, mode: str | None, eval_every: int, certs: Path, insecure: bool, node_keys: Path | None,
           allow_any_node: bool, address: str, as_json: bool) -> None:
     """Start a Flower SuperLink (TLS by default), submit the FedMVP run of PRESET to it, show
     progress and exit with the run, stopping the SuperLink. Sites join with `fedmvp join`.
@@ -61,7 +65,7 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
         click.echo("warning: --insecure: no TLS, traffic is readable and anyone who reaches the port may join; "
                    "use it only for a trial", err=True)
     options = ServeOptions(preset=config, run_dir=run_dir, rounds=rounds, min_nodes=min_nodes, fraction=fraction,
-                           round_timeout=round_timeout, eval_every=eval_every, certs=certs, insecure=insecure,
+                           round_timeout=round_timeout, mode=mode, eval_every=eval_every, certs=certs, insecure=insecure,
                            node_keys=node_keys, allow_any_node=allow_any_node, address=address)
     bar = None
     if not as_json and sys.stderr.isatty():

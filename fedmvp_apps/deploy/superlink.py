@@ -55,6 +55,7 @@ class ServeOptions:
     min_nodes: int | None = None
     fraction: float | None = None
     round_timeout: float | None = None
+    mode: str | None = None  # [server] mode for this start (None: the run's)
     eval_every: int = 0
     certs: Path | None = None
     insecure: bool = False
@@ -196,7 +197,8 @@ class Server:
         o = self.options
         config = {"run-dir": str(o.run_dir.resolve()), "preset": o.preset, "rounds": o.rounds or 0,
                   "eval-every": o.eval_every, "min-nodes": o.min_nodes or 0,
-                  "round-timeout": float(o.round_timeout or 0.0), "fraction": float(o.fraction or 0.0)}
+                  "round-timeout": float(o.round_timeout or 0.0), "fraction": float(o.fraction or 0.0),
+                  "mode": o.mode or ""}
         text = " ".join(f"{k}={_toml_string(v) if isinstance(v, str) else v}" for k, v in config.items())
         app = write_app_dir(self.home / "app")
         started = self.flwr("run", str(app), CONNECTION, "--run-config", text, "--format", "json")

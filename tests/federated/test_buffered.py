@@ -1,5 +1,6 @@
 """Buffered asynchronous versions (FedBuff, issue 26 §2) with real processes on 127.0.0.1, TLS on:
-`fedmvp serve` in ``mode = "buffered"`` and three `edge-client join` devices, no site.
+`fedmvp serve --mode buffered` (over a preset's
+[server] concurrency and buffer_size) and three `edge-client join` devices, no site.
 
 - Device C is paused (SIGSTOP: a slow or sleeping device) after the first buffered version; the
   other two keep writing versions meanwhile: the fast ones never wait for the slow one.
@@ -30,7 +31,6 @@ EXAMPLES = {"a": 9, "b": 6, "c": 12}  # training images per device (3 of every 4
 
 BUFFERED = """
 [server]
-mode = "buffered"
 concurrency = 3
 buffer_size = 2
 max_staleness = 20
@@ -60,7 +60,8 @@ def test_buffered_versions_fast_devices_never_wait_stale_replies_are_discounted(
     paused: list[int] = []
     try:
         procs.start("serve", ["serve", "--config", str(preset), "--run-dir", str(run), "--certs", str(certs),
-                              "--allow-any-node", "--address", f"127.0.0.1:{port}", "--min-nodes", "1", "--json"])
+                              "--allow-any-node", "--address", f"127.0.0.1:{port}", "--min-nodes", "1", "--mode",
+                              "buffered", "--json"])
         procs.wait_for("SuperLink", lambda: "SuperLink listening" in procs.log("serve"), 60)
         for name in "abc":
             procs.start(f"edge-{name}", ["--superlink", f"127.0.0.1:{port}", "--bundle", str(bundles[name]),
