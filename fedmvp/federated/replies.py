@@ -285,3 +285,21 @@ def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray]
     scale = max_norm / norm
     clipped = {k: (reference[k].astype(np.float64) + deltas[k] * scale).astype(np.float32) for k in arrays}
     return clipped, None, norm
+
+
+def reply_record(node: int, verdict, metrics: dict, identity: Identity) -> dict:
+    """One accepted reply as the round's state.json lists it (``verdict``: its ``check_reply``)."""
+    record = {"node": node, "role": verdict.role, "examples": int(metrics[schema.NUM_EXAMPLES]),
+              "loss": float(metrics.get(schema.TRAIN_LOSS, float("nan")))}
+    if verdict.role == schema.EDGE:
+        record |= {"bundle_id": identity.bundle_id, "refreshed": identity.refreshed,
+                   "refresh_bytes": identity.refresh_bytes}
+    else:
+        record["site"] = verdict.site
+        if identity.name is not None:
+            record["name"] = identity.name
+    if verdict.classes is not None:
+        record["classes"] = verdict.classes
+    if verdict.clipped_from is not None:
+        record["clipped_from"] = verdict.clipped_from
+    return record

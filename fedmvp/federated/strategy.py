@@ -37,16 +37,17 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fedmvp_formats import messages as schema
-from fedmvp_formats.messages import Identity, Instruction
+from fedmvp_formats.messages import Instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.eval_replies import combine_eval_replies
 from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.metrics import evaluation_sites
-from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, reply_fields
-from fedmvp.federated.sampling import NodeRegistry, sample_edges, sample_sites
-from fedmvp.federated.wire import array_record, instruction_content, numpy_state
+from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, reply_fields, reply_record
+from fedmvp.federated.sampling import NodeRegistry, sample_among, sample_edges, sample_sites
+from fedmvp.federated.site_registry import OpenSites
+from fedmvp.federated.wire import array_record, node_contents, numpy_state
 from fedmvp.presets.server import ServerSpec
 
 
@@ -94,24 +95,6 @@ def _loss_summary(metrics: list[dict]) -> dict[str, float]:
     return out
 
 
-def _reply_record(node: int, verdict, metrics: dict, identity: Identity) -> dict:
-    """One accepted reply as the round's state.json lists it."""
-    record = {"node": node, "role": verdict.role, "examples": int(metrics[schema.NUM_EXAMPLES]),
-              "loss": float(metrics.get(schema.TRAIN_LOSS, float("nan")))}
-    if verdict.role == schema.EDGE:
-        record |= {"bundle_id": identity.bundle_id, "refreshed": identity.refreshed,
-                   "refresh_bytes": identity.refresh_bytes}
-    else:
-        record["site"] = verdict.site
-        if identity.name is not None:
-            record["name"] = identity.name
-    if verdict.classes is not None:
-        record["classes"] = verdict.classes
-    if verdict.clipped_from is not None:
-        record["clipped_from"] = verdict.clipped_from
-    return record
-
-
 class RoundFailed(RuntimeError):
     """A round could not gather enough usable replies (or nodes); the message says why."""
 
@@ -126,6 +109,7 @@ class FedMVPStrategy(Strategy):
                  site_names: dict[int, str] | None = None, federation: dict | None = None,
                  class_rules: ClassRules | None = None,
                  policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
+                 open_sites: OpenSites | None = None,
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None):
         """``client_config``: what every round's message carries besides the round's own values
         (``preset``, ``device``, ``threads``; ``method`` and ``local``, records as dicts:
@@ -133,7 +117,8 @@ class FedMVPStrategy(Strategy):
         report (run record; None: its folder's, bounded by [server] site_max_examples); ``site_names``: a
         [federation] run's site names by id, the one each site's reply must carry (``replies.check_reply``);
         ``federation``: the run record's federation (which site evaluates which set); ``class_rules``:
-        the classes each site may claim (``replies.check_reply``)."""
+        the classes each site may claim (``replies.check_reply``); ``open_sites``: an open federation (no
+        [[sites]]), whose sites, names, record and class rules are the registry's as it grows."""
         self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
@@ -152,7 +137,11 @@ class FedMVPStrategy(Strategy):
         self.on_aggregated = on_aggregated
         self.rejected: list[dict] = []  # this round's left-out replies (node, site, reason)
         self.known: dict[int, dict] = {}  # node id -> what its last accepted reply said (role, digest, ...)
-        self.registry = NodeRegistry(num_clients, run_id, self.site_names)  # node id -> its site, or edge
+        self.open_sites = open_sites
+        self.live_sites: list[int] = []  # an open federation: its numbered sites connected at the last count
+        self.registry = NodeRegistry(num_clients, run_id, self.site_names,  # node id -> its site, or edge
+                                     open_sites.registry if open_sites is not None else None)
+        self._sync_sites(force=True)
         self.asked_edges = 0  # edge devices sent this round's work
         self.evaluation: dict[str, Any] = {}  # the last evaluation, None for a metric no site could compute
 
@@ -164,8 +153,27 @@ class FedMVPStrategy(Strategy):
         return self.round_offset + server_round
 
     def selected_clients(self, round_number: int) -> list[int]:
-        """The round's sites: a seeded fraction, the same set whenever this round is replayed."""
+        """The round's sites: a seeded fraction, the same set whenever this round is replayed; in an open
+        federation a seeded fraction of its numbered sites connected now (``live_sites``)."""
+        if self.open_sites is not None:
+            return sample_among(self.seed, self.fraction, self.live_sites, round_number)
         return sample_sites(self.seed, self.fraction, self.num_clients, round_number)
+
+    def _sync_sites(self, force: bool = False) -> None:
+        """An open federation's sites as numbered so far (``OpenSites.view``)."""
+        if self.open_sites is not None and (force or len(self.open_sites.registry.names) != self.num_clients):
+            self.federation, self.site_names, self.declared_examples, self.class_rules = self.open_sites.view()
+            self.num_clients = len(self.site_names)
+
+    def _open_site_of(self, node: int) -> int | None:
+        """The id an open federation's message to ``node`` carries (None: sites are listed; an edge device)."""
+        site = self.registry.site_of(node) if self.open_sites is not None else None
+        return site if isinstance(site, int) else None
+
+    def _learn(self, grid: Grid, nodes: list[int], round_number: int) -> None:
+        """Ask the nodes not met yet who they are; an open federation's new names join its sites."""
+        self.registry.learn(grid, nodes, self._instruction(round_number), self.policy.server.round_timeout)
+        self._sync_sites()
 
     def needed_replies(self, round_number: int) -> int:
         """Usable replies that close a round: ``min_nodes``, by default every site sampled (at most the
@@ -190,17 +198,22 @@ class FedMVPStrategy(Strategy):
     def _targets(self, grid: Grid, round_number: int, attempt: int) -> tuple[list[int], list[int]]:
         """The nodes of the round's sites and its edge devices, once enough of them are connected (up to
         ``node_wait``); nodes not met yet are asked who they are first."""
-        selected = self.selected_clients(round_number)
         server = self.policy.server
         deadline = time.monotonic() + server.node_wait
         while True:
             connected = sorted(grid.get_node_ids())
-            self.registry.learn(grid, connected, self._instruction(round_number), server.round_timeout)
+            self._learn(grid, connected, round_number)
+            if self.open_sites is not None:  # who may be sampled: the numbered sites connected now
+                self.live_sites = sorted({s for n in connected if isinstance(s := self.registry.site_of(n), int)})
+            selected = self.selected_clients(round_number)
             sites = self.registry.nodes_of(selected, connected)
             edges = sample_edges(self.seed, self.fraction, self.registry.edges(connected), round_number, attempt)
             self.asked_edges = len(edges)
             needed = self.needed_replies(round_number)  # the one rule: min_nodes, at most the nodes asked
             present = len({self.registry.site_of(node) for node in sites}) + len(edges)
+            if self.open_sites is not None:  # it samples whoever is there: first min_nodes (one) of them
+                present, needed = len(self.live_sites) + len(self.registry.edges(connected)), \
+                    max(needed, server.min_nodes or 1)
             if present >= needed:
                 return sites, edges
             if time.monotonic() >= deadline:
@@ -223,10 +236,9 @@ class FedMVPStrategy(Strategy):
                                         lora_clients=tuple(sorted(self.lora_clients)),
                                         local=self.client_config.get("local"))
         lora = array_record({k: v for k, v in self.global_state.items() if k.startswith(LORA_PREFIX)})
-        record = instruction_content(arrays, instruction, config)
-        lora_only = instruction_content(lora, instruction, config)
-        return [Message(content=lora_only if self.holds(node, digest) else record, message_type=MessageType.TRAIN,
-                        dst_node_id=node) for node in sorted(sites + edges)]
+        content = node_contents(instruction, config, self._open_site_of)
+        return [Message(content=content(node, lora if self.holds(node, digest) else arrays),
+                        message_type=MessageType.TRAIN, dst_node_id=node) for node in sorted(sites + edges)]
 
     def holds(self, node: int, digest: str) -> bool:
         """Whether ``node`` is an edge device that last reported holding the PromptFormer ``digest``."""
@@ -303,7 +315,7 @@ class FedMVPStrategy(Strategy):
                     "lora-uploads": sum(int(m.get(schema.LORA_ACTIVE, 1)) for _, _, m, _ in contents),
                     "edges": sum(v.role == "edge" for _, v, _, _ in contents),
                     "sites": [v.site for _, v, _, _ in contents if v.role == "site"],
-                    "replies": [_reply_record(node, v, m, i) for node, v, m, i in contents],
+                    "replies": [reply_record(node, v, m, i) for node, v, m, i in contents],
                     "rejected": list(self.rejected)}
         if self.on_aggregated:
             self.on_aggregated(round_number, self.global_state, summary)
@@ -325,11 +337,11 @@ class FedMVPStrategy(Strategy):
         round_number = self.global_round(server_round)
         state = numpy_state(arrays)
         nodes = sorted(grid.get_node_ids())
-        self.registry.learn(grid, nodes, self._instruction(round_number), self.policy.server.round_timeout)
+        self._learn(grid, nodes, round_number)
         instruction = self._instruction(round_number, prompted=bool(state), assignment=self._assignment(),
                                         promptformer_digest=promptformer_digest(state) if state else "")
-        content = instruction_content(arrays, instruction, config)
-        return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node)
+        content = node_contents(instruction, config, self._open_site_of)
+        return [Message(content=content(node, arrays), message_type=MessageType.EVALUATE, dst_node_id=node)
                 for node in nodes if self.registry.site_of(node) is not None]
 
     def _assignment(self) -> dict[str, int]:
