@@ -124,5 +124,14 @@ class NodeRegistry:
         wanted = set(sites)
         return sorted(n for n in connected if self.roles.get(n, schema.EDGE) != schema.EDGE and self.roles[n] in wanted)
 
+    def sites(self, connected: Iterable[int]) -> list[int]:
+        """The sites the ``connected`` nodes serve, each once."""
+        return sorted({site for node in connected if isinstance(site := self.roles.get(node), int)})
+
+    def open_site_of(self, node: int) -> int | None:
+        """The id an open federation's message to ``node`` carries (None: sites are listed, or an edge device)."""
+        site = self.roles.get(node) if self.open_sites is not None else None
+        return site if isinstance(site, int) else None
+
     def edges(self, connected: Iterable[int]) -> list[int]:
         return sorted(n for n in connected if self.roles.get(n) == schema.EDGE)

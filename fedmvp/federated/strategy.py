@@ -9,7 +9,8 @@ such mixed replies). Tensors nobody sent keep their global value. A round that g
 Who trains (``fedmvp.federated.sampling``, one way for the simulation and a deployment): a seeded
 sample of *sites* per round (``fraction``; a resumed run replays exactly), sent only to the nodes
 that serve them (each node tells its site when first met) and to a sample of the connected edge
-devices; it waits up to ``node_wait`` for ``min_nodes`` of them (default: every site sampled).
+devices; it waits up to ``node_wait`` for ``min_nodes`` of them (default: every site sampled). An open
+federation (no [[sites]]) samples among its numbered sites connected now (``site_registry``).
 The server owns the per-site LoRA flags (keyed by the site id each node reports, sent down each
 round, persisted in checkpoints) and the cosine schedule.
 
@@ -165,11 +166,6 @@ class FedMVPStrategy(Strategy):
             self.federation, self.site_names, self.declared_examples, self.class_rules = self.open_sites.view()
             self.num_clients = len(self.site_names)
 
-    def _open_site_of(self, node: int) -> int | None:
-        """The id an open federation's message to ``node`` carries (None: sites are listed; an edge device)."""
-        site = self.registry.site_of(node) if self.open_sites is not None else None
-        return site if isinstance(site, int) else None
-
     def _learn(self, grid: Grid, nodes: list[int], round_number: int) -> None:
         """Ask the nodes not met yet who they are; an open federation's new names join its sites."""
         self.registry.learn(grid, nodes, self._instruction(round_number), self.policy.server.round_timeout)
@@ -204,7 +200,7 @@ class FedMVPStrategy(Strategy):
             connected = sorted(grid.get_node_ids())
             self._learn(grid, connected, round_number)
             if self.open_sites is not None:  # who may be sampled: the numbered sites connected now
-                self.live_sites = sorted({s for n in connected if isinstance(s := self.registry.site_of(n), int)})
+                self.live_sites = self.registry.sites(connected)
             selected = self.selected_clients(round_number)
             sites = self.registry.nodes_of(selected, connected)
             edges = sample_edges(self.seed, self.fraction, self.registry.edges(connected), round_number, attempt)
@@ -236,7 +232,7 @@ class FedMVPStrategy(Strategy):
                                         lora_clients=tuple(sorted(self.lora_clients)),
                                         local=self.client_config.get("local"))
         lora = array_record({k: v for k, v in self.global_state.items() if k.startswith(LORA_PREFIX)})
-        content = node_contents(instruction, config, self._open_site_of)
+        content = node_contents(instruction, config, self.registry.open_site_of)
         return [Message(content=content(node, lora if self.holds(node, digest) else arrays),
                         message_type=MessageType.TRAIN, dst_node_id=node) for node in sorted(sites + edges)]
 
@@ -340,7 +336,7 @@ class FedMVPStrategy(Strategy):
         self._learn(grid, nodes, round_number)
         instruction = self._instruction(round_number, prompted=bool(state), assignment=self._assignment(),
                                         promptformer_digest=promptformer_digest(state) if state else "")
-        content = node_contents(instruction, config, self._open_site_of)
+        content = node_contents(instruction, config, self.registry.open_site_of)
         return [Message(content=content(node, arrays), message_type=MessageType.EVALUATE, dst_node_id=node)
                 for node in nodes if self.registry.site_of(node) is not None]
 
