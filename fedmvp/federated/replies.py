@@ -173,8 +173,9 @@ def reply_classes(fields: dict[str, Any], examples: int, identity: Identity,
 
 def name_problem(identity: Identity, site_names: dict[int, str] | None) -> str | None:
     """Why a site's reply does not carry the name of the site it claims (None: it does, or the run's
-    sites have no names): a [federation] site's id is its place among the preset's [[sites]], so a
-    node named otherwise claiming that id is another site's impostor (docs/security.md)."""
+    sites have no names): a [federation] site's id is its place among the preset's [[sites]] (open
+    membership: the id its name was given, ``site_registry``), so a node named otherwise claiming that
+    id is another site's impostor (docs/security.md)."""
     if identity.role == schema.EDGE or site_names is None or identity.name == site_names.get(identity.site):
         return None
     return f"site-name {shown(identity.name)} is not site {identity.site}'s ({shown(site_names.get(identity.site))})"
