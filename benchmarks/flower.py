@@ -112,7 +112,8 @@ def bare_rounds(preset: Path, work: Path, rounds: int, device: str) -> dict:
     """The same rounds without Flower: every client's `local_train`, the server's average, and its
     checkpoint (fedmvp's own server work, also in the Flower rounds)."""
     from fedmvp.federated.prepare import prepare_run
-    from fedmvp.federated.strategy import cosine_lr, weighted_average
+    from fedmvp.federated.aggregate import weighted_average
+    from fedmvp.federated.strategy import cosine_lr
     from fedmvp.federated.task import LocalSettings, local_train, task_context
     from fedmvp.federated.wire import to_numpy_state, to_torch_state
 

@@ -45,6 +45,8 @@ ROUND, RUN_ID, PROMPTFORMER_DIGEST = "round", "run-id", "promptformer-digest"  #
 LR, PRESET, DEVICE, LORA_CLIENTS, THREADS, PROMPTED = "lr", "preset", "device", "lora-clients", "threads", "prompted"
 PARTITION_ID, ROLE, BUNDLE_ID = "partition-id", "role", "bundle-id"
 SITE_NAME = "site-name"  # a [federation] site's name (`fedmvp join --name`): its identity and node config key
+SITE_ID = "site-id"  # an open federation's (no [[sites]]) id for the node's name, numbered by the server
+UNNUMBERED = -1  # the partition-id an open federation's site identifies with before the server numbered it
 REFRESHED, REFRESH_BYTES = "refreshed", "refresh-bytes"
 NUM_EXAMPLES, TRAIN_LOSS, TRAIN_CE, TRAIN_CONSISTENCY = "num-examples", "train-loss", "train-ce", "train-consistency"
 LORA_ACTIVE, SWITCH_NEXT, REFRESH_SECONDS = "lora-active", "switch-next", "refresh-seconds"
@@ -112,8 +114,10 @@ class Instruction:
     """What a train, evaluate or identify message tells a node. Train: ``lr``, ``lora_clients``,
     ``local``, ``privacy`` (what the sender clips and, in local mode, noises its LoRA delta by; a None
     value left out, records hold none); evaluate: ``prompted``, ``assignment``. ``preset``, ``device``,
-    ``method`` and ``threads`` (the CPU threads the server allots each node, the simulation's share of its machine;
-    None: the node's own) are a site's (an edge device has its bundle). Every node asked trains: the
+    ``method`` and ``threads`` (the CPU threads the server allots each node, the simulation's share of its
+    machine; None: the node's own) are a site's (an edge device has its bundle). ``site``: in an open
+    federation (a [federation] preset without [[sites]]) the id the server gave this node's name, sent to
+    that node only (absent where sites are listed: a listed site's id is its place). Every node asked trains: the
     server sends work only to the nodes of the sites it sampled (fedmvp.federated.sampling)."""
 
     round: int
@@ -129,6 +133,7 @@ class Instruction:
     prompted: bool = True
     assignment: dict[str, int] | None = None
     privacy: dict[str, Any] | None = None  # fedmvp_formats.privacy.PrivacyRecord.record(); None: no DP
+    site: int | None = None
 
     def records(self) -> dict[str, dict[str, Any]]:
         """The message's config records by name (absent parts left out)."""
@@ -136,7 +141,7 @@ class Instruction:
                                   PROMPTED: self.prompted}
         optional = {PRESET: self.preset, DEVICE: self.device, LR: self.lr,
                     LORA_CLIENTS: None if self.lora_clients is None else list(self.lora_clients),
-                    THREADS: self.threads}
+                    THREADS: self.threads, SITE_ID: self.site}
         config |= {k: v for k, v in optional.items() if v is not None}
         out = {CONFIG: config}
         for name, record in ((METHOD, self.method), (LOCAL, self.local), (ASSIGNMENT, self.assignment),
@@ -170,6 +175,9 @@ def read_instruction(records: Mapping[str, Any]) -> Instruction:
     threads = config.get(THREADS)
     if threads is not None and (not is_int(threads) or threads < 1):
         raise MessageError(f"{THREADS} {shown(threads)} is not a positive integer")
+    site = config.get(SITE_ID)
+    if site is not None and (not is_int(site) or site < 0):
+        raise MessageError(f"{SITE_ID} {shown(site)} is not a site id")
     assignment = _record(records, ASSIGNMENT)
     if assignment is not None and not all(is_int(site) for site in assignment.values()):
         raise MessageError(f"the {ASSIGNMENT} record does not map set names to sites")
@@ -179,7 +187,7 @@ def read_instruction(records: Mapping[str, Any]) -> Instruction:
                        method=_record(records, METHOD), lr=None if lr is None else float(lr),
                        lora_clients=_int_list(config, LORA_CLIENTS), threads=threads,
                        local=_record(records, LOCAL), prompted=prompted, assignment=assignment,
-                       privacy=_record(records, PRIVACY))
+                       privacy=_record(records, PRIVACY), site=site)
 
 
 def _string(fields: Mapping[str, Any], key: str) -> str | None:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 
 def site_preset(folder: Path, world: Path, sites: dict[str, list[str]], new: list[str], rounds: int = 2,
-                extra: str = "") -> Path:
+                extra: str = "", listed: bool = True) -> Path:
     """A [federation] preset over ``world``'s classes named in ``sites`` (+ ``new``), one folder per site
-    (``folder/sites/<name>/<class>/``: the world's photo train and test images of that class)."""
+    (``folder/sites/<name>/<class>/``: the world's photo train and test images of that class). ``listed``
+    False: no [[sites]] (open membership: the sites join by name, the server numbers them)."""
     attrs = json.loads((world / "attributes.json").read_text())
     classes = [c for names in sites.values() for c in names if c not in new] + new
     (folder / "attributes.json").write_text(json.dumps({c: attrs[c] for c in dict.fromkeys(classes)}))
@@ -24,7 +25,8 @@ def site_preset(folder: Path, world: Path, sites: dict[str, list[str]], new: lis
                     target = folder / "sites" / name / c / f"{split}-{image.name}"
                     target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy(image, target)
-        lines += ["[[sites]]", f'name = "{name}"', f'data = "sites/{name}"']
+        if listed:
+            lines += ["[[sites]]", f'name = "{name}"', f'data = "sites/{name}"']
     path = folder / "clinics.toml"
     path.write_text("\n".join(lines) + "\n")
     return path

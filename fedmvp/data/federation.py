@@ -226,7 +226,8 @@ def build_site(preset: Preset, site: int) -> Federation:
 @dataclass(frozen=True)
 class SiteRequest:
     """Which ONE site a process materialises: a paper preset's ``site`` (its partition id), or a
-    [federation] site by ``name`` from its ``data`` folder (``eval_fraction`` overrides the preset's)."""
+    [federation] site by ``name`` from its ``data`` folder (``eval_fraction`` overrides the preset's;
+    ``site``: in an open federation, the id the server gave the name)."""
 
     site: int | None = None
     name: str | None = None
@@ -259,7 +260,7 @@ def _federation(path: str, digest: str, site: SiteRequest | None) -> tuple[Prese
         if preset.federation is None:
             raise PresetError(f"{preset.path}: a site folder (--data) needs a [federation] preset; "
                               f"a [[datasets]] preset's site is chosen by --site N")
-        return preset, build_named_site(preset, str(site.name), site.data, site.eval_fraction)
+        return preset, build_named_site(preset, str(site.name), site.data, site.eval_fraction, site.site)
     if site.site is None:
         raise PresetError(f"{preset.path}: no site given (a site number, or a name and its folder)")
     if preset.federation is not None:

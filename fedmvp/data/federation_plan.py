@@ -7,8 +7,8 @@ plan's record (``plan_record``). A client's k-shot draw is seeded by its planned
 (``preset.seed + id``), so one site drawn alone gets exactly the shots it gets among all.
 
 Paper presets (``[[datasets]]``) plan from class-name files, split files or a world's ``world.json``;
-a ``[federation]`` preset plans from its class set (the attribute file) and its ``[[sites]]``: one
-client per site, whose evaluation sets (base, new) are its own held-out images (the site's name is
+a ``[federation]`` preset plans from its class set (the attribute file) and its ``[[sites]]`` (or, open
+membership, the names its server has numbered): one client per site, whose evaluation sets (base, new) are its own held-out images (the site's name is
 the sets' "domain", so each site evaluates its own). ``dirichlet_alpha`` draws clients from the
 images themselves and cannot be planned without them (``build_federation`` draws it from the data).
 """
@@ -163,25 +163,29 @@ def federation_classes(preset: Preset) -> ClassPlan:
     return ClassPlan(names, [i for i in range(len(names)) if i not in set(new)], new)
 
 
-def plan_sites(preset: Preset) -> DatasetPlan:
-    """One client per [[sites]] entry (id: its position), and each site's own base and new sets."""
+def plan_sites(preset: Preset, names: list[str] | None = None) -> DatasetPlan:
+    """One client per site (id: its place), and each site's own base and new sets. ``names``: the sites
+    in id order, default the preset's [[sites]]; an open federation's (no [[sites]]) are the names its
+    server has numbered so far (``fedmvp.federated.site_registry``), with no folder of theirs here."""
     plan = federation_classes(preset)
     out = DatasetPlan(None, plan)
-    for i, site in enumerate(preset.sites):
-        out.clients.append(ClientPlan(i, site.name, preset.name, site.name, (site.name,), tuple(plan.trained),
+    folders = {s.name: s.data_path() for s in preset.sites if s.data}
+    for i, name in enumerate([s.name for s in preset.sites] if names is None else names):
+        out.clients.append(ClientPlan(i, name, preset.name, name, (name,), tuple(plan.trained),
                                       tuple(plan.class_names[y] for y in plan.trained), preset.seed + i, None,
-                                      site.data_path() if site.data else None))
-        out.evaluations.append(_eval("base", preset.name, plan, plan.trained, site.name))
+                                      folders.get(name)))
+        out.evaluations.append(_eval("base", preset.name, plan, plan.trained, name))
         if plan.new:
-            out.evaluations.append(_eval("new", preset.name, plan, plan.new, site.name))
+            out.evaluations.append(_eval("new", preset.name, plan, plan.new, name))
     return out
 
 
-def plan_federation(preset: Preset) -> list[DatasetPlan]:
-    """Every dataset's plan (or the [federation]'s), clients numbered across datasets."""
+def plan_federation(preset: Preset, names: list[str] | None = None) -> list[DatasetPlan]:
+    """Every dataset's plan (or the [federation]'s, of ``names``: ``plan_sites``), clients numbered
+    across datasets."""
     if preset.federation is not None:
         try:
-            return [plan_sites(preset)]
+            return [plan_sites(preset, names)]
         except (AttributeFileError, ValueError, OSError) as exc:
             raise PresetError(f"{preset.path}: [federation]: {' '.join(str(exc).split())}") from None
     plans: list[DatasetPlan] = []
@@ -195,17 +199,23 @@ def plan_federation(preset: Preset) -> list[DatasetPlan]:
     return plans
 
 
-def plan_record(preset: Preset) -> dict[str, Any]:
+def is_open(preset: Preset) -> bool:
+    """An open federation: a [federation] preset without [[sites]], whose sites join by name and are
+    numbered by the server as they first appear (docs/architecture.md "Open membership")."""
+    return preset.federation is not None and not preset.sites
+
+
+def plan_record(preset: Preset, names: list[str] | None = None) -> dict[str, Any]:
     """``{"clients": [...], "evaluations": [...]}`` from class lists only (a server without data):
-    ``train_images`` an upper bound (shots x classes x domains; None: a site's whole folder)."""
-    plans = plan_federation(preset)
+    ``train_images`` an upper bound (shots x classes x domains; None: a site's whole folder).
+    An open federation's record holds the sites of ``names`` (none before any joined)."""
+    plans = plan_federation(preset, names)
     drawn = next((p for p in plans if p.drawn), None)
     if drawn is not None:
         raise preset_failure(preset, drawn.spec, ValueError(
             "dirichlet_alpha draws clients from the images themselves: a server without the data cannot plan "
             "them (cut clients by classes instead)"))
     clients = [c.record() for p in plans for c in p.clients]
-    if not clients:
-        raise PresetError(f"{preset.path}: no clients" + (" (list the federation's [[sites]] by name)"
-                                                          if preset.federation is not None else ""))
+    if not clients and not is_open(preset):
+        raise PresetError(f"{preset.path}: no clients")
     return {"clients": clients, "evaluations": [e.record() for p in plans for e in p.evaluations]}

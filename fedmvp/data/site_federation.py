@@ -3,7 +3,8 @@
 
 The plan (``federation_plan.plan_sites``) names the sites and the class set; each site's images come
 from its folder alone (``site_folder.read_site_folder``): a simulation reads every ``[[sites]]``
-folder (``build_sites``), a site's process only its own (``build_named_site``, `fedmvp join --data`).
+folder (``build_sites``), a site's process only its own (``build_named_site``, `fedmvp join --data`;
+in an open federation, no [[sites]], with the id the server gave its name).
 A site's label space is the base classes it holds; its evaluation sets are its own held-out images
 of base classes ("base") and every image it holds of a new class ("new"), scored over the whole
 base or new class set, so each site evaluates where its data is.
@@ -11,13 +12,14 @@ base or new class set, so each site evaluates where its data is.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from fedmvp.attributes.files import AttributeFileError, load_attributes
 from fedmvp.attributes.sentences import SentenceStyle
 from fedmvp.data.dataset import is_readable
 from fedmvp.data.federation_types import ClientData, EvalSet, Federation, relabel
-from fedmvp.data.federation_plan import ClientPlan, DatasetPlan, plan_federation
+from fedmvp.data.federation_plan import ClientPlan, DatasetPlan, is_open, plan_federation
 from fedmvp.data.sampling import k_shot
 from fedmvp.data.site_folder import SiteFolderError, SiteImages, read_site_folder
 from fedmvp.presets.schema import Preset, PresetError
@@ -86,7 +88,8 @@ def build_sites(preset: Preset) -> Federation:
 
 
 def site_id(preset: Preset, name: str) -> int:
-    """A named site's id: its position among the preset's ``[[sites]]`` (one server, one numbering)."""
+    """A listed site's id: its position among the preset's ``[[sites]]`` (one server, one numbering).
+    An open federation (no [[sites]]) has no such list: its server numbers names (``site_registry``)."""
     names = [s.name for s in preset.sites]
     if name not in names:
         raise PresetError(f"{preset.path}: no site named {name!r} in [[sites]] ({', '.join(names) or 'none listed'}); "
@@ -94,12 +97,18 @@ def site_id(preset: Preset, name: str) -> int:
     return names.index(name)
 
 
-def build_named_site(preset: Preset, name: str, folder: str | Path, eval_fraction: float | None = None
-                     ) -> Federation:
+def build_named_site(preset: Preset, name: str, folder: str | Path, eval_fraction: float | None = None,
+                     number: int | None = None) -> Federation:
     """ONE site of a [federation] preset from its own folder (`fedmvp join --data DIR --name NAME`):
-    `SiteFolderError` lists every problem of the folder; nothing of another site is read."""
-    plan = plan_federation(preset)[0]
-    cp = plan.clients[site_id(preset, name)]
+    `SiteFolderError` lists every problem of the folder; nothing of another site is read. Its id is its
+    place among [[sites]], or in an open federation ``number``, the id the server gave its name (None:
+    the join's check before it connects, where the id labels nothing that is sent)."""
+    if is_open(preset):
+        plan = plan_federation(preset, [name])[0]
+        cp = replace(plan.clients[0], client_id=number or 0, seed=preset.seed + (number or 0))
+    else:
+        plan = plan_federation(preset)[0]
+        cp = plan.clients[site_id(preset, name)]
     images = _site_images(preset, plan, Path(folder), eval_fraction)
     client, sets = _materialise(preset, plan, cp, images, site_attributes(preset, plan))
     return Federation([client], sets, preset.train.fraction_fit, preset.protocol, preset.seed, preset)

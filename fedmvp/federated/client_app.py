@@ -22,6 +22,7 @@ from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.privacy import PrivacyRecord, privatise
 
 from fedmvp.data.federation import SiteRequest
+from fedmvp.data.federation_plan import is_open
 from fedmvp.data.site_federation import site_id
 from fedmvp.federated.evaluation import site_counts
 from fedmvp.presets.schema import load_preset
@@ -39,16 +40,25 @@ def _threads(context: Context, instruction: Instruction) -> None:
         torch.set_num_threads(threads)
 
 
-def _site(context: Context, preset: str) -> tuple[int, str | None, SiteRequest]:
+def _site(context: Context, preset: str, instruction: Instruction, identify: bool = False
+          ) -> tuple[int, str | None, SiteRequest]:
     """This node's site id, its name (a [federation] site) and what of the data it builds: a paper
-    preset's partition (``partition-id``), or a named site's own folder (``site-name``, ``data``)."""
+    preset's partition (``partition-id``), or a named site's own folder (``site-name``, ``data``). A named
+    site's id is its place among [[sites]]; in an open federation (no [[sites]]) the id the server gave
+    its name, which each message to it carries (``site-id``; an identify before that: ``UNNUMBERED``)."""
     config = context.node_config
     if schema.SITE_NAME in config:
         name = str(config[schema.SITE_NAME])
+        parsed = load_preset(preset, check_roots=False)
+        if is_open(parsed):
+            number = instruction.site if identify else instruction.need("site")  # train, evaluate: numbered
+            site = schema.UNNUMBERED if number is None else number
+        else:
+            number, site = None, site_id(parsed, name)
         fraction = config.get("eval-fraction")
-        request = SiteRequest(name=name, data=str(config.get("data", "")),
+        request = SiteRequest(name=name, data=str(config.get("data", "")), site=number,
                               eval_fraction=None if fraction is None else float(fraction))
-        return site_id(load_preset(preset, check_roots=False), name), name, request
+        return site, name, request
     if "partition-id" not in config:
         raise RuntimeError("this SuperNode has no partition-id: start it with `fedmvp join --site N` "
                            "(or flower-supernode --node-config \"partition-id=N\"; N: its site, 0-based)")
@@ -78,7 +88,8 @@ def identify(msg: Message, context: Context) -> Message:
     """Who this node is (its site, and its name where sites are named): the server sends a site's
     work only to its node. Nothing is loaded but the preset (a named site's id is its place in it)."""
     instruction = content_instruction(msg.content)
-    client_id, name, _ = _site(context, str(context.node_config.get("preset", instruction.need("preset"))))
+    client_id, name, _ = _site(context, str(context.node_config.get("preset", instruction.need("preset"))),
+                               instruction, identify=True)
     return _reply_identity(msg, Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name))
 
 
@@ -91,7 +102,7 @@ def train(msg: Message, context: Context) -> Message:
     instruction = content_instruction(msg.content)
     _threads(context, instruction)
     preset = str(context.node_config.get("preset", instruction.need("preset")))
-    client_id, name, request = _site(context, preset)
+    client_id, name, request = _site(context, preset, instruction)
     # Which site, run and round this reply belongs to: the server checks it before using the reply.
     identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)
     method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
@@ -125,7 +136,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     instruction = content_instruction(msg.content)
     _threads(context, instruction)
     preset = str(context.node_config.get("preset", instruction.need("preset")))
-    client_id, name, request = _site(context, preset)
+    client_id, name, request = _site(context, preset, instruction)
     identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)
     method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
     ctx = task_context(preset, method, _device(instruction.device), request)

@@ -7,6 +7,17 @@ that combines a central evaluation, so the two agree exactly.
 from __future__ import annotations
 
 
+def loss_summary(metrics: list[dict]) -> dict[str, float]:
+    """A round's example-weighted mean training losses from its train replies' metrics; a part (CE,
+    consistency) over the replies that report it (edge devices report only the total)."""
+    out = {}
+    for key in ("train-loss", "train-ce", "train-consistency"):
+        pairs = [(float(m[key]), float(m["num-examples"])) for m in metrics if key in m]
+        total = sum(w for _, w in pairs)
+        out[key] = sum(v * w for v, w in pairs) / total if total else float("nan")
+    return out
+
+
 def harmonic_mean(values: list[float]) -> float:
     if any(v <= 0 for v in values):
         return 0.0

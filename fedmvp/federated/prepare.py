@@ -106,7 +106,8 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
     """Validate the preset, create or reopen the run directory, write config.json.
 
     ``with_data=False`` (the server of a federation across machines): the federation's shape comes
-    from class lists alone (``plan_record``), so this machine needs none of the sites' images.
+    from class lists alone (``plan_record``), so this machine needs none of the sites' images; an open
+    federation (no [[sites]]) records no site yet: its server numbers them as they join (``site_registry``).
     config.json records the preset's text and sha256: a resumed run uses that record (``RunDir.preset_file``)."""
     if resume:
         return _resume(preset_path, run_dir, rounds, with_data)

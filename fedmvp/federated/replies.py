@@ -173,8 +173,9 @@ def reply_classes(fields: dict[str, Any], examples: int, identity: Identity,
 
 def name_problem(identity: Identity, site_names: dict[int, str] | None) -> str | None:
     """Why a site's reply does not carry the name of the site it claims (None: it does, or the run's
-    sites have no names): a [federation] site's id is its place among the preset's [[sites]], so a
-    node named otherwise claiming that id is another site's impostor (docs/security.md)."""
+    sites have no names): a [federation] site's id is its place among the preset's [[sites]] (open
+    membership: the id its name was given, ``site_registry``), so a node named otherwise claiming that
+    id is another site's impostor (docs/security.md)."""
     if identity.role == schema.EDGE or site_names is None or identity.name == site_names.get(identity.site):
         return None
     return f"site-name {shown(identity.name)} is not site {identity.site}'s ({shown(site_names.get(identity.site))})"
@@ -285,3 +286,22 @@ def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray]
     scale = max_norm / norm
     clipped = {k: (reference[k].astype(np.float64) + deltas[k] * scale).astype(np.float32) for k in arrays}
     return clipped, None, norm
+
+
+def reply_record(node: int, verdict, metrics: dict, identity: Identity, weight: dict | None = None) -> dict:
+    """One accepted reply as the round's state.json lists it (``verdict``: its ``check_reply``; ``weight``:
+    its staleness, s(t) and weight, ``aggregate.apply_updates``)."""
+    record = {"node": node, "role": verdict.role, "examples": int(metrics[schema.NUM_EXAMPLES]),
+              "loss": float(metrics.get(schema.TRAIN_LOSS, float("nan"))), **(weight or {})}
+    if verdict.role == schema.EDGE:
+        record |= {"bundle_id": identity.bundle_id, "refreshed": identity.refreshed,
+                   "refresh_bytes": identity.refresh_bytes}
+    else:
+        record["site"] = verdict.site
+        if identity.name is not None:
+            record["name"] = identity.name
+    if verdict.classes is not None:
+        record["classes"] = verdict.classes
+    if verdict.clipped_from is not None:
+        record["clipped_from"] = verdict.clipped_from
+    return record

@@ -6,14 +6,15 @@ Only the nodes that serve those sites get the round's message. Which node serves
 server learns once per node (``NodeRegistry``): it asks every node it has not met yet to identify
 itself (a Flower ``query`` message, action ``identify``; fedmvp_formats.messages), and the node
 answers with the identity its own node config gives it (simulation: Flower's ``partition-id``;
-deployment: ``fedmvp join --site/--name``). Edge devices (``edge-client join``) answer ``role
+deployment: ``fedmvp join --site/--name``; in an open federation, no [[sites]], the server numbers each
+new name, ``site_registry``). Edge devices (``edge-client join``) answer ``role
 edge``: they serve no site and are sampled among themselves with the same fraction.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from logging import WARNING
 
 from flwr.app import ArrayRecord, Message, MessageType, RecordDict
@@ -26,6 +27,8 @@ from fedmvp_formats.messages import Instruction, MessageError, read_identity
 from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.replies import name_problem
 from fedmvp.federated.seeds import derived_seed
+from fedmvp.federated.site_registry import SiteRegistry
+from fedmvp.federated.site_registry import name_problem as site_name_problem
 from fedmvp.federated.wire import instruction_content
 
 IDENTIFY = f"{MessageType.QUERY}.{schema.IDENTIFY}"  # the message type a node answers with its identity
@@ -33,11 +36,19 @@ IDENTIFY = f"{MessageType.QUERY}.{schema.IDENTIFY}"  # the message type a node a
 
 def sample_sites(seed: int, fraction: float, num_sites: int, round_number: int) -> list[int]:
     """A fraction of the sites (at least one), drawn with the round's own seed: replayable."""
-    count = max(1, round(fraction * num_sites))
-    if count >= num_sites:
-        return list(range(num_sites))
+    return sample_among(seed, fraction, range(num_sites), round_number)
+
+
+def sample_among(seed: int, fraction: float, sites: Sequence[int], round_number: int) -> list[int]:
+    """A fraction of ``sites`` (at least one when any), drawn with the round's own seed. An open
+    federation draws from its numbered sites connected now; with every site there this is
+    ``sample_sites``'s draw (``random.sample`` picks by position, a range and its list alike)."""
+    sites = list(sites)
+    count = max(1, round(fraction * len(sites)))
+    if count >= len(sites):
+        return sites
     rng = random.Random(derived_seed(seed, "sample", round_number))
-    return sorted(rng.sample(range(num_sites), count))
+    return sorted(rng.sample(sites, count))
 
 
 def sample_edges(seed: int, fraction: float, edges: Iterable[int], round_number: int, attempt: int) -> list[int]:
@@ -51,10 +62,14 @@ def sample_edges(seed: int, fraction: float, edges: Iterable[int], round_number:
 
 
 class NodeRegistry:
-    """node id -> the site it serves (an int) or ``edge``, learnt from each node's identity."""
+    """node id -> the site it serves (an int) or ``edge``, learnt from each node's identity. In an open
+    federation (``open_sites``) a site is its name: a new name is numbered (``site_registry``), a known
+    one keeps its id, so two live nodes of one name serve one site (both are then left out)."""
 
-    def __init__(self, num_sites: int, run_id: str, site_names: dict[int, str] | None = None):
+    def __init__(self, num_sites: int, run_id: str, site_names: dict[int, str] | None = None,
+                 open_sites: SiteRegistry | None = None):
         self.num_sites, self.run_id, self.site_names = num_sites, run_id, site_names
+        self.open_sites = open_sites
         self.roles: dict[int, int | str] = {}
         self.refused: dict[int, str] = {}  # node id -> why its identity was refused (it is sent no work)
 
@@ -91,6 +106,11 @@ class NodeRegistry:
         identity = read_identity(fields, self.run_id, round_number)
         if identity.role == schema.EDGE:
             return schema.EDGE
+        if self.open_sites is not None:  # an open federation: the name is the site, numbered on first sight
+            problem = site_name_problem(identity.name)
+            if problem is not None:
+                raise MessageError(f"names no usable site name ({problem})")
+            return self.open_sites.register(identity.name)
         if identity.site not in range(self.num_sites):
             raise MessageError(f"names site {identity.site}, not one of the run's {self.num_sites}")
         problem = name_problem(identity, self.site_names)
@@ -103,6 +123,15 @@ class NodeRegistry:
         both are then left out: ``FedMVPStrategy.aggregate_train``)."""
         wanted = set(sites)
         return sorted(n for n in connected if self.roles.get(n, schema.EDGE) != schema.EDGE and self.roles[n] in wanted)
+
+    def sites(self, connected: Iterable[int]) -> list[int]:
+        """The sites the ``connected`` nodes serve, each once."""
+        return sorted({site for node in connected if isinstance(site := self.roles.get(node), int)})
+
+    def open_site_of(self, node: int) -> int | None:
+        """The id an open federation's message to ``node`` carries (None: sites are listed, or an edge device)."""
+        site = self.roles.get(node) if self.open_sites is not None else None
+        return site if isinstance(site, int) else None
 
     def edges(self, connected: Iterable[int]) -> list[int]:
         return sorted(n for n in connected if self.roles.get(n) == schema.EDGE)

@@ -23,7 +23,9 @@ from fedmvp.federated.buffered import BufferedVersions
 from fedmvp.federated.grid_poll import bound_reply_pulls
 from fedmvp.federated.prepare import check_same_preset, prepare_run
 from fedmvp.federated.privacy_budget import run_events
+from fedmvp.data.federation_plan import is_open, plan_record
 from fedmvp.federated.replies import ClassRules
+from fedmvp.federated.site_registry import OpenSites, SiteRegistry, SiteRegistryError
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
 from fedmvp.federated.task import LocalSettings
 from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
@@ -165,6 +167,18 @@ def round_policy(run: RunDir, config: dict, settings: ServerSettings) -> RoundPo
     return RoundPolicy(fraction, run.server(overrides, RUN_TIME_WHERE))
 
 
+def open_membership(run: RunDir, preset, run_id: str) -> OpenSites | None:
+    """An open federation's sites (a [federation] preset without [[sites]]): the run's name -> id registry
+    (RUN/sites.json, checked here, before any round) and its record as sites join; None: sites are listed."""
+    if not is_open(preset):
+        return None
+    try:
+        registry = SiteRegistry.load(run.path, run_id)
+    except SiteRegistryError as err:
+        raise RunError(str(err)) from None
+    return OpenSites(registry, lambda names: plan_record(preset, names))
+
+
 def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     run = RunDir(settings.run_dir)
     config = run.read_config()
@@ -193,15 +207,17 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     # None: a [federation] site's whole folder, which this server never sees ([server] site_max_examples)
     declared = {c["id"]: None if c["train_images"] is None else int(c["train_images"])
                 for c in federation["clients"]}
-    named = run.preset().federation is not None  # its sites are known by name (docs/architecture.md)
+    preset = run.preset()
+    named = preset.federation is not None  # its sites are known by name (docs/architecture.md)
     site_names = {c["id"]: str(c["name"]) for c in federation["clients"]} if named else None
+    open_sites = open_membership(run, preset, str(config.get("run_id", run.path.name)))
     policy = round_policy(run, config, settings)
     strategy = FedMVPStrategy(
         client_config=client_config, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),
         declared_examples=declared, site_names=site_names, federation=federation,
         class_rules=ClassRules.from_record(federation), policy=policy, round_offset=start,
-        lora_clients=lora_clients, on_aggregated=recorder, privacy=run.privacy(),
+        lora_clients=lora_clients, open_sites=open_sites, on_aggregated=recorder, privacy=run.privacy(),
         privacy_events=run_events(run, start))
     strategy_ref.append(strategy)
     if start == 0 and run.read_json("zero_shot.json") is None:

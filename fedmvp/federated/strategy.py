@@ -8,7 +8,8 @@ Tensors nobody sent keep their value. A round short of ``min_nodes`` usable repl
 Who trains (``fedmvp.federated.sampling``, one way for the simulation and a deployment): a seeded
 sample of *sites* per round (``fraction``; a resumed run replays exactly), sent only to the nodes
 that serve them (each node tells its site when first met) and to a sample of the connected edge
-devices; it waits up to ``node_wait`` for ``min_nodes`` of them (default: every site sampled).
+devices; it waits up to ``node_wait`` for ``min_nodes`` of them (default: every site sampled). An open
+federation (no [[sites]]) samples among its numbered sites connected now (``site_registry``).
 The server owns the per-site LoRA flags (keyed by the site id each node reports, sent down each
 round, persisted in checkpoints) and the cosine schedule.
 
@@ -36,19 +37,20 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fedmvp_formats import messages as schema
-from fedmvp_formats.messages import Identity, Instruction
+from fedmvp_formats.messages import Instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.privacy import PrivacyRecord
 from fedmvp_formats.promptformer import promptformer_digest
 
-from fedmvp.federated.aggregate import Update, apply_updates, weighted_average  # noqa: F401 (the server maths)
+from fedmvp.federated.aggregate import Update, apply_updates
 from fedmvp.federated.eval_replies import combine_eval_replies
 from fedmvp.federated.grid_poll import send_and_receive
-from fedmvp.federated.metrics import evaluation_sites
+from fedmvp.federated.metrics import evaluation_sites, loss_summary
 from fedmvp.federated.privacy_budget import BudgetExceeded, Event, charge, sampling_rate
-from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, reply_fields
-from fedmvp.federated.sampling import NodeRegistry, sample_edges, sample_sites
-from fedmvp.federated.wire import array_record, instruction_content, numpy_state
+from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, reply_fields, reply_record
+from fedmvp.federated.sampling import NodeRegistry, sample_among, sample_edges, sample_sites
+from fedmvp.federated.site_registry import OpenSites
+from fedmvp.federated.wire import array_record, node_contents, numpy_state
 from fedmvp.presets.server import ServerSpec
 
 
@@ -69,35 +71,6 @@ class RoundPolicy:
     server: ServerSpec = field(default_factory=ServerSpec)
 
 
-def _loss_summary(metrics: list[dict]) -> dict[str, float]:
-    """Example-weighted mean losses; a part (CE, consistency) over the replies that report it (edge
-    devices report only the total)."""
-    out = {}
-    for key in ("train-loss", "train-ce", "train-consistency"):
-        pairs = [(float(m[key]), float(m["num-examples"])) for m in metrics if key in m]
-        total = sum(w for _, w in pairs)
-        out[key] = sum(v * w for v, w in pairs) / total if total else float("nan")
-    return out
-
-
-def _reply_record(node: int, verdict, metrics: dict, identity: Identity, weight: dict) -> dict:
-    """One accepted reply as the round's state.json lists it (``weight``: its staleness, s(t) and weight)."""
-    record = {"node": node, "role": verdict.role, "examples": int(metrics[schema.NUM_EXAMPLES]),
-              "loss": float(metrics.get(schema.TRAIN_LOSS, float("nan"))), **weight}
-    if verdict.role == schema.EDGE:
-        record |= {"bundle_id": identity.bundle_id, "refreshed": identity.refreshed,
-                   "refresh_bytes": identity.refresh_bytes}
-    else:
-        record["site"] = verdict.site
-        if identity.name is not None:
-            record["name"] = identity.name
-    if verdict.classes is not None:
-        record["classes"] = verdict.classes
-    if verdict.clipped_from is not None:
-        record["clipped_from"] = verdict.clipped_from
-    return record
-
-
 class RoundFailed(RuntimeError):
     """A round could not gather enough usable replies (or nodes); the message says why."""
 
@@ -112,16 +85,18 @@ class FedMVPStrategy(Strategy):
                  site_names: dict[int, str] | None = None, federation: dict | None = None,
                  class_rules: ClassRules | None = None,
                  policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
+                 open_sites: OpenSites | None = None,
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None,
                  privacy: PrivacyRecord | None = None, privacy_events: Iterable[Event] = ()):
         """``client_config``: what every round's message carries besides the round's own values
         (``preset``, ``device``, ``threads``; ``method`` and ``local``, records as dicts:
         ``fedmvp_formats.messages``); ``declared_examples[site]``: the most training images a site can
         report (run record; None: its folder's, bounded by [server] site_max_examples); ``site_names``: a
-        [federation] run's site names by id, the one each site's reply must carry; ``federation``: the run
-        record's federation (which site evaluates which set); ``class_rules``: the classes each site may
-        claim (``replies.check_reply``); ``privacy``: the run's [privacy] (None: none), ``privacy_events``
-        the recorded rounds' (``privacy_budget.run_events``)."""
+        [federation] run's site names by id, the one each site's reply must carry (``replies.check_reply``);
+        ``federation``: the run record's federation (which site evaluates which set); ``class_rules``:
+        the classes each site may claim (``replies.check_reply``); ``open_sites``: an open federation (no
+        [[sites]]), whose sites, names, record and class rules are the registry's as it grows; ``privacy``:
+        the run's [privacy] (None: none), ``privacy_events`` the recorded rounds' (``privacy_budget.run_events``)."""
         self.client_config = dict(client_config)
         self.seed = seed
         self.total_rounds = total_rounds
@@ -140,7 +115,11 @@ class FedMVPStrategy(Strategy):
         self.on_aggregated = on_aggregated
         self.rejected: list[dict] = []  # this round's left-out replies (node, site, reason)
         self.known: dict[int, dict] = {}  # node id -> what its last accepted reply said (role, digest, ...)
-        self.registry = NodeRegistry(num_clients, run_id, self.site_names)  # node id -> its site, or edge
+        self.open_sites = open_sites
+        self.live_sites: list[int] = []  # an open federation: its numbered sites connected at the last count
+        self.registry = NodeRegistry(num_clients, run_id, self.site_names,  # node id -> its site, or edge
+                                     open_sites.registry if open_sites is not None else None)
+        self._sync_sites(force=True)
         self.asked_edges = 0  # edge devices sent this round's work
         self.evaluation: dict[str, Any] = {}  # the last evaluation, None for a metric no site could compute
         self.privacy = privacy
@@ -155,8 +134,22 @@ class FedMVPStrategy(Strategy):
         return self.round_offset + server_round
 
     def selected_clients(self, round_number: int) -> list[int]:
-        """The round's sites: a seeded fraction, the same set whenever this round is replayed."""
+        """The round's sites: a seeded fraction, the same set whenever this round is replayed; in an open
+        federation a seeded fraction of its numbered sites connected now (``live_sites``)."""
+        if self.open_sites is not None:
+            return sample_among(self.seed, self.fraction, self.live_sites, round_number)
         return sample_sites(self.seed, self.fraction, self.num_clients, round_number)
+
+    def _sync_sites(self, force: bool = False) -> None:
+        """An open federation's sites as numbered so far (``OpenSites.view``)."""
+        if self.open_sites is not None and (force or len(self.open_sites.registry.names) != self.num_clients):
+            self.federation, self.site_names, self.declared_examples, self.class_rules = self.open_sites.view()
+            self.num_clients = len(self.site_names)
+
+    def _learn(self, grid: Grid, nodes: list[int], round_number: int) -> None:
+        """Ask the nodes not met yet who they are; an open federation's new names join its sites."""
+        self.registry.learn(grid, nodes, self._instruction(round_number), self.policy.server.round_timeout)
+        self._sync_sites()
 
     def needed_replies(self, round_number: int) -> int:
         """Usable replies that close a round: ``min_nodes``, by default every site sampled (at most the
@@ -181,17 +174,22 @@ class FedMVPStrategy(Strategy):
     def _targets(self, grid: Grid, round_number: int, attempt: int) -> tuple[list[int], list[int]]:
         """The nodes of the round's sites and its edge devices, once enough of them are connected (up to
         ``node_wait``); nodes not met yet are asked who they are first."""
-        selected = self.selected_clients(round_number)
         server = self.policy.server
         deadline = time.monotonic() + server.node_wait
         while True:
             connected = sorted(grid.get_node_ids())
-            self.registry.learn(grid, connected, self._instruction(round_number), server.round_timeout)
+            self._learn(grid, connected, round_number)
+            if self.open_sites is not None:  # who may be sampled: the numbered sites connected now
+                self.live_sites = self.registry.sites(connected)
+            selected = self.selected_clients(round_number)
             sites = self.registry.nodes_of(selected, connected)
             edges = sample_edges(self.seed, self.fraction, self.registry.edges(connected), round_number, attempt)
             self.asked_edges = len(edges)
             needed = self.needed_replies(round_number)  # the one rule: min_nodes, at most the nodes asked
             present = len({self.registry.site_of(node) for node in sites}) + len(edges)
+            if self.open_sites is not None:  # it samples whoever is there: first min_nodes (one) of them
+                present, needed = len(self.live_sites) + len(self.registry.edges(connected)), \
+                    max(needed, server.min_nodes or 1)
             if present >= needed:
                 return sites, edges
             if time.monotonic() >= deadline:
@@ -216,10 +214,9 @@ class FedMVPStrategy(Strategy):
                                         local=self.client_config.get("local"),
                                         privacy=self.privacy.record() if self.privacy else None)
         lora = array_record({k: v for k, v in self.global_state.items() if k.startswith(LORA_PREFIX)})
-        record = instruction_content(arrays, instruction, config)
-        lora_only = instruction_content(lora, instruction, config)
-        return [Message(content=lora_only if self.holds(node, digest) else record, message_type=MessageType.TRAIN,
-                        dst_node_id=node) for node in sorted(sites + edges)]
+        content = node_contents(instruction, config, self.registry.open_site_of)
+        return [Message(content=content(node, lora if self.holds(node, digest) else arrays),
+                        message_type=MessageType.TRAIN, dst_node_id=node) for node in sorted(sites + edges)]
 
     def charge_privacy(self, round_number: int) -> None:
         """``self.charged``: the round's privacy record; past ``max_epsilon`` the run stops (`RoundFailed`)."""
@@ -302,7 +299,7 @@ class FedMVPStrategy(Strategy):
         for _, verdict, metrics, _ in contents:
             if verdict.role == schema.SITE and int(metrics.get(schema.SWITCH_NEXT, 0)):
                 self.lora_clients.add(verdict.site)
-        summary = _loss_summary([m for _, _, m, _ in contents])
+        summary = loss_summary([m for _, _, m, _ in contents])
         if not math.isfinite(summary["train-loss"]):
             raise RoundFailed(f"round {round_number}: the training loss is {summary['train-loss']}; the run stops "
                               f"(check the preset's lr and the last checkpoint)")
@@ -310,7 +307,7 @@ class FedMVPStrategy(Strategy):
                     "lora-uploads": sum(int(m.get(schema.LORA_ACTIVE, 1)) for _, _, m, _ in contents),
                     "edges": sum(v.role == "edge" for _, v, _, _ in contents),
                     "sites": [v.site for _, v, _, _ in contents if v.role == "site"],
-                    "replies": [_reply_record(node, v, m, i, w) for (node, v, m, i), w in zip(contents, step.weights)],
+                    "replies": [reply_record(node, v, m, i, w) for (node, v, m, i), w in zip(contents, step.weights)],
                     "rejected": list(self.rejected)}
         if self.charged is not None:
             summary["privacy"] = {**self.charged, **(step.privacy or {})}
@@ -336,11 +333,11 @@ class FedMVPStrategy(Strategy):
         round_number = self.global_round(server_round)
         state = numpy_state(arrays)
         nodes = sorted(grid.get_node_ids())
-        self.registry.learn(grid, nodes, self._instruction(round_number), self.policy.server.round_timeout)
+        self._learn(grid, nodes, round_number)
         instruction = self._instruction(round_number, prompted=bool(state), assignment=self._assignment(),
                                         promptformer_digest=promptformer_digest(state) if state else "")
-        content = instruction_content(arrays, instruction, config)
-        return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node)
+        content = node_contents(instruction, config, self.registry.open_site_of)
+        return [Message(content=content(node, arrays), message_type=MessageType.EVALUATE, dst_node_id=node)
                 for node in nodes if self.registry.site_of(node) is not None]
 
     def _assignment(self) -> dict[str, int]:

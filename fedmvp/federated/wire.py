@@ -8,6 +8,9 @@ depend on dictionary order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
@@ -59,3 +62,18 @@ def content_instruction(content: RecordDict) -> Instruction:
     """The instruction a message carries, every value checked (`MessageError` otherwise)."""
     return read_instruction({name: dict(record) for name, record in content.config_records.items()})
 
+
+def node_contents(instruction: Instruction, config: ConfigRecord, site_of: Callable[[int], int | None]
+                  ) -> Callable[[int, ArrayRecord], RecordDict]:
+    """node, tensors -> its message's content, each made once: one per set of tensors, which every node
+    gets, or, where ``site_of(node)`` gives an id (an open federation's site), one per site carrying it
+    (``Instruction.site``, each node its own; ``config`` copied, as a content's records are written into)."""
+    made: dict[tuple[int, int | None], RecordDict] = {}
+
+    def content(node: int, arrays: ArrayRecord) -> RecordDict:
+        key = (id(arrays), site_of(node))
+        if key not in made:
+            made[key] = instruction_content(arrays, instruction, config) if key[1] is None else \
+                instruction_content(arrays, replace(instruction, site=key[1]), ConfigRecord(dict(config)))
+        return made[key]
+    return content

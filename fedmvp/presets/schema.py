@@ -181,7 +181,9 @@ class Preset:
     datasets: list[DatasetSpec] = _help("[[datasets]] tables", [])
     federation: FederationSpec | None = _help("[federation] table: the federation by its class set "
                                               "(instead of [[datasets]])", None)
-    sites: list[SiteSpec] = _help("[[sites]] tables: the [federation]'s site folders for a simulation", [])
+    sites: list[SiteSpec] = _help("[[sites]] tables: the [federation]'s sites by name, with their folders for a "
+                                  "simulation; none: open membership (any site joins by name, the server numbers "
+                                  "it)", [])
     path: Path | None = field(default=None, metadata={"internal": True})
     raw: dict = field(default_factory=dict, repr=False, metadata={"internal": True})
 

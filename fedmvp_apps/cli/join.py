@@ -2,7 +2,10 @@
 
 A paper preset's site is chosen by ``--site N`` (it builds only its own partition); a ``[federation]``
 preset's site brings its own folder (``--data DIR``, ``--name NAME``), checked before anything
-connects: each problem one line, exit 2 (docs/architecture.md "Sites that hold their own data")."""
+connects: each problem one line, exit 2 (docs/architecture.md "Sites that hold their own data"). Its
+name is one of the preset's [[sites]], or, where the preset lists none, any name: the server numbers
+it when it first identifies (docs/architecture.md "Open membership"). ``--threads``: the node config's
+``threads``, torch's CPU threads in the site's ClientApp."""
 
 from __future__ import annotations
 
@@ -22,10 +25,13 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat
               help="A [[datasets]] preset: which site of the preset this machine is (its data paths hold it).")
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="A [federation] preset: this site's folder DIR/<class>/<image> (or DIR/train + DIR/test).")
-@click.option("--name", default=None, help="A [federation] site's name, one of the preset's [[sites]] "
-                                           "(default: this host's name); its identity in every reply.")
+@click.option("--name", default=None, help="A [federation] site's name (default: this host's name), its identity "
+                                           "in every reply: one of the preset's [[sites]], or any name where the "
+                                           "preset lists none (open membership: the server numbers it).")
 @click.option("--eval-fraction", type=FiniteFloat(0, 1, max_open=True), default=None,
               help="Share of each class kept for evaluation (default: the preset's eval_fraction, 0.2).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads torch uses for this site's training and evaluation (default: torch's own).")
 @click.option("--root-certificates", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The federation's CA certificate (ca.crt from `fedmvp certs`).")
 @click.option("--auth-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -34,7 +40,7 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat
 @click.option("--port", type=click.IntRange(1, 65535), default=None,
               help="Local port of the SuperNode's own API (default: a free one).")
 def join(superlink: str, config: str, site: int | None, data: Path | None, name: str | None,
-         eval_fraction: float | None, root_certificates: Path | None, auth_key: Path | None,
+         eval_fraction: float | None, threads: int | None, root_certificates: Path | None, auth_key: Path | None,
          insecure: bool, port: int | None) -> None:
     """Serve one site of PRESET as a Flower SuperNode connected to SUPERLINK.
 
@@ -42,6 +48,7 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
     evaluation counts are sent. Exit codes: Flower's; 2 for bad arguments or a bad site folder."""
     from fedmvp.presets.schema import PresetError, load_preset
     from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
+    from fedmvp_formats.messages import THREADS
 
     try:
         preset = load_preset(config, check_roots=False)
@@ -54,6 +61,8 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
             if site is None:
                 raise BadInput("--site N is required: which site of the preset this machine is")
             node_config = site_node_config(config, site)
+        if threads is not None:  # the node config's threads: the site's ClientApp sets torch's (client_app._threads)
+            node_config += f" {THREADS}={threads}"
         args = supernode_command(superlink, node_config, root_certificates, auth_key, insecure, port)
     except (PresetError, LaunchError) as err:
         raise BadInput(str(err)) from None
@@ -79,10 +88,16 @@ def named_site_node_config(preset: str, data: Path | None, name: str, eval_fract
     from fedmvp.data.site_folder import SiteFolderError
     from fedmvp_formats.messages import SITE_NAME
 
+    from fedmvp.data.federation_plan import is_open
     from fedmvp.data.site_federation import site_id
+    from fedmvp.federated.site_registry import name_problem
     from fedmvp.presets.schema import load_preset
 
-    site_id(load_preset(preset, check_roots=False), name)  # a site's name is listed in the preset's [[sites]]
+    parsed = load_preset(preset, check_roots=False)
+    if not is_open(parsed):
+        site_id(parsed, name)  # a site's name is listed in the preset's [[sites]]
+    elif name_problem(name) is not None:  # an open federation takes any name its server can number
+        raise BadInput(f"--name {name!r}: {name_problem(name)}")
     if data is None:
         raise BadInput("--data DIR is required: this site's folder (DIR/<class>/<image>)")
     folder = data.resolve()

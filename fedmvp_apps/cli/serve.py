@@ -18,7 +18,8 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_
 @click.option("--rounds", type=click.IntRange(min=1), default=None, help="Override the preset's rounds.")
 @click.option("--min-nodes", type=click.IntRange(min=1), default=None,
               help="Replies a round needs (and nodes that must be connected); default: the preset's [server] "
-                   "min_nodes, else every client.")
+                   "min_nodes, else every client (a [federation] without [[sites]]: every site sampled among "
+                   "those connected, once one is).")
 @click.option("--fraction", type=FiniteFloat(0, 1, min_open=True), default=None,
               help="Share of the connected nodes asked each round (default: the preset's fraction_fit).")
 @click.option("--round-timeout", type=FiniteFloat(min=0, min_open=True), default=None,

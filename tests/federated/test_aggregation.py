@@ -7,7 +7,8 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedmvp.federated.metrics import harmonic_mean
-from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, cosine_lr, weighted_average
+from fedmvp.federated.aggregate import weighted_average
+from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, cosine_lr
 from fedmvp.presets.server import ServerSpec
 from fedmvp.federated.wire import array_record
 
@@ -271,7 +272,7 @@ def test_a_non_finite_round_stops_the_run_naming_the_round(monkeypatch, what):
                               num_clients=1, run_id=RUN, round_offset=4)
     strategy.global_state = {"promptformer.w": np.zeros(2, np.float32)}
     if what == "loss":
-        monkeypatch.setattr(strategy_module, "_loss_summary", lambda metrics: {
+        monkeypatch.setattr(strategy_module, "loss_summary", lambda metrics: {
             "train-loss": float("nan"), "train-ce": 0.0, "train-consistency": 0.0})
     else:
         from fedmvp.federated.aggregate import Aggregate
