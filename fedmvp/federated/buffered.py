@@ -90,7 +90,7 @@ class BufferedVersions:
         """The newest version to free devices, up to ``concurrency`` out at once (least served first)."""
         strategy = self.strategy
         connected = sorted(grid.get_node_ids())
-        strategy.registry.learn(grid, connected, strategy._instruction(version + 1), self.server.round_timeout)
+        strategy._learn(grid, connected, version + 1)  # new nodes asked who they are (an open site numbered)
         busy = {p.node for p in self.pending.values()}
         free = sorted((n for n in strategy.registry.edges(connected) if n not in busy),
                       key=lambda n: (self.served.get(n, 0), n))
