@@ -3,12 +3,12 @@
 Runtimes (``runtime`` column): ``torch_plain`` (open_clip's image encoder, no prompts),
 ``torch_prompted`` (the fedmvp model with cached attribute text features), ``ort_plain_fp32``
 (the plain encoder as ONNX), ``ort_fp32`` (the bundle's model.onnx), ``ort_int8`` (the exporter's
-int8, accuracy guard on), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` (every weight MatMul
-quantised); ``openvino_fp32`` / ``openvino_bf16`` / ``openvino_int8`` and ``auto`` (what
-`edge-client --runtime auto` picks here: ``edge_runtimes.py``). All runtimes are timed interleaved in
-one process (medians), at batch 1 and 8 by
-default. FLOPs are counted on the PyTorch model (2 per multiply-add); the GEMM peak is the best
-fp32 MatMul of torch and ONNX Runtime here. Peak memory per runtime: one fresh process each
+int8, accuracy bound on), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` /
+``ort_int8_blockwise_all`` (every weight MatMul quantised); ``openvino_fp32`` / ``openvino_bf16`` /
+``openvino_int8`` and ``auto`` (what `edge-client --runtime auto` picks here: ``edge_runtimes.py``).
+All runtimes are timed interleaved in one process (medians), at batch 1 and 8 by default. FLOPs
+are counted on the PyTorch model (2 per multiply-add); the GEMM peak is the best fp32 MatMul of
+torch and ONNX Runtime here. Peak memory per runtime: one fresh process each
 (``benchmarks/memory_probe.py``). Agreement: top-1 agreement and max |logit diff| with the
 bundle's fp32 model on the benchmark's images (random weights: near-tied logits, so the figure
 that counts is the trained tiny model's, from ``--run``).
@@ -135,7 +135,7 @@ def ratios(rows: list[dict], flops: dict, peak_gflops: float, batches: list[int]
     for b, tag in ((small, "b1" if small == 1 else f"b{small}"), (big, f"b{big}")):
         out[f"ort_fp32_vs_torch_{tag}"] = ratio(ms.get(("torch_prompted", b)), ms.get(("ort_fp32", b)))
         out[f"ort_int8_vs_ort_fp32_{tag}"] = ratio(ms.get(("ort_fp32", b)), ms.get(("ort_int8", b)))
-        for variant in ("dynamic_all", "static_all"):
+        for variant in ("dynamic_all", "static_all", "blockwise_all"):
             out[f"ort_int8_{variant}_vs_ort_fp32_{tag}"] = ratio(ms.get(("ort_fp32", b)),
                                                                  ms.get((f"ort_int8_{variant}", b)))
         fp32 = ms.get(("ort_fp32", b))

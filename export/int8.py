@@ -109,7 +109,8 @@ class Int8Plan:
         total = len(self.quantized) + len(self.kept_fp32)
         head = f"int8: {len(self.quantized)} of {total} MatMul layers quantised, {len(self.kept_fp32)} kept fp32; "
         calibration = (f"top-1 agreement {100 * self.calibration_agreement:.2f}% (expected "
-                       f"{100 * self.calibration_expected_agreement:.2f}%) on {self.calibration_images} training images")
+                       f"{100 * self.calibration_expected_agreement:.2f}%) on {self.calibration_images} "
+                       f"training images")
         if self.accuracy is None:
             return head + "calibration " + calibration
         a = self.accuracy

@@ -33,12 +33,12 @@ ROLES = {"onnx": "model.onnx", "weights": "weights.safetensors", "lora": "lora.s
          "training": "train.pt2", "text": "text_features.safetensors"}
 REQUIRED_ROLES = ("onnx", "lora")
 PRECISIONS = ("fp32", "fp16", "int8")
-CLASSES_KEY = "fedmvp.classes_sha256"
+CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class list it was exported with
 # ``onnx.int8`` of an int8 bundle (export/int8.py's plan): the MatMul layers ``quantized`` and ``kept_fp32``,
 # the ``criterion`` that chose them and, for "accuracy", what it measured on labelled held-out images
 # (top-1 accuracies as fractions, the drop and its bound in points, top-1 agreement with fp32).
 INT8_CRITERIA = ("accuracy", "agreement")
-INT8_ACCURACY = ("images", "fp32", "int8", "drop_points", "max_drop_points", "top1_agreement")  # model.onnx metadata_props: the class list it was exported with
+INT8_ACCURACY = ("images", "fp32", "int8", "drop_points", "max_drop_points", "top1_agreement")
 
 # Top-level sections: (the types a value may have, required). ``source`` and ``promptformer`` are optional
 # within format 2 (a bundle without them cannot be refreshed); ``training`` is None for inference only.

@@ -11,7 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export.int8 import AccuracyTarget, Int8Error, expected_agreement, matmuls_as_matmul, plan_int8, quantizable_layers, quantize
+from export.int8 import (AccuracyTarget, Int8Error, expected_agreement, matmuls_as_matmul, plan_int8,
+                         quantizable_layers, quantize)
 
 WIDTH, CLASSES, IMAGES = 32, 64, 256
 

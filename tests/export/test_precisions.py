@@ -98,5 +98,6 @@ def test_a_tight_bound_keeps_more_layers_of_the_tiny_model_than_a_loose_one(tiny
 
 
 def test_the_accuracy_bound_is_for_int8_only(tiny_run, tmp_path):
-    result = CliRunner().invoke(main, ["--run", str(tiny_run), "--max-accuracy-drop", "1", "--out", str(tmp_path / "b")])
+    result = CliRunner().invoke(main, ["--run", str(tiny_run), "--max-accuracy-drop", "1",
+                                       "--out", str(tmp_path / "b")])
     assert result.exit_code == 2 and "--max-accuracy-drop applies to --precision int8, not fp32" in result.stderr
