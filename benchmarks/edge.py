@@ -3,12 +3,12 @@
 Runtimes (``runtime`` column): ``torch_plain`` (open_clip's image encoder, no prompts),
 ``torch_prompted`` (the fedmvp model with cached attribute text features), ``ort_plain_fp32``
 (the plain encoder as ONNX), ``ort_fp32`` (the bundle's model.onnx), ``ort_int8`` (the exporter's
-int8, accuracy guard on), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` (every weight MatMul
-quantised); ``openvino_fp32`` / ``openvino_bf16`` / ``openvino_int8`` and ``auto`` (what
-`edge-client --runtime auto` picks here: ``edge_runtimes.py``). All runtimes are timed interleaved in
-one process (medians), at batch 1 and 8 by
-default. FLOPs are counted on the PyTorch model (2 per multiply-add); the GEMM peak is the best
-fp32 MatMul of torch and ONNX Runtime here. Peak memory per runtime: one fresh process each
+int8, accuracy bound on), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` /
+``ort_int8_blockwise_all`` (every weight MatMul quantised); ``openvino_fp32`` / ``openvino_bf16`` /
+``openvino_int8`` and ``auto`` (what `edge-client --runtime auto` picks here: ``edge_runtimes.py``).
+All runtimes are timed interleaved in one process (medians), at batch 1 and 8 by default. FLOPs
+are counted on the PyTorch model (2 per multiply-add); the GEMM peak is the best fp32 MatMul of
+torch and ONNX Runtime here. Peak memory per runtime: one fresh process each
 (``benchmarks/memory_probe.py``). Agreement: top-1 agreement and max |logit diff| with the
 bundle's fp32 model on the benchmark's images (random weights: near-tied logits, so the figure
 that counts is the trained tiny model's, from ``--run``).
@@ -135,7 +135,7 @@ def ratios(rows: list[dict], flops: dict, peak_gflops: float, batches: list[int]
     for b, tag in ((small, "b1" if small == 1 else f"b{small}"), (big, f"b{big}")):
         out[f"ort_fp32_vs_torch_{tag}"] = ratio(ms.get(("torch_prompted", b)), ms.get(("ort_fp32", b)))
         out[f"ort_int8_vs_ort_fp32_{tag}"] = ratio(ms.get(("ort_fp32", b)), ms.get(("ort_int8", b)))
-        for variant in ("dynamic_all", "static_all"):
+        for variant in ("dynamic_all", "static_all", "blockwise_all"):
             out[f"ort_int8_{variant}_vs_ort_fp32_{tag}"] = ratio(ms.get(("ort_fp32", b)),
                                                                  ms.get((f"ort_int8_{variant}", b)))
         fp32 = ms.get(("ort_fp32", b))
@@ -181,8 +181,9 @@ def newest_demo_run(root: Path) -> Path | None:
 
 
 def trained_int8(run_path: Path, work: Path) -> dict:
-    """The exporter's int8 on a trained run (e.g. `fedmvp demo`'s): top-1 agreement with fp32 on
-    the run's test images (the bundle's own parity check) and the layers kept fp32."""
+    """The exporter's int8 on a trained run (e.g. `fedmvp demo`'s): what its accuracy bound measured on the
+    run's labelled test images (fp32 and int8 accuracy, the drop in points), top-1 agreement with fp32
+    there (the bundle's own parity check) and the layers kept fp32."""
     from export.bundle_writer import export_bundle
 
     start = time.perf_counter()
@@ -192,6 +193,7 @@ def trained_int8(run_path: Path, work: Path) -> dict:
     return {"run": str(run_path), "test_images": check.images, "top1_agreement": check.top1_agreement,
             "max_abs_logit_diff": check.max_abs_logit_diff, "parity_passed": check.passed,
             "layers_quantised": len(plan.quantized), "layers_kept_fp32": len(plan.kept_fp32),
+            "criterion": plan.criterion, "accuracy": plan.accuracy,
             "export_seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -254,10 +256,13 @@ def run(options: Options) -> Section:
     section.config["int8_guard_seconds"] = round(guard, 1) if guard is not None else None
     section.goals.append(Goal.at_most(f"int8 accuracy guard on {name}, seconds", guard, 180, " s"))
     section.config["trained_tiny_int8"] = trained
-    section.goals.append(Goal.at_least("int8 top-1 agreement with fp32, trained run's test images",
-                                       trained and trained["top1_agreement"], 0.99, ""))
-    section.goals.append(Goal.at_most("int8 layers kept fp32 on the trained run (was 17 of 22 on the demo)",
-                                      trained and trained["layers_kept_fp32"], 16, ""))
+    held = (trained or {}).get("accuracy") or {}
+    section.ratios["int8_accuracy_drop_points"] = held.get("drop_points")
+    section.goals.append(Goal.at_most("int8 accuracy drop vs fp32 on the trained run's test images, points",
+                                      held.get("drop_points"), 1.0, " points"))
+    kept = trained and ratio(trained["layers_kept_fp32"], trained["layers_kept_fp32"] + trained["layers_quantised"])
+    section.goals.append(Goal.at_most("int8 share of layers kept fp32 on the trained run (was 17 of 22 on the demo)",
+                                      kept, 0.5, ""))
     if trained is None:
         section.notes.append("no trained run (`--run`, or runs/demo-* here): int8 agreement on real weights "
                              "not measured; run `fedmvp demo` first")

@@ -18,9 +18,10 @@ is written too only where the node config's ``out`` asks for one. With ``persona
 device's own active LoRA; by default the device's personal LoRA is left alone.
 
 Evaluate messages: the global model (refreshed first when stale) on the held-out share of
-``data`` (or ``eval-data``), through ONNX Runtime as ``edge-client infer`` runs it; only the
-counts go back. The node's process stays warm across rounds, and so does its ONNX Runtime session
-(one per bundle state; the round's LoRA is fed per run) and its training program
+``data`` (or ``eval-data``), on the runtime and precision the node config names (``edge-client join
+--runtime/--precision``, chosen as ``edge-client infer`` chooses them); only the counts go back. The
+node's process stays warm across rounds, and so does its inference session (one per bundle state and
+runtime; the round's LoRA is fed per run) and its training program
 (``edge_client.program.load_program``); a refresh gives the bundle a new id, and new ones.
 """
 
@@ -69,12 +70,14 @@ class EdgeNodeConfig:
     optimizer: str = str(TrainOptions.default("optimizer"))
     batch_size: int | str = "auto"
     threads: int | None = None
+    runtime: str = "ort"  # what evaluates the global model: `edge-client infer --runtime` (edge_client/engines.py)
+    precision: str = "auto"
 
     # node-config key -> field; numbers travel as numbers, paths and words as strings
     KEYS = {"bundle": "bundle", "data": "data", "eval-data": "eval_data", "eval-fraction": "eval_fraction",
             "out": "out", "personalise": "personalise", "device": "device", "max-memory-gb": "max_memory_gb",
             "epochs": "epochs", "lr": "lr", "optimizer": "optimizer", "batch-size": "batch_size",
-            "threads": "threads"}
+            "threads": "threads", "runtime": "runtime", "precision": "precision"}
 
     @classmethod
     def from_node_config(cls, config: Any) -> EdgeNodeConfig:
@@ -226,26 +229,30 @@ def evaluate(msg: Message, context: Context) -> Message:
     training, held_out = node.shares(bundle)
     synced = sync_bundle(node, arrays, digest, instruction.round, training.files)
     lora = ActiveLora(tensors=_global_lora(arrays, synced.bundle), source="global", file=synced.bundle.path)
-    predictor = _warm_predictor(synced.bundle, node.threads)
+    predictor = _warm_predictor(synced.bundle, node.threads, node.runtime, node.precision)
     predictor.use_lora(lora)
     correct, total = evaluate_share(predictor, held_out)
     log(INFO, "edge: round %s, global model %d/%d correct on held-out images", instruction.round, correct, total)
     return _reply(msg, instruction, synced, schema.count_metrics({schema.EDGE_SET: (correct, total)}))
 
 
-_PREDICTORS: dict[tuple[str, str, int | None], Any] = {}
+_PREDICTORS: dict[tuple[str, str, int | None, str, str], Any] = {}
 
 
-def _warm_predictor(bundle: Bundle, threads: int | None) -> Any:
-    """One ONNX Runtime session per bundle state, kept across rounds (the node's process stays warm:
+def _warm_predictor(bundle: Bundle, threads: int | None, runtime: str = "ort", precision: str = "auto") -> Any:
+    """One session per bundle state and runtime, kept across rounds (the node's process stays warm:
     fedmvp_apps/deploy/warm_executor.py); a refresh gives the bundle a new id, and so a new session.
+    ``runtime`` / ``precision``: `edge-client join --runtime/--precision`, chosen as `infer` chooses
+    (``edge_client.runtime_choice.choose``; auto's verdict is cached per bundle and machine).
     Only the newest is kept: a device holds one bundle."""
     from edge_client.infer import Predictor
 
-    key = (str(bundle.path.resolve()), bundle.id, threads)
+    key = (str(bundle.path.resolve()), bundle.id, threads, runtime, precision)
     if key not in _PREDICTORS:
         _PREDICTORS.clear()
-        _PREDICTORS[key] = Predictor(bundle, threads=threads, personalised=False)
+        predictor = Predictor(bundle, threads=threads, personalised=False, runtime=runtime, precision=precision)
+        log(INFO, "edge: %s", predictor.choice.line)
+        _PREDICTORS[key] = predictor
     return _PREDICTORS[key]
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -37,7 +38,7 @@ from export import onnx_export, parity, training_artifact
 from export.class_set import ClassSet, file_class_set, run_class_set, text_features
 from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
 from export.errors import ExportError
-from export.int8 import Int8Plan
+from export.int8 import DEFAULT_MAX_ACCURACY_DROP, AccuracyTarget, Int8Plan
 from export.publish import check_out, publish
 from export.run_inputs import export_images, find_run, images_folder, load_checkpoint, preprocess_spec, read_config, rebuild_model
 from fedmvp.clip import LoadedClip
@@ -101,11 +102,16 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
                  precision: str = "fp32", force: bool = False, source: dict[str, Any] | None = None,
                  image_note: dict[str, int] | None = None, calibration: torch.Tensor | None = None,
                  training: bool = True, progress: bool = False,
-                 discard_device_state: bool = False, privacy: dict[str, Any] | None = None) -> BundleResult:
+                 discard_device_state: bool = False, privacy: dict[str, Any] | None = None,
+                 labels: np.ndarray | None = None,
+                 max_accuracy_drop: float = DEFAULT_MAX_ACCURACY_DROP) -> BundleResult:
     """Export ``model`` (round tensors loaded) over ``classes`` into the bundle directory ``out``.
 
     ``calibration``: images that choose which layers int8 keeps in fp32 (default: ``images``;
     give other ones, e.g. training images, so that the parity check stays independent).
+    ``labels``: the class index of each of ``images`` (-1: unknown); with at least ``parity.MIN_IMAGES``
+    known, int8 keeps the fewest layers fp32 that hold the top-1 accuracy on those within
+    ``max_accuracy_drop`` points (export/int8.py), else those that agree with fp32 on ``calibration``.
     ``training=False``: an inference-only bundle, without the training program, and without the
     fp32 frozen weights when the ONNX model embeds its own (fp16, int8).
     ``discard_device_state``: with ``force``, also replace an ``out`` holding device state
@@ -168,7 +174,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
                 else (images, reference)  # no calibration images of its own: the parity ones, logits reused
             variant, int8_plan = onnx_export.to_int8(graph, edge.lora_names, calib.numpy().astype("float32"),
                                                      calib_reference, parity.MIN_AGREEMENT["int8"], progress=step,
-                                                     edge=edge)
+                                                     edge=edge, accuracy=accuracy_target(images, labels, reference,
+                                                                                         max_accuracy_drop))
         if precision != "fp32":
             onnx_export.save(onnx_export.pin_classes(variant, list(classes.names)), tmp / names["onnx"])
             onnx_export.check(tmp / names["onnx"])
@@ -204,6 +211,17 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     sizes = {e: out.joinpath(e).stat().st_size for e in [*names.values(), MANIFEST]}
     return BundleResult(path=out, manifest=manifest, parity=results, sizes=sizes, int8=int8_plan,
                         discarded=discarded)
+
+
+def accuracy_target(images: torch.Tensor, labels: np.ndarray | None, reference: np.ndarray,
+                    max_drop: float) -> AccuracyTarget | None:
+    """int8's task-accuracy bound on the labelled ones of ``images`` (their fp32 logits: rows of
+    ``reference``); None with fewer than ``parity.MIN_IMAGES`` labelled (then: agreement with fp32)."""
+    known = labels >= 0 if labels is not None else np.zeros(len(images), dtype=bool)
+    if int(known.sum()) < parity.MIN_IMAGES:
+        return None
+    runner = onnx_export.calibration_runner(images[torch.from_numpy(known)].numpy().astype("float32"))
+    return AccuracyTarget(reference[known], labels[known], max_drop, lambda model: runner(model, None))
 
 
 def bundle_roles(precision: str, training: bool) -> dict[str, str]:
@@ -304,14 +322,20 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
                   *, precision: str = "fp32", force: bool = False, attributes: str | Path | None = None,
                   domain: str | None = None, parity_images: int = DEFAULT_PARITY_IMAGES, training: bool = True,
                   progress: bool = False, runs_root: str | Path = "runs",
-                  discard_device_state: bool = False, images: str | Path | None = None) -> BundleResult:
+                  discard_device_state: bool = False, images: str | Path | None = None,
+                  max_accuracy_drop: float | None = None) -> BundleResult:
     """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest).
 
     Needs the run directory only: the class set is the run's record; parity runs on ``images`` (a folder,
     walked recursively) when given, else on the run's test images where reachable, else on generated
-    pixels with one warning line (``export.run_inputs.export_images``)."""
+    pixels with one warning line (``export.run_inputs.export_images``). ``max_accuracy_drop``: int8's
+    bound in points on the labelled ones of those images (default 1.0; int8 only)."""
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if max_accuracy_drop is not None and precision != "int8":
+        raise ExportError(f"--max-accuracy-drop applies to --precision int8, not {precision}")
+    if max_accuracy_drop is not None and not max_accuracy_drop >= 0:
+        raise ExportError(f"--max-accuracy-drop must be 0 or more points, got {max_accuracy_drop}")
     if parity_images < parity.MIN_IMAGES:
         raise ExportError(f"--parity-images must be at least {parity.MIN_IMAGES}")
     run_dir = find_run(run, Path(runs_root))
@@ -326,13 +350,15 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     clip = model.clip_info
     ckpt_path = run_dir.round_path(checkpoint.round) / "global.safetensors"
     chosen = export_images(run_dir, clip.preprocess, clip.image_size, parity_images,
-                           folder, int8=precision == "int8")
-    if chosen.warning:
-        warn(chosen.warning)
+                           folder, int8=precision == "int8", class_names=list(classes.names))
+    for line in (chosen.warning, chosen.unlabelled):
+        if line:
+            warn(line)
     source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "run_id": config.get("run_id"),
               "round": checkpoint.round,
               "checkpoint_sha256": sha256_file(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
     return write_bundle(model, clip, classes, target, images=chosen.parity, precision=precision, force=force,
                         source=source, image_note=chosen.note, calibration=chosen.calibration, training=training,
                         progress=progress, discard_device_state=discard_device_state,
-                        privacy=round_privacy(run_dir, checkpoint.round))
+                        privacy=round_privacy(run_dir, checkpoint.round), labels=chosen.labels,
+                        max_accuracy_drop=DEFAULT_MAX_ACCURACY_DROP if max_accuracy_drop is None else max_accuracy_drop)

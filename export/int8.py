@@ -19,6 +19,15 @@ bisection). Without a torch twin (``shifts`` None) each layer is quantised alone
 to rank them, as before (one ONNX run per layer: slow on a ViT). What the guard keeps, and how
 long it takes, is measured by ``python -m benchmarks edge`` (docs/benchmarks.md), not here.
 
+The criterion (``AccuracyTarget``, docs/architecture.md "int8"): with labelled held-out images of the
+run (its test images, ``fedmvp-export --max-accuracy-drop``, points, default 1.0) the fewest layers are
+kept whose int8 model's task accuracy on them is at most that many points below fp32's; agreement with
+fp32 is reported beside it. Near-tied logits flip on int8 noise although they were a coin toss for fp32
+too, so top-1 agreement of 99% keeps nearly every layer of a small CLIP while the accuracy does not move.
+Without labelled images the criterion is agreement (``target``) on the calibration images, as before.
+The first-order estimate predicts the count for the accuracy bound too: a flip costs accuracy on a
+correctly classified image, so the agreement to predict for is 1 - bound / fp32 accuracy.
+
 Weights use 7 bits (``reduce_range``): x86 CPUs without VNNI saturate in the u8 x s8
 multiply-add at 8 bits, and the bundle must behave the same on whatever device runs it.
 Static int8 (``quantize_static_model``, QDQ, calibrated activation ranges) is built for
@@ -44,6 +53,32 @@ class Int8Error(RuntimeError):
     """The model could not be quantised as asked."""
 
 
+DEFAULT_MAX_ACCURACY_DROP = 1.0  # points of top-1 accuracy int8 may lose on the labelled held-out images
+
+
+@dataclass
+class AccuracyTarget:
+    """The task accuracy int8 must hold: labelled held-out images' fp32 logits, their classes, the bound.
+
+    ``run(model)``: the candidate's logits on the same images, in the same order."""
+
+    reference: np.ndarray  # [N, C] fp32 logits
+    labels: np.ndarray  # [N] class indices
+    max_drop_points: float
+    run: Callable[[onnx.ModelProto], np.ndarray]
+
+    @property
+    def fp32(self) -> float:
+        return _accuracy(self.reference, self.labels)
+
+    def drop_points(self, logits: np.ndarray) -> float:
+        return 100.0 * (self.fp32 - _accuracy(logits, self.labels))
+
+    def prediction_target(self) -> float:
+        """The agreement whose flips cost at most the bound if each lands on a correct image."""
+        return float(np.clip(1.0 - self.max_drop_points / 100.0 / max(self.fp32, 1e-9), 0.0, 1.0))
+
+
 @dataclass
 class Int8Plan:
     """Which layers were quantised, which stayed fp32 and why (goes into the manifest)."""
@@ -58,6 +93,10 @@ class Int8Plan:
     searched: int = 0  # quantisations run to find the plan
     sensitivity: str = "first-order"  # how layers were ranked: "first-order" (torch estimate) or "per-layer"
     predicted_kept: int = -1  # layers the first-order estimate said to keep (-1: not estimated)
+    criterion: str = "agreement"  # "accuracy" (AccuracyTarget) or "agreement" (target_agreement, calibration)
+    # criterion "accuracy": {images, fp32, int8 (top-1 accuracies), drop_points, max_drop_points,
+    # top1_agreement (int8 vs fp32, same images)}; the keys: fedmvp_formats.bundle_manifest.INT8_ACCURACY
+    accuracy: dict | None = None
 
     def to_manifest(self) -> dict:
         out = asdict(self)
@@ -68,9 +107,16 @@ class Int8Plan:
 
     def line(self) -> str:
         total = len(self.quantized) + len(self.kept_fp32)
-        return (f"int8: {len(self.quantized)} of {total} MatMul layers quantised, {len(self.kept_fp32)} kept fp32; "
-                f"calibration top-1 agreement {100 * self.calibration_agreement:.2f}% (expected "
-                f"{100 * self.calibration_expected_agreement:.2f}%) on {self.calibration_images} training images")
+        head = f"int8: {len(self.quantized)} of {total} MatMul layers quantised, {len(self.kept_fp32)} kept fp32; "
+        calibration = (f"top-1 agreement {100 * self.calibration_agreement:.2f}% (expected "
+                       f"{100 * self.calibration_expected_agreement:.2f}%) on {self.calibration_images} "
+                       f"training images")
+        if self.accuracy is None:
+            return head + "calibration " + calibration
+        a = self.accuracy
+        return (head + f"accuracy {100 * a['fp32']:.2f}% fp32 -> {100 * a['int8']:.2f}% int8 (drop "
+                f"{a['drop_points']:.2f} points, bound {a['max_drop_points']:g}; top-1 agreement "
+                f"{100 * a['top1_agreement']:.2f}%) on {a['images']} labelled held-out images; " + calibration)
 
 
 def matmuls_as_matmul(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -178,6 +224,10 @@ def _agreement(reference: np.ndarray, logits: np.ndarray) -> float:
     return float(np.mean(reference.argmax(-1) == logits.argmax(-1)))
 
 
+def _accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
+    return float(np.mean(logits.argmax(-1) == labels)) if len(labels) else 0.0
+
+
 def expected_agreement(reference: np.ndarray, logits: np.ndarray) -> float:
     """Top-1 agreement to expect on unseen images: the share of (i, j) pairs in which image i's
     shift of its top-1 vs runner-up logit gap is smaller than image j's fp32 gap.
@@ -228,36 +278,52 @@ def predict_kept(ranked: list[str], shifts: dict[str, np.ndarray], reference: np
 
 def plan_int8(proto: onnx.ModelProto, keep_fp32_inputs: list[str], reference: np.ndarray, run: Run,
               target: float, progress: Callable[[str], None] | None = None,
-              shifts: dict[str, np.ndarray] | None = None) -> tuple[onnx.ModelProto, Int8Plan]:
-    """The int8 model that quantises as many layers as it can while agreeing with ``reference``.
+              shifts: dict[str, np.ndarray] | None = None,
+              accuracy: AccuracyTarget | None = None) -> tuple[onnx.ModelProto, Int8Plan]:
+    """The int8 model that quantises as many layers as it can while holding the criterion.
 
     ``proto``: the fp32 model (Gemm already rewritten, see ``matmuls_as_matmul``);
     ``reference``: fp32 logits on the calibration images; ``run``: see ``Run``;
     ``shifts``: layer -> per-image first-order margin shifts of the first calibration images
     (export/int8_sensitivity.py): rank and predict from them, then verify with real runs.
-    Without them every layer is quantised alone and run once to rank them (slow)."""
+    Without them every layer is quantised alone and run once to rank them (slow).
+    ``accuracy``: hold the task accuracy on labelled held-out images within its bound, with the fewest
+    layers kept (searched down from the prediction too); None: top-1 agreement >= ``target`` with fp32 on
+    the calibration images."""
     note = progress or (lambda _: None)
     layers = quantizable_layers(proto, keep_fp32_inputs)
     if not layers:
         raise Int8Error("the model has no MatMul with a constant weight to quantise")
     plan = Int8Plan(target_agreement=target, calibration_images=int(len(reference)),
-                    sensitivity="first-order" if shifts is not None else "per-layer")
+                    sensitivity="first-order" if shifts is not None else "per-layer",
+                    criterion="agreement" if accuracy is None else "accuracy")
 
     def attempt(kept: list[str]) -> Trial:
         note(f"int8: keeping {len(kept)} most sensitive in fp32")
         model = quantize(proto, [name for name in layers if name not in kept])
-        out = run(model, None)
         plan.searched += 1
-        return Trial(model, _agreement(reference, out), expected_agreement(reference, out),
-                     float(np.max(np.abs(out - reference))))
+        if accuracy is None:
+            return _calibrated(model, reference, run)
+        out = accuracy.run(model)
+        return Trial(model, _agreement(accuracy.reference, out), 0.0, 0.0, accuracy.drop_points(out))
 
-    good = lambda trial: trial.agreement >= target and trial.expected >= target  # noqa: E731
+    if accuracy is None:
+        good = lambda trial: trial.agreement >= target and trial.expected >= target  # noqa: E731
+    else:
+        good = lambda trial: trial.drop_points <= accuracy.max_drop_points  # noqa: E731
     if shifts is not None:
         ranked = rank_first_order(layers, shifts)
-        plan.predicted_kept = predict_kept(ranked, shifts, reference, target)
-        kept, best = _search(ranked, plan.predicted_kept, attempt, good)
+        aim = target if accuracy is None else accuracy.prediction_target()
+        plan.predicted_kept = predict_kept(ranked, shifts, reference, aim)
+        kept, best = _search(ranked, plan.predicted_kept, attempt, good, fewest=accuracy is not None)
     else:
         kept, best = _per_layer_plan(proto, layers, reference, run, plan, note, attempt, good)
+    if accuracy is not None:
+        plan.accuracy = {"images": int(len(accuracy.labels)), "fp32": round(accuracy.fp32, 6),
+                         "int8": round(accuracy.fp32 - best.drop_points / 100.0, 6),
+                         "drop_points": round(best.drop_points, 4), "max_drop_points": accuracy.max_drop_points,
+                         "top1_agreement": round(best.agreement, 6)}
+        best = _calibrated(best.model, reference, run)  # the calibration agreement, reported beside it
     plan.calibration_agreement, plan.calibration_expected_agreement = best.agreement, best.expected
     plan.calibration_max_abs_logit_diff = best.max_diff
     plan.kept_fp32 = kept
@@ -265,26 +331,41 @@ def plan_int8(proto: onnx.ModelProto, keep_fp32_inputs: list[str], reference: np
     return best.model, plan
 
 
+def _calibrated(model: onnx.ModelProto, reference: np.ndarray, run: Run) -> Trial:
+    """``model``'s agreement with fp32 on the calibration images (one real run)."""
+    out = run(model, None)
+    return Trial(model, _agreement(reference, out), expected_agreement(reference, out),
+                 float(np.max(np.abs(out - reference))))
+
+
 @dataclass
 class Trial:
-    """One real ONNX Runtime run of a candidate int8 model on the calibration images."""
+    """One real ONNX Runtime run of a candidate int8 model: its agreement with fp32 (on the calibration
+    images, or with an accuracy target on its labelled images) and, there, its accuracy drop in points."""
 
     model: onnx.ModelProto
     agreement: float
     expected: float
     max_diff: float
+    drop_points: float = 0.0
 
 
 def _search(ranked: list[str], start: int, attempt: Callable[[list[str]], Trial],
-            good: Callable[[Trial], bool], low: int = -1) -> tuple[list[str], Trial]:
+            good: Callable[[Trial], bool], low: int = -1, fewest: bool = False) -> tuple[list[str], Trial]:
     """Verify keeping ``ranked[:start]``; if that fails, keep more in doubling steps, then bisect
-    between the last failure and the first success (``low``: a count known to fail)."""
+    between the last failure and the first success (``low``: a count known to fail). ``fewest``: when
+    the start already passes, try keeping none, then bisect down (the accuracy bound asks for the fewest)."""
     count, step = start, 1
     trial = attempt(ranked[:count])
     while not good(trial) and count < len(ranked):
         low, count, step = count, min(len(ranked), count + step), step * 2
         trial = attempt(ranked[:count])
     best = trial
+    if fewest and low < 0 and count > 0 and good(best):
+        none = attempt([])
+        if good(none):
+            return [], none
+        low = 0
     while count - low > 1 and low >= 0:
         middle = (low + count) // 2
         trial = attempt(ranked[:middle])

@@ -50,7 +50,7 @@ from edge_client.tensor_layout import safetensors_layout
 from export.edge_module import EdgeClassifier, no_mha_fastpath  # noqa: F401 (used here and re-exported)
 
 if TYPE_CHECKING:
-    from export.int8 import Int8Plan
+    from export.int8 import AccuracyTarget, Int8Plan
 
 OPSET = 18
 INPUT_NAME = "pixel_values"
@@ -357,13 +357,15 @@ def to_fp16(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
 
 
 def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, reference: np.ndarray,
-            target: float, progress=None, edge: EdgeClassifier | None = None) -> tuple[onnx.ModelProto, "Int8Plan"]:
+            target: float, progress=None, edge: EdgeClassifier | None = None,
+            accuracy: "AccuracyTarget | None" = None) -> tuple[onnx.ModelProto, "Int8Plan"]:
     """Dynamic int8 of the MatMul weights, the layers that would flip predictions kept fp32 (export/int8.py).
 
     ``calibration``: images, ``reference``: the fp32 model's logits on them. LoRA MatMuls are
     never quantised (their weights are graph inputs, and the edge swaps them as fp32).
     ``edge``: the torch module ``model`` was exported from; with it the layers are ranked by a
-    first-order estimate (export/int8_sensitivity.py) instead of one ONNX run per layer."""
+    first-order estimate (export/int8_sensitivity.py) instead of one ONNX run per layer.
+    ``accuracy``: the task accuracy to hold on labelled held-out images (else: agreement >= ``target``)."""
     from export.int8 import plan_int8, quantizable_layers
 
     proto = _quantisable(model, lora_names)
@@ -375,7 +377,8 @@ def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, ref
         if progress:
             progress("int8: first-order sensitivity")
         shifts = layer_shifts(edge, images, proto, quantizable_layers(proto, lora_names))
-    out, plan = plan_int8(proto, lora_names, reference, calibration_runner(calibration), target, progress, shifts)
+    out, plan = plan_int8(proto, lora_names, reference, calibration_runner(calibration), target, progress, shifts,
+                          accuracy)
     _check_lora_fp32(out, lora_names, "int8 quantisation")
     return _sorted(out), plan
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from edge_client.preprocess import PreprocessSpec
@@ -87,35 +88,41 @@ def rebuild_model(run: RunDir, checkpoint: Checkpoint) -> FedMVP:
         raise ExportError(str(err)) from None
 
 
-def run_images(federation, preprocess, count: int) -> torch.Tensor:
-    """Up to ``count`` preprocessed test images, evenly spread over the run's evaluation sets.
+def run_images(federation, preprocess, count: int) -> tuple[torch.Tensor, list[str]]:
+    """Up to ``count`` preprocessed test images, evenly spread over the run's evaluation sets, and the
+    class name of each (held-out labels: what int8's accuracy bound is measured on).
 
     Unreadable files are skipped (the caller tops up with synthetic images)."""
-    samples = [s for e in federation.evaluations for s in e.samples]
-    samples += [s for c in federation.clients for s in c.test]
-    return _spread_images([path for path, _ in samples], preprocess, count)
+    samples = [(path, e.class_names[label]) for e in federation.evaluations for path, label in e.samples]
+    samples += [(path, c.class_names[label]) for c in federation.clients for path, label in c.test]
+    return _spread_images(samples, preprocess, count)
 
 
 def run_training_images(federation, preprocess, count: int) -> torch.Tensor:
     """Up to ``count`` preprocessed training images of the run's clients (int8 calibration: kept
     apart from the test images that the parity check then judges on)."""
-    return _spread_images([path for c in federation.clients for path, _ in c.train], preprocess, count)
+    return _spread_images([(path, "") for c in federation.clients for path, _ in c.train], preprocess, count)[0]
 
 
-def _spread_images(paths: list[str], preprocess, count: int) -> torch.Tensor:
+def _spread_images(samples: list[tuple[str, str]], preprocess, count: int) -> tuple[torch.Tensor, list[str]]:
+    """(path, class name) samples -> up to ``count`` preprocessed images evenly spread, and their names."""
     from PIL import Image
 
-    paths = list(dict.fromkeys(paths))  # local tests may repeat evaluation images
+    named: dict[str, str] = {}
+    for path, name in samples:  # local tests may repeat evaluation images: each path once, its first name
+        named.setdefault(path, name)
+    paths = list(named)
     if len(paths) > count:
         paths = [paths[math.floor(i * len(paths) / count)] for i in range(count)]
-    images = []
+    images, names = [], []
     for path in paths:
         try:
             with Image.open(path) as image:
                 images.append(preprocess(image.convert("RGB")))
         except Exception:  # noqa: BLE001 - PIL raises many types; a broken file just is not used
             continue
-    return torch.stack(images) if images else torch.zeros(0)
+        names.append(named[path])
+    return (torch.stack(images) if images else torch.zeros(0)), names
 
 
 def images_folder(folder: str | Path | None) -> Path | None:
@@ -125,18 +132,19 @@ def images_folder(folder: str | Path | None) -> Path | None:
     return Path(folder) if folder is not None else None
 
 
-def folder_images(folder: Path, preprocess, count: int) -> torch.Tensor:
-    """Up to ``count`` preprocessed images of ``folder`` (``--images``: walked recursively, evenly spread)."""
+def folder_images(folder: Path, preprocess, count: int) -> tuple[torch.Tensor, list[str]]:
+    """Up to ``count`` preprocessed images of ``folder`` (``--images``: walked recursively, evenly spread),
+    each named by its parent folder (FOLDER/<class>/<image>, as `edge-client train` reads labels)."""
     from edge_client.images import ImageReadError, iter_image_paths
 
     try:
         paths = [str(p) for p in iter_image_paths([folder])]
     except ImageReadError as err:
         raise ExportError(f"{folder}: --images: {err}") from None
-    images = _spread_images(paths, preprocess, count)
+    images, names = _spread_images([(p, Path(p).parent.name) for p in paths], preprocess, count)
     if not len(images):
         raise ExportError(f"{folder}: --images holds no readable image")
-    return images
+    return images, names
 
 
 def synthetic_images(count: int, image_size: int, seed: int = 0) -> torch.Tensor:
@@ -163,14 +171,18 @@ class ExportImages:
     calibration: torch.Tensor | None
     note: dict[str, int]
     warning: str | None = None
+    labels: np.ndarray | None = None  # per parity image: its class's index in ``class_names``, -1 unknown
+    unlabelled: str | None = None  # int8: why its accuracy bound cannot be held (the one warning line)
 
 
 def export_images(run: RunDir, preprocess, image_size: int, count: int, folder: Path | None,
-                  int8: bool) -> ExportImages:
+                  int8: bool, class_names: list[str] | None = None) -> ExportImages:
     """Parity on ``folder`` (``--images``) when given, else on the run's test images where they are
     reachable (rebuilt from the recorded preset, ``RunDir.federation``), else on generated pixels.
     int8 calibration: the run's training images where reachable, else ``folder``'s, else generated.
-    A machine holding the run alone gets generated pixels and one warning line saying so."""
+    A machine holding the run alone gets generated pixels and one warning line saying so.
+    ``class_names``: the bundle's classes; each parity image whose class is one of them gets its index
+    as label (``ExportImages.labels``), the task accuracy int8 holds (export/int8.py)."""
     federation, reason = None, "no readable image"
     if folder is None or int8:  # the run's images are asked for only where they are used
         try:
@@ -178,9 +190,9 @@ def export_images(run: RunDir, preprocess, image_size: int, count: int, folder: 
         except RunError as err:
             reason = str(err)
     if folder is not None:
-        real, kind, source = folder_images(folder, preprocess, count), "folder", str(folder)
+        (real, names), kind, source = folder_images(folder, preprocess, count), "folder", str(folder)
     else:
-        real = run_images(federation, preprocess, count) if federation else torch.zeros(0)
+        real, names = run_images(federation, preprocess, count) if federation else (torch.zeros(0), [])
         kind, source = "run", "the run's test images"
     parity_images = topped_up(real, image_size, seed=0)
     generated = len(parity_images) - len(real)
@@ -194,8 +206,17 @@ def export_images(run: RunDir, preprocess, image_size: int, count: int, folder: 
                               "the run's training images", reason))
     parts = [s for s in said if s]
     hint = "" if folder is not None else "; pass --images DIR for real ones"
+    index = {name: i for i, name in enumerate(class_names or [])}
+    labels = np.array([index.get(name, -1) for name in names] + [-1] * generated, dtype=np.int64)
+    unlabelled = None
+    if int8 and class_names is not None and int(np.sum(labels >= 0)) < MIN_IMAGES:
+        why = (f"{folder} holds no {MIN_IMAGES} images in <class>/ folders of the bundle's classes" if folder
+               else f"the run's test images are not reachable ({reason})" if not len(real)
+               else "the run's test images are not of the bundle's classes")
+        unlabelled = (f"int8: fewer than {MIN_IMAGES} labelled held-out images ({why}); layers kept fp32 by top-1 "
+                      f"agreement with fp32 instead of --max-accuracy-drop")
     return ExportImages(parity_images, calibration, {kind: len(real), "synthetic": generated},
-                        "; ".join(parts) + hint if parts else None)
+                        "; ".join(parts) + hint if parts else None, labels, unlabelled)
 
 
 def _said(purpose: str, real: int, generated: int, source: str, reason: str) -> str | None:

@@ -18,8 +18,8 @@ from typing import Any
 
 import click
 
-from edge_client.engines import PRECISIONS, RUNTIMES
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainOptions
+from fedmvp_apps.edge_join import runtime_options
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 _BUNDLE_HELP = "Bundle directory (default: $FEDMVP_BUNDLE, then ./bundle)."
@@ -44,19 +44,6 @@ def _provider_options(f: Any) -> Any:
                         default="auto", show_default=True,
                         help="ONNX Runtime's execution provider; auto takes TensorRT, then CUDA, then CPU. A named "
                              "one that cannot load is an error.")(f)
-
-
-def _runtime_options(f: Any) -> Any:
-    """--runtime and --precision (edge_client/runtime_choice.py), shared by infer and info."""
-    f = click.option("--precision", type=click.Choice(["auto", *PRECISIONS], case_sensitive=False),
-                     default="auto", show_default=True,
-                     help="What the model computes in, where the runtime and this machine offer it (int8: the "
-                          "bundle's int8 model). auto: the fastest verified against the bundle as exported.")(f)
-    return click.option("--runtime", type=click.Choice(["auto", *RUNTIMES], case_sensitive=False), default="ort",
-                        show_default=True,
-                        help="ort (ONNX Runtime), openvino (fedmvp[openvino]) or auto: the fastest runtime and "
-                             "precision that pass verification on the bundle's check images (cached per bundle "
-                             "and machine). A runtime named and missing is an error.")(f)
 
 
 def _wait_option(f: Any) -> Any:
@@ -99,7 +86,7 @@ def main() -> None:
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Images per ONNX Runtime call.")
 @_provider_options
-@_runtime_options
+@runtime_options
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Refuse images with more pixels (decompression bombs; default 100,000,000).")
 @click.option("--bundle-lora", is_flag=True, help="Run the bundle's exported LoRA, not this device's personalised one.")
@@ -310,7 +297,7 @@ def _rollback_refresh(path: Path, as_json: bool, wait: float) -> None:
 @main.command()
 @_bundle_option
 @_provider_options
-@_runtime_options
+@runtime_options
 @_json_option
 def info(bundle: Path | None, provider: str, threads: int | None, runtime: str, precision: str,
          as_json: bool) -> None:

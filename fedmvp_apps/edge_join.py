@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
+from edge_client.engines import PRECISIONS, RUNTIMES
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainInputError, TrainOptions
 from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
 
@@ -39,12 +41,36 @@ def check_node(node) -> dict:
             raise TrainInputError(f"training needs torch ({err}); install {EDGE_JOIN_INSTALL}") from None
         if not torch.cuda.is_available():
             raise TrainInputError("--device cuda: CUDA is not available to torch on this device")
+    check_runtime(node, bundle)
     training, held_out = node.shares(bundle)
     if not held_out.files:
         raise TrainInputError(f"{node.data}: no image can be held out for evaluation (a class needs 2 images, "
                               f"or give --eval-data)")
     return {"bundle": str(bundle.path), "round": bundle.round, "train_images": len(training),
             "eval_images": len(held_out), "classes": len(training.classes)}
+
+
+def check_runtime(node, bundle) -> None:
+    """The runtime and precision the rounds will evaluate on are offered here: one named and missing is
+    an error now (exit 2), never a silent fallback in round 1 (edge_client/engines.py). ``auto`` is chosen,
+    and verified, by the node at its first evaluation (``edge_client.node._warm_predictor``)."""
+    from edge_client.engines import candidates
+
+    candidates(bundle, node.runtime, node.precision)
+
+
+def runtime_options(f: Any) -> Any:
+    """--runtime and --precision (edge_client/runtime_choice.py): one definition for `join`, `infer` and
+    `info` (edge_cli.py imports it from here), so all three offer the same choices with the same help."""
+    f = click.option("--precision", type=click.Choice(["auto", *PRECISIONS], case_sensitive=False),
+                     default="auto", show_default=True,
+                     help="What the model computes in, where the runtime and this machine offer it (int8: the "
+                          "bundle's int8 model). auto: the fastest verified against the bundle as exported.")(f)
+    return click.option("--runtime", type=click.Choice(["auto", *RUNTIMES], case_sensitive=False), default="ort",
+                        show_default=True,
+                        help="ort (ONNX Runtime), openvino (fedmvp[openvino]) or auto: the fastest runtime and "
+                             "precision that pass verification on the bundle's check images (cached per bundle "
+                             "and machine). A runtime named and missing is an error.")(f)
 
 
 def _option(*decls: str, name: str, **kwargs):
@@ -86,10 +112,11 @@ def _option(*decls: str, name: str, **kwargs):
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for training and inference.")
 @click.option("--port", type=click.IntRange(1, 65535), default=None,
               help="Local port of the SuperNode's own API (default: a free one).")
+@runtime_options
 def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None, eval_fraction: float,
          root_certificates: Path | None, auth_key: Path | None, insecure: bool, device: str,
          max_memory_gb: float | None, epochs: int, lr: float, optimizer: str, out: Path | None, personalise: bool,
-         threads: int | None, port: int | None) -> None:
+         threads: int | None, port: int | None, runtime: str, precision: str) -> None:
     """Join a federation as an edge device: each round it is asked, train the global LoRA on DATA.
 
     Runs a Flower SuperNode until stopped (Ctrl-C). Only LoRA tensors, the number of images
@@ -97,23 +124,25 @@ def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None
     (checked before anything starts), then Flower's own."""
     from edge_client.bundle import Bundle, BundleError
     from edge_client.node import EdgeNodeConfig
+    from edge_client.runtime import ProviderError
 
     try:
         node = EdgeNodeConfig(bundle=Bundle.resolve_dir(bundle).resolve(), data=data.resolve(),
                               eval_data=eval_data.resolve() if eval_data else None, eval_fraction=eval_fraction,
                               out=out.resolve() if out else None, personalise=personalise, device=device.lower(),
                               max_memory_gb=max_memory_gb, epochs=epochs, lr=lr, optimizer=optimizer.lower(),
-                              threads=threads)
+                              threads=threads, runtime=runtime.lower(), precision=precision.lower())
         node.options(1)  # the training options are valid (TrainInputError otherwise)
         summary = check_node(node)
         args = supernode_command(superlink, node.to_node_config(), root_certificates, auth_key, insecure, port,
                                  install=EDGE_JOIN_INSTALL)
-    except (TrainInputError, BundleError, LaunchError) as err:
+    except (TrainInputError, BundleError, LaunchError, ProviderError) as err:
         click.echo(f"error: {' '.join(str(err).split())}", err=True)
         sys.exit(2)
     click.echo(f"edge node: bundle {summary['bundle']} (round {summary['round']}), {summary['train_images']} "
                f"training and {summary['eval_images']} held-out images of {summary['classes']} classes; "
-               f"connecting to {superlink}", err=True)
+               f"evaluating on --runtime {node.runtime} --precision {node.precision}; connecting to {superlink}",
+               err=True)
     if insecure:
         click.echo("warning: --insecure: no TLS; use it only for a trial", err=True)
     become_supernode(args)

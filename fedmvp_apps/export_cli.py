@@ -31,6 +31,10 @@ def _quiet_libraries() -> None:
                    "default, becomes a symlink to it unless ./bundle is a directory or file of your own).")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
               help="Precision of the ONNX model (fp32 parity is always checked).")
+@click.option("--max-accuracy-drop", type=click.FloatRange(min=0), default=None, metavar="POINTS",
+              help="With --precision int8: keep in fp32 the fewest layers that hold the top-1 accuracy on the "
+                   "run's labelled test images (or --images DIR/<class>/) within this many points of fp32's "
+                   "[default: 1.0]. Without 32 labelled images: top-1 agreement with fp32 >= 99%, with a warning.")
 @click.option("--attributes", type=click.Path(path_type=Path), default=None,
               help="{class: [phrases]} JSON: bake this class set instead of the run's (untrained classes too).")
 @click.option("--domain", default=None, help="With --attributes: sentence prefix of this domain (e.g. sketch).")
@@ -49,7 +53,8 @@ def _quiet_libraries() -> None:
               help="With --force: replace the directory even if it holds a device's personalised/ LoRAs or "
                    "previous/ bundle (refused otherwise: they would be lost).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def main(run: Path | None, round_number: int | None, out: Path | None, precision: str, attributes: Path | None,
+def main(run: Path | None, round_number: int | None, out: Path | None, precision: str,
+         max_accuracy_drop: float | None, attributes: Path | None,
          domain: str | None, parity_images: int, images: Path | None, inference_only: bool, force: bool,
          discard_device_state: bool, as_json: bool) -> None:
     """Compile a round of a fedmvp run into an edge bundle.
@@ -66,7 +71,8 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
     try:
         result = export_bundle(run, round_number, out, precision=precision, force=force, attributes=attributes,
                                domain=domain, parity_images=parity_images, training=not inference_only,
-                               progress=not as_json, discard_device_state=discard_device_state, images=images)
+                               progress=not as_json, discard_device_state=discard_device_state, images=images,
+                               max_accuracy_drop=max_accuracy_drop)
     except ParityError as err:
         _fail(as_json, EXIT_PARITY, f"parity failed, no bundle written: {err}",
               {"parity": {k: r.to_manifest() for k, r in err.results.items()}})
@@ -79,12 +85,16 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
                                "round": result.manifest["source"].get("round"),
                                "parity": {k: r.to_manifest() for k, r in result.parity.items()},
                                "sizes": result.sizes, "total_bytes": result.total_bytes,
+                               "int8": result.int8.to_manifest() if result.int8 else None,
                                "discarded": result.discarded}, sort_keys=True))
     else:
         for line in result.lines() + ([linked] if linked else []):
             click.echo(line)
     if not result.passed:
-        click.echo(f"warning: {precision} parity below the target (bundle kept; fp32 parity passed)", err=True)
+        held = result.int8.accuracy if result.int8 else None
+        click.echo(f"warning: {precision} parity below the target (bundle kept; fp32 parity passed" +
+                   (f"; the accuracy bound held: {held['drop_points']:.2f} of {held['max_drop_points']:g} points"
+                    if held else "") + ")", err=True)
 
 
 def _fail(as_json: bool, code: int, message: str, extra: dict | None = None) -> None:

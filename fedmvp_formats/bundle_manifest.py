@@ -36,6 +36,11 @@ ROLES = {"onnx": "model.onnx", "weights": "weights.safetensors", "lora": "lora.s
 REQUIRED_ROLES = ("onnx", "lora")
 PRECISIONS = ("fp32", "fp16", "int8")
 CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class list it was exported with
+# ``onnx.int8`` of an int8 bundle (export/int8.py's plan): the MatMul layers ``quantized`` and ``kept_fp32``,
+# the ``criterion`` that chose them and, for "accuracy", what it measured on labelled held-out images
+# (top-1 accuracies as fractions, the drop and its bound in points, top-1 agreement with fp32).
+INT8_CRITERIA = ("accuracy", "agreement")
+INT8_ACCURACY = ("images", "fp32", "int8", "drop_points", "max_drop_points", "top1_agreement")
 
 # Top-level sections: (the types a value may have, required). ``source`` and ``promptformer`` are optional
 # within format 2 (a bundle without them cannot be refreshed); ``training`` is None for inference only.
@@ -133,6 +138,7 @@ def check_manifest(m: Any, where: str) -> MethodRecord:
     except ValueError as err:
         raise ManifestError(f"{err}; re-export the bundle with this version of fedmvp-export") from None
     _check_classes(m, bad)
+    _check_int8((m.get("onnx") or {}).get("int8"), bad)
     if m["precision"] not in PRECISIONS:
         raise bad("precision", f"{m['precision']!r} is not one of {', '.join(PRECISIONS)}")
     roles = m["files_by_role"]
@@ -180,6 +186,26 @@ def _check_classes(m: dict[str, Any], bad: Any) -> None:
     outputs = (m.get("onnx") or {}).get("num_classes")
     if outputs is not None and outputs != len(names):
         raise bad("onnx.num_classes", f"the model outputs {outputs!r} classes, classes.names lists {len(names)}")
+
+
+def _check_int8(plan: Any, bad: Any) -> None:
+    """``onnx.int8``, where present: layer lists of names; the criterion (absent in bundles exported before
+    it was recorded: agreement) and, for "accuracy", every measured figure a number."""
+    if plan is None:
+        return
+    if not isinstance(plan, dict):
+        raise bad("onnx.int8", f"must be a mapping, got {type(plan).__name__}")
+    for key in ("quantized", "kept_fp32"):
+        if not isinstance(plan.get(key), list) or not all(isinstance(n, str) for n in plan[key]):
+            raise bad(f"onnx.int8.{key}", "not a list of layer names")
+    criterion = plan.get("criterion", "agreement")
+    if criterion not in INT8_CRITERIA:
+        raise bad("onnx.int8.criterion", f"{criterion!r} is not one of {', '.join(INT8_CRITERIA)}")
+    accuracy = plan.get("accuracy")
+    if criterion == "accuracy" and (not isinstance(accuracy, dict) or not all(
+            isinstance(accuracy.get(k), (int, float)) and not isinstance(accuracy.get(k), bool)
+            for k in INT8_ACCURACY)):
+        raise bad("onnx.int8.accuracy", f"criterion accuracy needs numbers {', '.join(INT8_ACCURACY)}")
 
 
 def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -97,3 +97,20 @@ def test_a_version_less_method_record_of_an_existing_bundle_is_read():
     m = manifest()
     m["method"].pop("version")
     assert check_manifest(m, WHERE) == MethodRecord()
+
+
+def test_an_int8_plan_names_its_layers_and_its_criterion_measures_numbers():
+    """onnx.int8: the accuracy criterion records the accuracies, the drop and the bound (export/int8.py)."""
+    accuracy = {"images": 72, "fp32": 0.8, "int8": 0.79, "drop_points": 1.0, "max_drop_points": 1.0,
+                "top1_agreement": 0.97}
+    plan = {"quantized": ["a"], "kept_fp32": ["b"], "criterion": "accuracy", "accuracy": accuracy}
+    m = manifest()
+    for ok in (plan, {"quantized": [], "kept_fp32": ["b"]}, {**plan, "criterion": "agreement", "accuracy": None}):
+        m["onnx"]["int8"] = ok
+        assert check_manifest(m, WHERE) == MethodRecord()
+    for bad, field in (({**plan, "kept_fp32": "b"}, "onnx.int8.kept_fp32"),
+                       ({**plan, "criterion": "luck"}, "onnx.int8.criterion"),
+                       ({**plan, "accuracy": {**accuracy, "drop_points": None}}, "onnx.int8.accuracy"),
+                       ({**plan, "accuracy": None}, "onnx.int8.accuracy")):
+        m["onnx"]["int8"] = bad
+        assert f"field {field}:" in _error(m)

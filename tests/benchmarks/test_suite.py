@@ -113,7 +113,7 @@ def test_edge_and_prompts_quick_sections_measure_every_runtime():
 
     section = edge.run(Options(quick=True, repeats=1, threads=1))
     runtimes = {"torch_plain", "torch_prompted", "ort_plain_fp32", "ort_fp32", "ort_int8", "ort_int8_dynamic_all",
-                "ort_int8_static_all"}
+                "ort_int8_static_all", "ort_int8_blockwise_all"}
     measured = {(r["runtime"], r["batch"]) for r in section.rows}
     kinds = {k for k, _ in measured}
     assert measured == {(k, b) for k in kinds for b in (1, 2)} and runtimes <= kinds

@@ -23,7 +23,8 @@ def test_node_config_survives_flowers_parser(tmp_path):
 
     node = EdgeNodeConfig(bundle=tmp_path / "my bundle", data=tmp_path / "it's data", eval_fraction=0.3,
                           out=tmp_path / "up", personalise=True, device="cpu", max_memory_gb=2.5, epochs=3,
-                          lr=0.02, optimizer="adamw", batch_size=8, threads=2)
+                          lr=0.02, optimizer="adamw", batch_size=8, threads=2, runtime="openvino",
+                          precision="bf16")
     parsed = parse_config_args([node.to_node_config()])
     assert parsed["role"] == "edge"
     assert EdgeNodeConfig.from_node_config(parsed) == node
@@ -112,6 +113,62 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     (engine,) = [p.engine for p in edge_node._PREDICTORS.values()]
     again = evaluate(message, context).content["metrics"]  # the next round: the same model, fed its LoRA
     assert dict(again) == dict(counts) and [p.engine for p in edge_node._PREDICTORS.values()] == [engine]
+
+
+@pytest.mark.parametrize("runtime, precision", [("ort", "auto"), ("openvino", "fp32")])
+def test_the_runtime_asked_for_evaluates_the_round(edge_bundle, tmp_path, runtime, precision):
+    """`join --runtime/--precision` travel in the node config to the predictor the evaluate handler
+    runs (and keeps warm): its engine is that runtime's, and its counts are the ones ONNX Runtime gives."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedmvp_formats.messages import Instruction
+
+    from edge_client import node as edge_node
+    from edge_client.node import _record, evaluate
+
+    if runtime == "openvino":
+        pytest.importorskip("openvino")
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    bundle = Bundle.open(edge_bundle)
+    root = write_local_data(tmp_path / "local", bundle.class_names[:3], per_class=4)
+    node = EdgeNodeConfig(bundle=edge_bundle, data=root, eval_fraction=0.5, threads=1, runtime=runtime,
+                          precision=precision)
+    config = ConfigRecord(Instruction(round=2, run_id="r", promptformer_digest=bundle.promptformer_digest,
+                                      assignment={}).records()["config"])
+    message = Message(content=RecordDict({"arrays": _record(bundle.lora()), "config": config}), dst_node_id=5,
+                      message_type="evaluate")
+    context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
+                      run_config={})
+    counts = evaluate(message, context).content["metrics"]
+    (predictor,) = edge_node._PREDICTORS.values()
+    assert predictor.engine.runtime == runtime and predictor.choice.candidate.runtime == runtime
+    assert predictor.engine.precision == (bundle.precision if precision == "auto" else precision)
+    held_out = node.shares(bundle)[1]
+    assert counts["edge:total"] == len(held_out) == 6
+    from edge_client.infer import Predictor
+
+    reference = Predictor(bundle, threads=1, personalised=False)  # ONNX Runtime fp32: the same top-1 counts
+    assert counts["edge:correct"] == edge_node.evaluate_share(reference, held_out)[0]
+
+
+def test_join_refuses_a_runtime_named_and_unavailable_before_connecting(edge_bundle, tmp_path):
+    """`join --runtime openvino` where OpenVINO is missing: one error line, exit 2, no SuperNode started
+    (a superlink nobody listens on: connecting would hang, not exit 2)."""
+    import os
+
+    from edge_client.engines import DISABLED_ENV
+
+    classes = Bundle.open(edge_bundle).class_names
+    root = write_local_data(tmp_path / "local", classes[:2], per_class=3)
+    args = ["join", "--bundle", str(edge_bundle), "--data", str(root), "--superlink", "127.0.0.1:9", "--insecure",
+            "--runtime", "openvino"]
+    done = subprocess.run([str(Path(sys.executable).parent / "edge-client"), *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, DISABLED_ENV: "openvino"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: openvino is disabled on this device ({DISABLED_ENV}=openvino)"], done.stderr
+    assert "connecting" not in done.stderr
 
 
 def parse(node: EdgeNodeConfig) -> dict:

@@ -116,3 +116,18 @@ def test_an_old_run_without_the_data_is_one_line(lone_run, tmp_path):
     result = _export(old, tmp_path / "b")
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines()[-1].startswith("error: ") and "cannot rebuild the run's data" in result.stderr
+
+
+def test_int8_without_labelled_images_says_so_once_and_keeps_layers_by_agreement(lone_run, tmp_path):
+    """--images whose folders are not the bundle's classes, the run's test images gone: one warning line,
+    and the plan's criterion is today's top-1 agreement with fp32 (no accuracy recorded)."""
+    run, images, _ = lone_run
+    result = _export(run, tmp_path / "b", "--images", str(images), "--precision", "int8", "--inference-only")
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.stderr.splitlines() if "labelled held-out" in line]
+    assert warned == [f"warning: int8: fewer than 32 labelled held-out images ({images} holds no 32 images in "
+                      f"<class>/ folders of the bundle's classes); layers kept fp32 by top-1 agreement with fp32 "
+                      f"instead of --max-accuracy-drop"], result.stderr
+    plan = read_bundle(tmp_path / "b").manifest["onnx"]["int8"]
+    assert plan["criterion"] == "agreement" and plan["accuracy"] is None
+    assert plan["calibration_agreement"] >= plan["target_agreement"] == 0.99

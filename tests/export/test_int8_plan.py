@@ -11,7 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export.int8 import Int8Error, expected_agreement, matmuls_as_matmul, plan_int8, quantizable_layers, quantize
+from export.int8 import (AccuracyTarget, Int8Error, expected_agreement, matmuls_as_matmul, plan_int8,
+                         quantizable_layers, quantize)
 
 WIDTH, CLASSES, IMAGES = 32, 64, 256
 
@@ -115,3 +116,43 @@ def test_expected_agreement_pairs_every_shift_with_every_margin(shifts, expected
     logits[:, 0] -= np.array(shifts)  # the top-1 logit drops by the shift: the margin shrinks by it
     assert expected_agreement(reference, logits) == pytest.approx(expected)
 
+
+
+def labelled(x: np.ndarray, reference: np.ndarray, seed: int = 3) -> AccuracyTarget:
+    """Labels: fp32's top-1, a quarter of them replaced by another class (fp32 is ~75% accurate)."""
+    rng = np.random.default_rng(seed)
+    labels = reference.argmax(-1)
+    wrong = rng.random(len(labels)) < 0.25
+    labels[wrong] = (labels[wrong] + 1 + rng.integers(0, CLASSES - 1, int(wrong.sum()))) % CLASSES
+    return AccuracyTarget(reference, labels, 0.0, lambda model: run(model, x))
+
+
+@pytest.mark.parametrize("ranking", ["per-layer", "first-order"])
+def test_a_tight_accuracy_bound_keeps_more_layers_than_a_loose_one(images, ranking):
+    """The task accuracy on labelled images decides (not agreement): a loose bound quantises every layer,
+    a tight one keeps layers fp32, the fewest along the ranking (one fewer breaks the bound)."""
+    proto = matmuls_as_matmul(mlp(1, 0.0))
+    layers = quantizable_layers(proto, [])
+    reference = run(proto, images)
+    target = labelled(images, reference)
+    full = run(quantize(proto, layers), images)
+    assert target.drop_points(full) > 0  # all int8 loses accuracy here: the tight bound has work to do
+    # first-order: estimates saying every layer matters, so the search starts at keeping all and goes down
+    shifts = {name: np.full(IMAGES, 1e3) for name in layers} if ranking == "first-order" else None
+    plans = {}
+    for bound in (0.0, 100.0):
+        target.max_drop_points = bound
+        model, plan = plan_int8(proto, [], reference, runner(images), 0.99, shifts=shifts, accuracy=target)
+        out = run(model, images)
+        assert plan.criterion == "accuracy" and plan.accuracy["max_drop_points"] == bound
+        assert plan.accuracy["fp32"] == pytest.approx(target.fp32) and 0.6 < target.fp32 < 0.9
+        assert plan.accuracy["drop_points"] == pytest.approx(target.drop_points(out), abs=1e-3)
+        assert target.drop_points(out) <= bound
+        assert plan.accuracy["int8"] == pytest.approx(target.fp32 - target.drop_points(out) / 100)
+        assert plan.accuracy["top1_agreement"] == pytest.approx(np.mean(out.argmax(-1) == reference.argmax(-1)))
+        assert plan.calibration_agreement == pytest.approx(plan.accuracy["top1_agreement"])  # same images here
+        plans[bound] = plan
+    assert plans[100.0].kept_fp32 == [] and len(plans[0.0].kept_fp32) > 0
+    tight = plans[0.0].kept_fp32  # the ranking's first ones
+    fewer = run(quantize(proto, [name for name in layers if name not in tight[:-1]]), images)
+    assert target.drop_points(fewer) > 0.0  # one layer fewer kept breaks the tight bound

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -35,12 +37,14 @@ def test_reduced_precision_bundle(precision, tiny_run, tiny_bundle, tmp_path):
     assert all(inits[n].data_type == onnx.TensorProto.FLOAT for n in lora)  # swappable as fp32, un-quantized
     kinds = {n.op_type for n in model.graph.node}
     if precision == "int8":
-        plan = bundle.manifest["onnx"]["int8"]
-        assert plan["calibration_agreement"] >= 0.99 and plan["calibration_images"] >= 32
+        plan = bundle.manifest["onnx"]["int8"]  # held by accuracy on the run's 72 labelled test images
+        assert plan["criterion"] == "accuracy" and plan["accuracy"]["images"] == 72
+        assert plan["accuracy"]["drop_points"] <= plan["accuracy"]["max_drop_points"] == 1.0
+        assert 0 < plan["calibration_agreement"] <= 1 and plan["calibration_images"] >= 32
         assert sum(n.op_type == "MatMulInteger" for n in model.graph.node) == len(plan["quantized"]) > 0
         assert not set(plan["quantized"]) & set(plan["kept_fp32"])
         assert plan["sensitivity"] == "first-order" and plan["predicted_kept"] >= 0  # ranked in torch, not per layer
-        assert f"int8: {len(plan['quantized'])} of" in result.output
+        assert f"int8: {len(plan['quantized'])} of" in result.output and "labelled held-out images" in result.output
     else:
         assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in inits.values())
     fp32_onnx_bytes = tiny_bundle.sizes["model.onnx"] + tiny_bundle.sizes["weights.safetensors"]
@@ -48,3 +52,52 @@ def test_reduced_precision_bundle(precision, tiny_run, tiny_bundle, tmp_path):
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     logits = session.run(None, {"pixel_values": np.zeros((3, 3, 32, 32), np.float32)})[0]
     assert logits.shape == (3, NUM_CLASSES) and logits.dtype == np.float32
+
+
+def test_the_accuracy_bound_reaches_the_plan_and_the_manifest_records_it(tiny_run, tmp_path):
+    """--max-accuracy-drop travels to the int8 plan; the manifest (and --json) record fp32 and int8 accuracy
+    on the run's labelled test images, the drop, the bound, agreement beside them, and the layer lists."""
+    out = tmp_path / "int8"
+    result = CliRunner().invoke(main, ["--run", str(tiny_run), "--precision", "int8", "--max-accuracy-drop",
+                                       "0.25", "--out", str(out), "--inference-only", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = read_bundle(out).manifest["onnx"]["int8"]
+    assert plan == json.loads(result.stdout)["int8"]
+    accuracy = plan["accuracy"]
+    assert plan["criterion"] == "accuracy" and accuracy["max_drop_points"] == 0.25 and accuracy["images"] == 72
+    assert accuracy["drop_points"] <= 0.25 and 0 < accuracy["fp32"] <= 1 and 0 < accuracy["int8"] <= 1
+    assert accuracy["drop_points"] == pytest.approx(100 * (accuracy["fp32"] - accuracy["int8"]), abs=1e-3)
+    assert 0 < accuracy["top1_agreement"] <= 1
+    assert plan["quantized"] and not set(plan["quantized"]) & set(plan["kept_fp32"])
+
+
+def test_a_tight_bound_keeps_more_layers_of_the_tiny_model_than_a_loose_one(tiny_run, tmp_path):
+    """write_bundle on the real tiny model, judged on noise images labelled with fp32's own top-1 (fp32 100%
+    accurate; their near-tied logits flip under int8): bound 0 keeps layers fp32, bound 100 keeps none."""
+    from export_helpers import rebuilt_model
+
+    from export import parity
+    from export.bundle_writer import write_bundle
+    from export.class_set import run_class_set, text_features
+    from export.run_inputs import synthetic_images
+    from fedmvp.runs import RunDir
+
+    model, clip = rebuilt_model(tiny_run)
+    classes = run_class_set(RunDir(tiny_run))
+    images = synthetic_images(64, clip.image_size, seed=5)
+    model.set_text_features(text_features(clip, classes))
+    labels = parity.torch_logits(model, images).argmax(-1)
+    kept = {}
+    for bound in (0.0, 100.0):
+        result = write_bundle(model, clip, classes, tmp_path / f"b{bound:g}", images=images, precision="int8",
+                              training=False, calibration=images[:32], labels=labels, max_accuracy_drop=bound)
+        accuracy = result.int8.accuracy
+        assert accuracy["fp32"] == 1.0 and accuracy["drop_points"] <= bound and accuracy["images"] == 64
+        kept[bound] = len(result.int8.kept_fp32)
+    assert kept[100.0] == 0 < kept[0.0], kept
+
+
+def test_the_accuracy_bound_is_for_int8_only(tiny_run, tmp_path):
+    result = CliRunner().invoke(main, ["--run", str(tiny_run), "--max-accuracy-drop", "1",
+                                       "--out", str(tmp_path / "b")])
+    assert result.exit_code == 2 and "--max-accuracy-drop applies to --precision int8, not fp32" in result.stderr
