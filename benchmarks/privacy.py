@@ -310,6 +310,8 @@ def plot(section: Section, folders: list[Path]) -> None:
     ax.axhline(top, color="k", label="non-private")
     ax.axhspan(top - GOAL_POINTS, top, color="g", alpha=0.12, label=f"within {GOAL_POINTS:g} points")
     ax.axhline(100 * r["edge_acc_before_training"], color="grey", ls=":", label="before edge training")
+    if r.get("edge_acc_demo_one_device") is not None:
+        ax.axhline(100 * r["edge_acc_demo_one_device"], color="b", ls="-.", lw=0.8, label="the demo's one device")
     ax.axvline(EPSILON_BOUND, color="r", ls="--", lw=0.8, label=f"epsilon = {EPSILON_BOUND:g}")
     ax.set_xscale("log")
     ax.set_xlabel(f"epsilon at delta {DELTA:g} (dp-accounting, RDP)")
