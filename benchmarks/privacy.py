@@ -8,8 +8,8 @@ images, 40-way over every baked class, with the ingested round's LoRA.
 Differential privacy needs more than one sender: one device's clipped delta with noise z C on every
 coordinate is all noise. So here the same 128 images are dealt, one at a time in (class, image)
 order, to ``devices`` simulated devices (32 on the full run: 4 images of 4 classes each), the privacy
-unit being a device: the noise on the mean of m clipped deltas shrinks as 1/m, and 8 devices drown
-the signal (a pilot: accuracy falls below the untrained bundle's). Each round every device trains the round's bundle
+unit being a device: the noise on the mean of m clipped deltas shrinks as 1/m (with the demo's 6144
+LoRA parameters its norm is about z C sqrt(6144) / m, against a signal of at most C). Each round every device trains the round's bundle
 (``edge_client.train.train_local``, the demo's recipe), its update file is ingested
 (``fedmvp.federated.ingest.ingest``), and each device refreshes its bundle to the new round
 (``edge_client.refresh.refresh_bundle``, what an edge node does). The same protocol runs without
