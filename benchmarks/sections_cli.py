@@ -11,6 +11,7 @@ import json
 import logging
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 from benchmarks.common import Options, Section, set_threads
 
@@ -23,10 +24,15 @@ def parse_options(doc: str | None, argv: list[str] | None) -> tuple[Options, boo
     parser.add_argument("--model", default=None, help="CLIP architecture (default per section)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     parser.add_argument("--repeats", type=int, default=None, help="timing repeats")
+    parser.add_argument("--run", type=Path, default=None,
+                        help="a trained run (e.g. `fedmvp demo`'s) for the sections that need real weights")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the files a section writes (plots)")
     parser.add_argument("--json", action="store_true", help="print the Section record as one JSON object")
     args = parser.parse_args(argv)
+    if args.run is not None and not args.run.is_dir():
+        parser.error(f"--run {args.run}: not a directory")
     options = Options(quick=args.quick, device=args.device, model=args.model, threads=args.threads,
-                      repeats=args.repeats)
+                      repeats=args.repeats, run=args.run, out=args.out)
     return options, args.json
 
 
