@@ -32,6 +32,7 @@ SECTIONS = {
     "comm": "benchmarks.comm",
     "flower": "benchmarks.flower",
     "deploy": "benchmarks.deploy",
+    "async": "benchmarks.async_rounds",
 }
 # single-purpose scripts folded in as subcommands (their own flags; `python -m benchmarks NAME --help`)
 SCRIPTS = {
