@@ -33,6 +33,7 @@ SECTIONS = {
     "flower": "benchmarks.flower",
     "deploy": "benchmarks.deploy",
     "privacy": "benchmarks.privacy",
+    "async": "benchmarks.async_rounds",
 }
 # single-purpose scripts folded in as subcommands (their own flags; `python -m benchmarks NAME --help`)
 SCRIPTS = {

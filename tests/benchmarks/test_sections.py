@@ -77,6 +77,26 @@ def test_deploy_quick_runs_each_sites_messages_in_one_warm_process() -> None:
     json.dumps(section.to_json())
 
 
+@pytest.mark.timeout(1200)
+def test_async_quick_runs_both_modes_on_throttled_devices() -> None:
+    """Two real deployments of the same throttled devices (issue 26 §4): synchronous rounds, then buffered
+    versions with as many device updates; every checkpoint's accuracy and time; the ratio's goal."""
+    from benchmarks import async_rounds
+
+    section = async_rounds.run(Options(quick=True))
+    config = section.config
+    assert config["slowdowns"] == [1, 4] and config["buffered_versions"] == 2 * config["sync_rounds"] * 2 // 2
+    by_run = {name: [r for r in section.rows if r["runtime"] == name] for name in ("sync", "buffered")}
+    assert [r["round"] for r in by_run["sync"]] == list(range(1, config["sync_rounds"] + 1))
+    assert [r["round"] for r in by_run["buffered"]] == list(range(1, config["buffered_versions"] + 1))
+    for rows in by_run.values():
+        assert rows[0]["seconds"] == 0 and all(0 <= r["accuracy"] <= 1 for r in rows)
+        assert [r["seconds"] for r in rows] == sorted(r["seconds"] for r in rows)
+    assert "buffered_vs_sync_time_to_accuracy" in section.ratios
+    assert section.goals[0].target == ">= 2x"
+    json.dumps(section.to_json())
+
+
 def test_edge_agreement_without_an_ort_fp32_runtime_is_empty():
     """--device cuda where ONNX Runtime has no CUDA provider: the torch rows stand, no KeyError."""
     import numpy as np
