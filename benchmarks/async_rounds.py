@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 
 from benchmarks.common import Goal, Options, Section, ratio  # noqa: E402
 from benchmarks.deploy import FEDMVP, Deployment  # noqa: E402
-from benchmarks.sections_cli import section_main  # noqa: E402
+from benchmarks.sections_cli import section_main, show_ratios  # noqa: E402
 
 SPEEDS = {"full": (1, 2, 5, 10), "quick": (1, 4)}  # slowdown of each device
 ROUNDS = {"full": 6, "quick": 3}  # synchronous rounds measured (one more holds the final evaluation)
@@ -258,8 +258,7 @@ def show(section: Section) -> None:
     print(f"{'run':<10} {'round':>5} {'seconds':>8} {'accuracy':>9}")
     for r in section.rows:
         print(f"{r['runtime']:<10} {r['round']:>5} {r['seconds']:8.1f} {100 * r['accuracy']:8.2f}%")
-    for key, value in section.ratios.items():
-        print(f"  {key}: {'-' if value is None else f'{value:.2f}x'}")
+    show_ratios(section)
 
 
 def main(argv: list[str] | None = None) -> int:

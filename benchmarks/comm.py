@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import Goal, Options, Section, ratio  # noqa: E402
 from benchmarks.edge_refresh import MODELS, message_bytes  # noqa: E402
-from benchmarks.sections_cli import section_main  # noqa: E402
+from benchmarks.sections_cli import section_main, show_ratios  # noqa: E402
 
 PAPER_RATIO = 267.08  # PromptFormer / LoRA parameters on ViT-B/16 (docs/method.md §3, docs/benchmarks.md)
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -104,8 +104,7 @@ def show(section: Section) -> None:
     for r in section.rows:
         print(f"{r['model']:<12} {r['message']:<10} {r['dtype']:<5} {r['parameters']:>11,} {r['bytes']:>13,} "
               f"{r['flower_bytes']:>13,}")
-    for key, value in section.ratios.items():
-        print(f"  {key}: {value:.2f}x")
+    show_ratios(section)
 
 
 def main(argv: list[str] | None = None) -> int:

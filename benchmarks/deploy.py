@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 
 from benchmarks.common import Goal, Options, Section, ratio  # noqa: E402
 from benchmarks.flower import preset_file, rounds_for  # noqa: E402
-from benchmarks.sections_cli import section_main  # noqa: E402
+from benchmarks.sections_cli import section_main, show_ratios  # noqa: E402
 
 SITES = (0, 1)
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
@@ -201,8 +201,7 @@ def show(section: Section) -> None:
     print(f"{'runtime':<40} {'round':>5} {'kind':<24} {'seconds':>8}")
     for r in section.rows:
         print(f"{r['runtime']:<40} {r['round']:>5} {r['kind']:<24} {r['seconds']:8.2f}")
-    for key, value in section.ratios.items():
-        print(f"  {key}: {'-' if value is None else f'{value:.2f}x'}")
+    show_ratios(section)
 
 
 def main(argv: list[str] | None = None) -> int:

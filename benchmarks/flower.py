@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO, Goal, Options, Section, ratio  # noqa: E402
-from benchmarks.sections_cli import section_main  # noqa: E402
+from benchmarks.sections_cli import section_main, show_ratios  # noqa: E402
 
 # Round 1: start-up; the last round: the final evaluation; the rounds between are measured (median).
 ROUNDS = {"full": 5, "quick": 3}
@@ -208,8 +208,7 @@ def show(section: Section) -> None:
     for r in section.rows:
         seconds = "-" if r["seconds"] is None else f"{r['seconds']:8.2f}"
         print(f"{r['runtime']:<28} {str(r['round'] or '-'):>5} {r['kind']:<24} {seconds:>8}")
-    for key, value in section.ratios.items():
-        print(f"  {key}: {'-' if value is None else f'{value:.2f}x'}")
+    show_ratios(section)
 
 
 def main(argv: list[str] | None = None) -> int:

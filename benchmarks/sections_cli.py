@@ -36,6 +36,12 @@ def parse_options(doc: str | None, argv: list[str] | None) -> tuple[Options, boo
     return options, args.json
 
 
+def show_ratios(section: Section) -> None:
+    """A section's ratios under its table, one per line (- where one could not be measured)."""
+    for key, value in section.ratios.items():
+        print(f"  {key}: {'-' if value is None else f'{value:.2f}x'}")
+
+
 def show_goals(section: Section) -> None:
     """Goals and notes under a section's table."""
     for goal in section.goals:

@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO, Goal, Options, Section, current_rss_mb, ratio  # noqa: E402
-from benchmarks.sections_cli import section_main  # noqa: E402
+from benchmarks.sections_cli import section_main, show_ratios  # noqa: E402
 
 FULL = {"model": "ViT-B-16", "batches": (8, 32), "repeats": 2}
 QUICK = {"model": "fedmvp-tiny", "batches": (2, 4), "repeats": 1}
@@ -318,8 +318,7 @@ def show(section: Section) -> None:
         print(f"{r['runtime']:<28} {r['variant']:<20} {r['batch']:>5} {str(r['segments'] or '-'):>4} "
               f"{r['seconds_per_step']:8.3f} {r['ms_per_image']:8.1f} {r['activation_mb']:8.1f} "
               f"{r.get(memory_key, 0.0):8.1f}")
-    for key, value in section.ratios.items():
-        print(f"  {key}: {'-' if value is None else f'{value:.2f}x'}")
+    show_ratios(section)
 
 
 def main(argv: list[str] | None = None) -> int:
