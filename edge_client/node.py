@@ -39,7 +39,7 @@ from flwr.supercore import log
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity, Instruction, read_instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
-from fedmvp_formats.privacy import PrivacyRecord
+from fedmvp_formats.privacy import PrivacyRecord, device_privacy
 from fedmvp_formats.promptformer import promptformer_digest
 
 from edge_client.bundle import Bundle, BundleError
@@ -209,8 +209,9 @@ def train(msg: Message, context: Context) -> Message:
     synced = sync_bundle(node, arrays, instruction.promptformer_digest, round_number - 1, training.files)
     start = _global_lora(arrays, synced.bundle)
     log(INFO, "edge: round %s, training the global LoRA on %d local images", round_number, len(training))
-    privacy = None if instruction.privacy is None else \
-        PrivacyRecord.from_record(instruction.privacy, "the server's privacy record")  # the run's, not the bundle's
+    sent = None if instruction.privacy is None else \
+        PrivacyRecord.from_record(instruction.privacy, "the server's privacy record")  # the run's
+    privacy = device_privacy(synced.bundle.privacy, sent)  # the bundle's local noise: a floor the server cannot lower
     result = train_local(training, synced.bundle, node.options(round_number), start_lora=start, privacy=privacy)
     trained = result.tensors  # in memory, checked against the bundle as an update file would be
     metrics = schema.train_metrics(result.num_examples, result.mean_loss, refresh_seconds=synced.refresh_seconds)

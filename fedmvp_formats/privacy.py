@@ -101,6 +101,19 @@ class PrivacyRecord:
         return spec
 
 
+def device_privacy(own: PrivacyRecord | None, sent: PrivacyRecord | None) -> PrivacyRecord | None:
+    """What an online device obeys: the round's settings (``sent``, the run's), except that the local
+    noise its own bundle asks for (``own``, the manifest's, set when the device was given the bundle) is a
+    floor a server cannot lower: a message without privacy, in central mode, with a larger ``clip_norm`` or
+    a smaller ``noise_multiplier`` does not weaken it (docs/howto/privacy.md)."""
+    if own is None or own.mode != LOCAL:
+        return sent
+    if sent is not None and sent.mode == LOCAL and sent.clip_norm <= own.clip_norm \
+            and sent.noise_multiplier >= own.noise_multiplier:
+        return sent
+    return own
+
+
 def privacy_fields() -> tuple[Any, ...]:
     """The record's fields (name, default, ``metadata["help"]``): the ``[privacy]`` table's keys."""
     return fields(PrivacyRecord)

@@ -241,3 +241,24 @@ def test_evaluate_reports_the_rounds_epsilon(run, tmp_path):
     assert round_privacy(RunDir(run), 2)["epsilon"] == 0.0  # round 2's weights spent nothing yet
     table = format_table({"run": str(run), "round": 3, "zero-shot": {}, "tuned": {}, "privacy": report})
     assert f"privacy: epsilon {report['epsilon']:.3g} at delta 1e-05 over 1 rounds (central" in table
+
+
+_LOCAL = dict(mode="local", clip_norm=0.1, noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("own,sent,obeyed", [
+    (None, None, None),                                                      # no DP anywhere
+    (None, dict(mode="central"), "sent"),                                    # the run's settings
+    (dict(mode="central"), None, None),                                      # central: the server's business
+    (_LOCAL, None, "own"),                                                   # a server sending none
+    (_LOCAL, dict(mode="central"), "own"),                                   # ... or central
+    (_LOCAL, dict(_LOCAL, clip_norm=1.0), "own"),                            # ... or a larger clip
+    (_LOCAL, dict(_LOCAL, noise_multiplier=0.5), "own"),                     # ... or less noise
+    (_LOCAL, dict(_LOCAL, noise_multiplier=2.0, clip_norm=0.05), "sent"),    # stricter: taken
+])
+def test_a_server_cannot_lower_the_local_noise_a_devices_bundle_asks_for(own, sent, obeyed):
+    from fedmvp_formats.privacy import PrivacyRecord, device_privacy
+
+    own_r = None if own is None else PrivacyRecord(**own)
+    sent_r = None if sent is None else PrivacyRecord(**sent)
+    assert device_privacy(own_r, sent_r) is {"own": own_r, "sent": sent_r, None: None}[obeyed]
