@@ -4,8 +4,8 @@ Before the LoRA switch a client uploads every PromptFormer tensor (``promptforme
 LoRA (``lora.*``); after it, the LoRA alone (docs/method.md §3-4). Sizes come from the real
 model's state (default FedMVPConfig, random-init backbone: sizes do not depend on the weights),
 in fp32 (what travels today, fedmvp.federated.wire) and fp16 (what halving would save). Next to
-the raw tensor bytes, the bytes of the Flower ArrayRecord as actually serialised (protobuf),
-which adds names, shapes and dtypes. The paper's figure, 267.08x, is PromptFormer / LoRA
+the raw tensor bytes, the bytes of the Flower records as actually serialised (protobuf): the packed
+ArrayRecord and its layout ConfigRecord (fedmvp_formats.packed), which add names, shapes and dtypes. The paper's figure, 267.08x, is PromptFormer / LoRA
 parameters (docs/method.md §3); the full message / LoRA-only ratio adds the LoRA to the numerator.
 
     python -m benchmarks.comm            # table
@@ -44,12 +44,15 @@ def model_tensors(name: str) -> dict[str, dict[str, np.ndarray]]:
 
 
 def flower_bytes(tensors: dict[str, np.ndarray]) -> int:
-    """Bytes of the ArrayRecord a round message carries, serialised as Flower sends it (protobuf)."""
-    from flwr.common.serde import array_record_to_proto
+    """Bytes of the records a round message carries its tensors in (the packed ArrayRecord and its
+    layout), serialised as Flower sends them (protobuf)."""
+    from flwr.app import ArrayRecord
+    from flwr.common.serde import array_record_to_proto, config_record_to_proto
 
-    from fedmvp.federated.wire import array_record
+    from fedmvp.federated.wire import state_records
 
-    return array_record_to_proto(array_record(tensors)).ByteSize()
+    return sum((array_record_to_proto(r) if isinstance(r, ArrayRecord) else config_record_to_proto(r)).ByteSize()
+               for r in state_records(tensors).values())
 
 
 def message_rows(name: str, parts: dict[str, dict[str, np.ndarray]]) -> list[dict]:
@@ -93,7 +96,7 @@ def run(options: Options) -> Section:
     section.goals.append(Goal.at_least("ViT-B-16 PromptFormer/LoRA parameters (paper 267.08x)", paper,
                                        PAPER_RATIO - 0.01))
     section.notes.append("full = promptformer.* + lora.* (before the LoRA switch); lora_only = lora.* (after). "
-                         "flower_bytes: flwr ArrayRecord protobuf ByteSize, names and shapes included.")
+                         "flower_bytes: flwr ArrayRecord + layout ConfigRecord protobuf ByteSize, names and shapes included.")
     section.seconds = time.perf_counter() - began
     return section
 

@@ -2,7 +2,8 @@
 
 Deployment: `fedmvp certs`, `fedmvp serve` (TLS, on 127.0.0.1) and 2 sites by `fedmvp join`, the
 demo preset (``benchmarks.flower.preset_file``: with --quick its smallest federation), all real
-processes. A site's SuperNode runs its messages in one warm process (fedmvp_apps/deploy/
+processes, each site given its share of this machine's cores (`fedmvp join --threads`: sites of a
+real deployment have their own machines; two at torch's default, every core each, oversubscribe one). A site's SuperNode runs its messages in one warm process (fedmvp_apps/deploy/
 warm_executor.py), so CLIP, the model and the data index are loaded once per site, not per message.
 A round's time is read from the run's checkpoints (each written when its round is aggregated):
 round 1 holds the sites' start-up and the zero-shot evaluation, the last round the final evaluation;
@@ -43,7 +44,7 @@ from benchmarks.sections_cli import section_main, show_ratios  # noqa: E402
 
 SITES = (0, 1)
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
-TASK_LINE = re.compile(r"warm ClientApp: task (\d+) of this process \(pid (\d+)\) (done|failed)")
+TASK_LINE = re.compile(r"warm ClientApp: task (\d+) of this process \(pid (\d+)\) \S+ (done|failed)")
 WAIT_SECONDS = {"quick": 600, "full": 1800}
 
 
@@ -76,15 +77,23 @@ class Deployment:
                 proc.wait()
 
 
+def site_threads() -> int:
+    """Each site's share of this machine's cores: the sites of a real deployment each have their own
+    machine; here they share one, and torch's default (every core, in each) oversubscribes it."""
+    return max(1, (os.cpu_count() or 1) // len(SITES))
+
+
 def site_command(superlink: str, preset: Path, site: int, ca: Path, warm: bool) -> tuple[list[str], dict | None]:
     """`fedmvp join` (warm), or the SuperNode it starts run as Flower's default per-message process (cold)."""
+    threads = site_threads()
     if warm:
         return [*FEDMVP, "join", "--superlink", superlink, "--config", str(preset), "--site", str(site),
-                "--root-certificates", str(ca)], None
+                "--root-certificates", str(ca), "--threads", str(threads)], None
     from fedmvp_apps.cli.join import site_node_config
     from fedmvp_apps.deploy.supernode import QUIET_ENV, supernode_command
+    from fedmvp_formats.messages import THREADS
 
-    args = supernode_command(superlink, site_node_config(str(preset), site), ca)
+    args = supernode_command(superlink, f"{site_node_config(str(preset), site)} {THREADS}={threads}", ca)
     args[args.index("--isolation") + 1] = "subprocess"
     return args, {**os.environ, **QUIET_ENV, "FLWR_TELEMETRY_ENABLED": "0"}
 
@@ -167,7 +176,7 @@ def run(options: Options) -> Section:
     steady = slice(1, rounds - 1)
     section = Section(name="deploy", config={
         "preset": "demo" + (" (quick override)" if options.quick else ""), "rounds": rounds, "sites": len(SITES),
-        "transport": "TLS on 127.0.0.1", "local_train_seconds": {str(k): v for k, v in local.items()},
+        "transport": "TLS on 127.0.0.1", "site_threads": site_threads(), "local_train_seconds": {str(k): v for k, v in local.items()},
         "warm_tasks_per_site": results["warm"]["tasks"], "warm_processes_per_site": results["warm"]["executor_pids"],
         "warm_failed_tasks": results["warm"]["failed_tasks"]})
     for kind, result in results.items():

@@ -39,6 +39,7 @@ from flwr.supercore import log
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity, Instruction, read_instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
+from fedmvp_formats.packed import LAYOUT, PACKED, pack, read_wire
 from fedmvp_formats.privacy import PrivacyRecord, device_privacy
 from fedmvp_formats.promptformer import promptformer_digest
 
@@ -122,12 +123,15 @@ class EdgeNodeConfig:
 
 
 # ---- the global tensors and the bundle ---------------------------------------------------------------
-def _arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
-    return {name: np.asarray(value.numpy(), dtype=np.float32) for name, value in record.items()}
+def _arrays(content: RecordDict) -> dict[str, np.ndarray]:
+    """The tensors the server sent, packed (``fedmvp_formats.packed``), judged before use."""
+    return read_wire(content[schema.ARRAYS], content[LAYOUT] if LAYOUT in content else None)
 
 
-def _record(tensors: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.ascontiguousarray(v, dtype=np.float32)) for k, v in sorted(tensors.items())})
+def _records(tensors: dict[str, np.ndarray]) -> dict[str, ArrayRecord | ConfigRecord]:
+    """The reply's tensors as the server reads them: one packed Array and its layout."""
+    flat, layout = pack(tensors)
+    return {schema.ARRAYS: ArrayRecord({PACKED: Array(flat)}), LAYOUT: ConfigRecord(layout)}
 
 
 @dataclass
@@ -178,7 +182,7 @@ def _reply(msg: Message, instruction: Instruction, synced: Synced | None, metric
            arrays: dict[str, np.ndarray] | None = None) -> Message:
     records = {schema.METRICS: MetricRecord(metrics), schema.IDENTITY: _identity(instruction, synced)}
     if arrays is not None:
-        records = {schema.ARRAYS: _record(arrays), **records}
+        records = {**_records(arrays), **records}
     return Message(content=RecordDict(records), reply_to=msg)
 
 
@@ -203,7 +207,7 @@ def train(msg: Message, context: Context) -> Message:
     node = EdgeNodeConfig.from_node_config(context.node_config)
     instruction = _instruction(msg)
     round_number = instruction.round
-    arrays = _arrays(msg.content[schema.ARRAYS])
+    arrays = _arrays(msg.content)
     bundle = Bundle.open(node.bundle, verify=False)
     training, _ = node.shares(bundle)
     synced = sync_bundle(node, arrays, instruction.promptformer_digest, round_number - 1, training.files)
@@ -222,7 +226,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     """The global model on the device's held-out images: top-1 counts (``edge:correct``, ``edge:total``)."""
     node = EdgeNodeConfig.from_node_config(context.node_config)
     instruction = _instruction(msg)
-    arrays = _arrays(msg.content[schema.ARRAYS])
+    arrays = _arrays(msg.content)
     if not instruction.prompted or not arrays:  # zero-shot CLIP: the bundle cannot run it
         return _reply(msg, instruction, None, {})
     digest = instruction.promptformer_digest or promptformer_digest(arrays)

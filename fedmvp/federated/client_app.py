@@ -13,7 +13,7 @@ simulation's share of one machine for each node), else torch's default."""
 from __future__ import annotations
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedmvp_formats import messages as schema
@@ -27,7 +27,7 @@ from fedmvp.data.site_federation import site_id
 from fedmvp.federated.evaluation import site_counts
 from fedmvp.presets.schema import load_preset
 from fedmvp.federated.task import LocalSettings, local_train, task_context, train_class_counts
-from fedmvp.federated.wire import content_instruction, record_to_torch, torch_record
+from fedmvp.federated.wire import content_instruction, content_torch_state, state_records, to_numpy_state
 from fedmvp.model import FedMVPConfig
 
 app = ClientApp()
@@ -75,12 +75,14 @@ def _device(device: str | None) -> str:
     return "cpu" if device == "cuda" and not torch.cuda.is_available() else device
 
 
-def _reply(msg: Message, identity: Identity, metrics: dict, arrays: ArrayRecord | None = None,
+def _reply(msg: Message, identity: Identity, metrics: dict, state: dict[str, torch.Tensor] | None = None,
            classes: dict[str, int] | None = None) -> Message:
     records = {schema.METRICS: MetricRecord(metrics), schema.IDENTITY: ConfigRecord(identity.record())}
     if classes is not None:  # a train reply: its training images per class (the server records them)
         records[schema.CLASSES] = ConfigRecord(classes)
-    return Message(content=RecordDict(records if arrays is None else {schema.ARRAYS: arrays, **records}), reply_to=msg)
+    if state is not None:  # packed: one Array and its layout (fedmvp.federated.wire)
+        records = {**state_records(to_numpy_state(state)), **records}
+    return Message(content=RecordDict(records), reply_to=msg)
 
 
 @app.query(schema.IDENTIFY)
@@ -109,14 +111,14 @@ def train(msg: Message, context: Context) -> Message:
     ctx = task_context(preset, method, _device(instruction.device), request)
     client = ctx.client(client_id)
     lora_active = client_id in instruction.need("lora-clients")
-    received = record_to_torch(msg.content[schema.ARRAYS])
+    received = content_torch_state(msg.content)
     result = local_train(ctx, client, received, instruction.round,
                          instruction.need("lr"), lora_active, LocalSettings.from_record(instruction.need("local")))
     if instruction.privacy is not None and result.lora_active:  # [privacy]: the LoRA delta clipped (local: noised)
         result.state = private_lora(result.state, received, instruction.privacy)
     metrics = schema.train_metrics(result.num_examples, result.loss, ce=result.ce, consistency=result.consistency,
                                    lora_active=result.lora_active, switch_next=result.switch_next)
-    return _reply(msg, identity, metrics, torch_record(result.state), train_class_counts(client))
+    return _reply(msg, identity, metrics, result.state, train_class_counts(client))
 
 
 def private_lora(state: dict[str, torch.Tensor], received: dict[str, torch.Tensor], record: dict
@@ -140,6 +142,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)
     method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
     ctx = task_context(preset, method, _device(instruction.device), request)
-    state = record_to_torch(msg.content[schema.ARRAYS]) if instruction.prompted else None
+    state = content_torch_state(msg.content) if instruction.prompted else None
     counts = site_counts(ctx, client_id, state, instruction.need("assignment"))
     return _reply(msg, identity, schema.count_metrics(counts))

@@ -11,10 +11,11 @@ short (``shown``).
 Before those rules, ``reply_fields`` checks the records themselves: an ``ArrayRecord``, a
 ``MetricRecord`` and a ``ConfigRecord`` identity, no key told twice with two values, every value
 the server later uses of the type it uses it as (a NaN loss or a string byte count would stop
-the round, not just this reply). ``wire_arrays`` converts the arrays only after their declared
-serialisation, dtype (float32 only, as every client sends), shape and byte count, and the .npy
-header inside the bytes, all match the round: ``np.load`` allocates whatever shape a header
-declares. The tensor checks are the leaf's one (``fedmvp_formats.tensors``); the update-norm bound
+the round, not just this reply). The tensors travel packed (one Array and its ``layout`` record,
+``fedmvp_formats.packed``); ``wire_arrays`` converts them only after the layout's names and shapes,
+the Array's declared serialisation, dtype (float32 only, as every client sends), shape and byte
+count, and the .npy header inside the bytes, all match the round: ``np.load`` allocates whatever
+shape a header declares. The tensor checks are the leaf's one (``fedmvp_formats.tensors``); the update-norm bound
 (``bound_update``) also judges the update files of `fedmvp ingest` (``ingest.py``).
 
 A site's reply also says what it trained on, its ``classes`` record (class name -> training images):
@@ -30,7 +31,6 @@ tensors of its mode, at most its training set's images) and an **edge** device (
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,12 +41,20 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity, MessageError, count_pair, count_sets, is_int, read_identity
 from fedmvp_formats.names import LORA_PREFIX
+from fedmvp_formats.packed import LAYOUT, read_wire
 from fedmvp_formats.shown import name_shown, shown
-from fedmvp_formats.tensors import names_problem, shape_text, tensor_problem
+from fedmvp_formats.tensors import tensor_problem
 
 from fedmvp.presets.server import ServerSpec
 
-MAX_NPY_HEADER = 4096  # np.save writes 128 bytes for these shapes
+
+
+@dataclass(frozen=True)
+class WireTensors:
+    """A reply's tensors as they came: its ``arrays`` record and its ``layout`` (None: none sent)."""
+
+    arrays: ArrayRecord
+    layout: ConfigRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -79,18 +87,20 @@ class Verdict:
         return self.arrays is not None
 
 
-def reply_fields(content: RecordDict) -> tuple[ArrayRecord, dict[str, Any]] | str:
-    """A train reply's ``arrays`` record and its ``metrics``, ``identity`` (and ``classes``, as a dict
+def reply_fields(content: RecordDict) -> tuple[WireTensors, dict[str, Any]] | str:
+    """A train reply's tensors as they came (``arrays`` and ``layout``) and its ``metrics``, ``identity`` (and ``classes``, as a dict
     under that key) merged, or why the records cannot be used. A key in both must have one value: the rules would otherwise check one
     and the average use the other."""
     try:
         arrays, metrics = content[schema.ARRAYS], content[schema.METRICS]
         identity = content[schema.IDENTITY] if schema.IDENTITY in content else ConfigRecord()
+        layout = content[LAYOUT] if LAYOUT in content else None
     except KeyError as err:
         return f"malformed reply (no {name_shown(str(err.args[0]))} record)"
     if not (isinstance(arrays, ArrayRecord) and isinstance(metrics, MetricRecord)
-            and isinstance(identity, ConfigRecord)):
-        return "malformed reply (arrays, metrics, identity are not an ArrayRecord, a MetricRecord, a ConfigRecord)"
+            and isinstance(identity, ConfigRecord) and isinstance(layout, (ConfigRecord, type(None)))):
+        return "malformed reply (arrays, metrics, identity, layout are not an ArrayRecord, a MetricRecord, " \
+               "a ConfigRecord, a ConfigRecord)"
     fields = dict(metrics)
     if schema.CLASSES in content:  # its own record (a mapping), checked by reply_classes
         if schema.CLASSES in metrics or schema.CLASSES in identity:
@@ -107,7 +117,7 @@ def reply_fields(content: RecordDict) -> tuple[ArrayRecord, dict[str, Any]] | st
         schema.check_train_metrics(fields)
     except MessageError as err:
         return str(err)
-    return arrays, fields
+    return WireTensors(arrays, layout), fields
 
 
 def edge_counts(identity: dict, metrics: dict, run_id: str, round_number: int) -> tuple[int, int] | None:
@@ -181,7 +191,7 @@ def name_problem(identity: Identity, site_names: dict[int, str] | None) -> str |
     return f"site-name {shown(identity.name)} is not site {identity.site}'s ({shown(site_names.get(identity.site))})"
 
 
-def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, rules: ReplyRules,
+def check_reply(arrays: WireTensors | dict[str, np.ndarray], metrics: Any, *, rules: ReplyRules,
                 global_state: dict[str, np.ndarray], expected_names: dict[int, set[str]],
                 declared_examples: dict[int, int | None], site_names: dict[int, str] | None = None,
                 class_rules: ClassRules | None = None) -> Verdict:
@@ -193,7 +203,7 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
     the preset's [[sites]]). ``class_rules``: the classes each may claim (``reply_classes``). An edge
     device (``role`` ``edge``) must send exactly the round's LoRA tensors and at most
     ``rules.server.edge_max_examples`` images.
-    ``arrays`` as they came (an ArrayRecord: converted by `wire_arrays` once the names are right)."""
+    ``arrays`` as they came (`WireTensors`: converted by `wire_arrays` once the rules above held)."""
     try:
         identity = read_identity(metrics, rules.run_id, rules.round)
     except MessageError as err:
@@ -222,7 +232,7 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
     if isinstance(classes, str):
         return Verdict(site, role=role, reason=classes)
     wanted = {k for k in global_state if k.startswith(LORA_PREFIX)} if edge else expected_names[site]
-    if isinstance(arrays, ArrayRecord):
+    if isinstance(arrays, WireTensors):
         arrays = wire_arrays(arrays, global_state, wanted)
         if isinstance(arrays, str):
             return Verdict(site, role=role, reason=arrays)
@@ -236,39 +246,15 @@ def check_reply(arrays: ArrayRecord | dict[str, np.ndarray], metrics: Any, *, ru
                    classes=classes)
 
 
-def wire_arrays(record: ArrayRecord, reference: dict[str, np.ndarray], wanted: set[str]
+def wire_arrays(wire: WireTensors, reference: dict[str, np.ndarray], wanted: set[str]
                 ) -> dict[str, np.ndarray] | str:
-    """A reply's arrays as float32 numpy, or why not, each judged before a byte of it is converted:
-    names exactly ``wanted``; the declared serialisation, dtype and shape the round's; the bytes a
-    .npy of exactly that (its header read with a bounded size, its data exactly the shape's)."""
-    problem = names_problem(record.keys(), wanted)
-    if problem is not None:
-        return problem
-    out = {}
-    for name in sorted(wanted):
-        array, ref = record[name], reference[name]
-        if array.stype != "numpy.ndarray":
-            return f"{name}: serialisation {shown(array.stype)} is not numpy.ndarray"
-        if tuple(array.shape) != ref.shape:
-            return f"{name}: shape {shape_text(array.shape)}, the round's is {list(ref.shape)}"
-        if array.dtype != "float32":
-            return f"{name}: dtype {shown(array.dtype)} is not float32"
-        stream, size = io.BytesIO(array.data), 4 * int(ref.size)
-        try:
-            if len(array.data) > size + MAX_NPY_HEADER:
-                raise ValueError(f"{len(array.data)} bytes")
-            read = {(1, 0): np.lib.format.read_array_header_1_0,
-                    (2, 0): np.lib.format.read_array_header_2_0}[np.lib.format.read_magic(stream)]
-            shape, fortran, dtype = read(stream, max_header_size=MAX_NPY_HEADER)
-            if tuple(shape) != ref.shape or dtype != np.float32 or len(array.data) - stream.tell() != size:
-                raise ValueError(f"they hold {dtype} {shape_text(shape)} in {len(array.data) - stream.tell()} bytes")
-        except (ValueError, KeyError, TypeError, SyntaxError) as err:
-            text = " ".join(str(err).split())
-            return f"{name}: the bytes are not a .npy of float32 {list(ref.shape)} " \
-                   f"({text[:100] if text[:100].isprintable() else shown(text, 100)})"
-        out[name] = np.frombuffer(array.data, np.float32, int(ref.size), stream.tell()).reshape(
-            ref.shape, order="F" if fortran else "C").copy()
-    return out
+    """A reply's tensors as float32 numpy, or why not, judged before a byte of them is converted:
+    the layout's names exactly ``wanted`` and its shapes the round's, then the packed Array's declared
+    serialisation, dtype, shape and bytes (``fedmvp_formats.packed.read_wire``)."""
+    try:
+        return read_wire(wire.arrays, wire.layout, {name: reference[name].shape for name in wanted})
+    except MessageError as err:
+        return str(err)
 
 
 def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], max_norm: float | None,

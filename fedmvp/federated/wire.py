@@ -3,7 +3,9 @@ records (``fedmvp_formats.messages``) <-> Flower ConfigRecords.
 
 Every trainable tensor travels under its stable name (``promptformer.*``, ``lora.*``;
 docs/architecture.md "Names that travel"), float32, in sorted order, so a reply's bytes do not
-depend on dictionary order.
+depend on dictionary order. In a message they travel packed (``fedmvp_formats.packed``: one Array
+and a ``layout`` record; ``state_records``, ``content_state``); the Strategy API's ArrayRecords, which
+never leave the server, keep one Array per name (``array_record``, ``numpy_state``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedmvp_formats.messages import ARRAYS, CONFIG, Instruction, read_instruction
+from fedmvp_formats.packed import LAYOUT, PACKED, pack, read_wire
 
 from fedmvp_formats.promptformer import promptformer_digest  # noqa: F401  (the round's digest, for callers)
 
@@ -28,6 +31,20 @@ def numpy_state(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in record.items()}
 
 
+def state_records(state: dict[str, np.ndarray]) -> dict[str, ArrayRecord | ConfigRecord]:
+    """A state as a message's records: ``arrays`` (one packed Array) and its ``layout``; no tensors:
+    an empty ``arrays`` record alone."""
+    if not state:
+        return {ARRAYS: ArrayRecord()}
+    flat, layout = pack(state)
+    return {ARRAYS: ArrayRecord({PACKED: Array(flat)}), LAYOUT: ConfigRecord(layout)}
+
+
+def content_state(content: RecordDict) -> dict[str, np.ndarray]:
+    """The tensors a message's content carries, judged before use (`MessageError` otherwise)."""
+    return read_wire(content[ARRAYS], content[LAYOUT] if LAYOUT in content else None)
+
+
 def to_numpy_state(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().float().numpy() for k, v in state.items()}
 
@@ -36,14 +53,9 @@ def to_torch_state(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.array(v, dtype=np.float32, copy=True)) for k, v in arrays.items()}
 
 
-def torch_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
-    """A model state as the ArrayRecord a message carries."""
-    return array_record(to_numpy_state(state))
-
-
-def record_to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    """A message's ArrayRecord as a model state."""
-    return to_torch_state(numpy_state(record))
+def content_torch_state(content: RecordDict) -> dict[str, torch.Tensor]:
+    """The tensors a message's content carries, as a model state."""
+    return to_torch_state(content_state(content))
 
 
 def instruction_content(arrays: ArrayRecord, instruction: Instruction, config: ConfigRecord | None = None
@@ -55,7 +67,7 @@ def instruction_content(arrays: ArrayRecord, instruction: Instruction, config: C
     for key, value in records.pop(CONFIG).items():
         config[key] = value
     others = {name: ConfigRecord(values) for name, values in records.items()}
-    return RecordDict({ARRAYS: arrays, CONFIG: config, **others})
+    return RecordDict({**state_records(numpy_state(arrays)), CONFIG: config, **others})
 
 
 def content_instruction(content: RecordDict) -> Instruction:

@@ -6,11 +6,22 @@ empty pull from the SuperLink and polls its own state every 0.5 s for the Client
 no flag for either. A message therefore waits 1.5 s on average before the node even sees it, and
 a reply up to 0.5 s before it is sent: with two messages a round (train, evaluate) about 3.5 s of
 a steady round on 127.0.0.1 that no training needs (issue 24 §5, the deploy benchmark). This
-entry point gives that module a ``time`` whose ``sleep`` waits at most ``IDLE_PULL_SECONDS``
-between pulls (one small HTTPS request per node each time: 2 a second) and ``LOCAL_POLL_SECONDS``
-for anything shorter (local state only), and its pulls of a message's objects, which find them
-still on their way to the SuperLink and back off from 1 s, a short backoff (``OBJECT_BACKOFF``);
-then it runs Flower's command unchanged.
+entry point gives that module a ``time`` whose ``sleep`` waits ``LOCAL_POLL_SECONDS`` for anything
+shorter than 1 s (local state only) and, between two empty pulls from the SuperLink, a pause that
+grows with the time since this node last sent a reply: the next round's message usually follows a
+reply within a second (the server aggregates), so right after one the node looks every
+``FIRST_PULL_SECONDS``, then ever less often, at most ``IDLE_PULL_SECONDS`` apart when idle (one
+small HTTPS request per node each time: 2 a second). Its pulls of a message's objects, which find
+them still on their way to the SuperLink and back off from 1 s, get a short backoff
+(``OBJECT_BACKOFF``). Then it runs Flower's command unchanged.
+
+One fix besides (``release_ended_runs``): a message whose run ends while its objects are pulled
+raised Flower's ``RunNotRunningException``, a ``BaseException``, past the loop's ``except Exception``
+that deletes the message and fails its task; the task was left pending with a message whose
+objects never come, and the warm executor that claimed it waited on them (2 hours, Flower's bound)
+instead of running the next run's messages: the flake of `fedmvp serve` killed and restarted
+(tests/federated/test_faults.py). Here that ending reaches the loop as an ordinary error, so Flower
+deletes the message and fails the task, which revokes its token and ends the executor's task.
 
 ``python -m fedmvp_apps.deploy.supernode_process ARGS`` takes exactly ``flower-supernode``'s
 arguments. Where the Flower found no longer has those waits (another version), the loop runs as
@@ -27,18 +38,32 @@ from types import ModuleType
 
 OBJECT_BACKOFF = (0.02, 0.5)  # Flower: 1 s, doubling to 10 s, while a message's objects reach the SuperLink
 IDLE_PULL_SECONDS = 0.5  # Flower: 3 s between two empty pulls from the SuperLink
+FIRST_PULL_SECONDS = 0.05  # right after a reply: the next message is on its way
 LOCAL_POLL_SECONDS = 0.05  # Flower: 0.5 s between two looks at the node's own state (a reply, an object)
 FLOWER_WAITS = ("time.sleep(3)", "time.sleep(0.5)")  # in flwr 1.42's start_client_internal
 
 
 class PacedTime:
-    """The ``time`` module, except that ``sleep`` is capped (Flower's loop only calls the waits above)."""
+    """The ``time`` module, except for ``sleep`` (Flower's loop only calls the waits above): a wait
+    under 1 s is a look at local state (``local``); a longer one, between two empty pulls, lasts half
+    the time since the last reply (``replied``), within ``first`` .. ``idle``."""
 
-    def __init__(self, idle: float = IDLE_PULL_SECONDS, local: float = LOCAL_POLL_SECONDS) -> None:
-        self.idle, self.local = idle, local
+    def __init__(self, idle: float = IDLE_PULL_SECONDS, local: float = LOCAL_POLL_SECONDS,
+                 first: float = FIRST_PULL_SECONDS, clock=time.monotonic, wait=time.sleep) -> None:
+        self.idle, self.local, self.first, self.clock, self.wait = idle, local, first, clock, wait
+        self.last_reply = float("-inf")
+
+    def replied(self) -> None:
+        """A reply was just sent: the next message is likely soon."""
+        self.last_reply = self.clock()
+
+    def pause(self, seconds: float) -> float:
+        if seconds < 1.0:
+            return min(seconds, self.local)
+        return min(seconds, self.idle, max(self.first, (self.clock() - self.last_reply) / 2))
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(min(seconds, self.idle if seconds >= 1.0 else self.local))
+        self.wait(self.pause(seconds))
 
     def __getattr__(self, name: str):
         return getattr(time, name)
@@ -53,10 +78,48 @@ def pace(loop: ModuleType) -> bool:
         return False
     if getattr(loop, "time", None) is not time or not all(wait in source for wait in FLOWER_WAITS):
         return False
-    loop.time = PacedTime()
+    paced = loop.time = PacedTime()
+    push = getattr(loop, "_push_messages", None)
+    if callable(push):
+        def push_then_pace(*args, **kwargs):
+            try:
+                return push(*args, **kwargs)
+            finally:
+                paced.replied()
+        loop._push_messages = push_then_pace
     if callable(getattr(loop, "pull_objects", None)):
         loop.pull_objects = partial(loop.pull_objects, max_tries_per_object=None, initial_backoff=OBJECT_BACKOFF[0],
                                     backoff_cap=OBJECT_BACKOFF[1])
+    return True
+
+
+class RunEnded(RuntimeError):
+    """The run of a message being received ended (Flower's RunNotRunningException, as an Exception)."""
+
+
+def release_ended_runs(loop: ModuleType) -> bool:
+    """Make a run that ends while its message's objects are pulled an ordinary error of that pull (see
+    above); False (nothing changed) where this Flower's loop has no ``_pull_and_store_message``."""
+    receive = getattr(loop, "_pull_and_store_message", None)
+    ended = getattr(loop, "RunNotRunningException", None)
+    if not callable(receive) or not isinstance(ended, type):
+        return False
+
+    def as_error(call):
+        def guarded(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            except ended as err:
+                raise RunEnded(f"its run is no longer running ({err or 'ended'})") from None
+        return guarded
+
+    def pull_and_store_message(*args, **kwargs):
+        for name in ("pull_object", "confirm_message_received"):  # only called once the task exists
+            if callable(kwargs.get(name)):
+                kwargs[name] = as_error(kwargs[name])
+        return receive(*args, **kwargs)
+
+    loop._pull_and_store_message = pull_and_store_message
     return True
 
 
@@ -64,6 +127,7 @@ def main() -> None:
     import importlib
 
     loop = importlib.import_module("flwr.supernode.start_client_internal")
+    release_ended_runs(loop)
     if not pace(loop):
         print("fedmvp supernode: warning: this Flower's SuperNode loop is not flwr 1.42's; it runs with "
               "Flower's own waits (3 s between pulls)", file=sys.stderr, flush=True)

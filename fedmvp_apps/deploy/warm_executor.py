@@ -146,8 +146,9 @@ class Executor:
         started = stages["start"]
         pulled, ran = stages.get("pulled", ended), stages.get("ran", ended)
         message = stages.get("message", pulled)
-        f.log(INFO, "warm ClientApp: task %d of this process (pid %d) %s in %.2f s (input %.2f s, of which the "
-              "message %.2f s; ClientApp %.2f s, reply %.2f s)", self.tasks_done, os.getpid(),
+        kind = got.head.metadata.message_type if got.head is not None else "?"
+        f.log(INFO, "warm ClientApp: task %d of this process (pid %d) %s %s in %.2f s (input %.2f s, of which the "
+              "message %.2f s; ClientApp %.2f s, reply %.2f s)", self.tasks_done, os.getpid(), kind,
               "done" if done else "failed", ended - started, pulled - started, message - started, ran - pulled,
               ended - ran)
         f.log(INFO, "warm ClientApp: stages %s", " ".join(f"{k}={v - started:.2f}" for k, v in stages.items()))

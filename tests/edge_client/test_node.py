@@ -57,7 +57,7 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
 
     from fedmvp_formats.messages import Instruction, read_identity
 
-    from edge_client.node import _record, evaluate, train
+    from edge_client.node import _arrays, _records, evaluate, train
     from edge_client.update import read_update
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
@@ -74,7 +74,7 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     def one_round(node: EdgeNodeConfig) -> tuple[Message, Context]:
         context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
                           run_config={})
-        message = Message(content=RecordDict({"arrays": _record(start), "config": config}), dst_node_id=5,
+        message = Message(content=RecordDict({**_records(start), "config": config}), dst_node_id=5,
                           message_type="train")
         return train(message, context), context
 
@@ -86,7 +86,7 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     identity = read_identity(dict(reply.content["identity"]), "r", 3)  # what the server reads of it
     assert identity.role == "edge" and not identity.refreshed and identity.bundle_id == bundle.id
     assert reply.content["metrics"]["num-examples"] == 6  # 2 classes x 3 training images (1 held out each)
-    trained = {k: v.numpy() for k, v in reply.content["arrays"].items()}
+    trained = _arrays(reply.content)  # as the server reads it: one packed Array and its layout
     assert set(trained) == set(start) and any(not np.allclose(trained[k], start[k]) for k in start)
     assert all(v.dtype == np.float32 and list(v.shape) == bundle.lora_shapes[k] for k, v in trained.items())
     assert before == {p.name: p.read_bytes() for p in bundle_dir.iterdir() if p.is_file()}  # nothing changed
@@ -96,12 +96,12 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     files = list((tmp_path / "updates").glob("*.safetensors"))
     assert len(files) == 1
     update = read_update(files[0], bundle)
-    again = {k: v.numpy() for k, v in kept.content["arrays"].items()}
+    again = _arrays(kept.content)
     assert set(update.tensors) == set(again) and all(np.array_equal(update.tensors[k], again[k]) for k in again)
     assert all(np.array_equal(again[k], trained[k]) for k in trained)  # same round, same seed: same tensors
     assert update.num_examples == kept.content["metrics"]["num-examples"] == 6
 
-    message = Message(content=RecordDict({"arrays": reply.content["arrays"],
+    message = Message(content=RecordDict({"arrays": reply.content["arrays"], "layout": reply.content["layout"],
                                           "config": ConfigRecord(Instruction(
                                               round=3, run_id="r", promptformer_digest=bundle.promptformer_digest,
                                               assignment={}).records()["config"])}),
@@ -125,7 +125,7 @@ def test_the_runtime_asked_for_evaluates_the_round(edge_bundle, tmp_path, runtim
     from fedmvp_formats.messages import Instruction
 
     from edge_client import node as edge_node
-    from edge_client.node import _record, evaluate
+    from edge_client.node import _records, evaluate
 
     if runtime == "openvino":
         pytest.importorskip("openvino")
@@ -136,7 +136,7 @@ def test_the_runtime_asked_for_evaluates_the_round(edge_bundle, tmp_path, runtim
                           precision=precision)
     config = ConfigRecord(Instruction(round=2, run_id="r", promptformer_digest=bundle.promptformer_digest,
                                       assignment={}).records()["config"])
-    message = Message(content=RecordDict({"arrays": _record(bundle.lora()), "config": config}), dst_node_id=5,
+    message = Message(content=RecordDict({**_records(bundle.lora()), "config": config}), dst_node_id=5,
                       message_type="evaluate")
     context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
                       run_config={})

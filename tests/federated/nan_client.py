@@ -9,10 +9,11 @@ import os
 
 import numpy as np
 from safetensors.numpy import save_file
-from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedmvp.federated import client_app as real
+from fedmvp.federated.wire import content_state, state_records
 
 app = ClientApp()
 app.query("identify")(real.identify)  # who it is, and its evaluation, as fedmvp's own ClientApp
@@ -24,14 +25,13 @@ def train(msg: Message, context: Context) -> Message:
     reply = real.train(msg, context)
     site = int(context.node_config["partition-id"])
     if site == 1 and len(reply.content["arrays"]):
-        spoiled = ArrayRecord({k: Array(np.full(v.numpy().shape, np.nan, np.float32))
-                               for k, v in reply.content["arrays"].items()})
-        reply = Message(content=RecordDict({"arrays": spoiled, "metrics": reply.content["metrics"],
+        spoiled = state_records({k: np.full(v.shape, np.nan, np.float32) for k, v in content_state(reply.content).items()})
+        reply = Message(content=RecordDict({**spoiled, "metrics": reply.content["metrics"],
                                             "identity": reply.content["identity"],
                                             "classes": reply.content["classes"]}), reply_to=msg)
     folder = os.environ.get("FEDMVP_TEST_REPLIES")
     if folder and len(reply.content["arrays"]):
-        arrays = {k: v.numpy() for k, v in reply.content["arrays"].items()}
+        arrays = content_state(reply.content)
         examples = str(int(reply.content["metrics"]["num-examples"]))
         save_file(arrays, f"{folder}/r{int(msg.content['config']['round'])}-s{site}.safetensors",
                   metadata={"num_examples": examples})

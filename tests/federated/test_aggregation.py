@@ -10,7 +10,7 @@ from fedmvp.federated.metrics import harmonic_mean
 from fedmvp.federated.aggregate import weighted_average
 from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, cosine_lr
 from fedmvp.presets.server import ServerSpec
-from fedmvp.federated.wire import array_record
+from fedmvp.federated.wire import content_state, state_records
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +70,7 @@ def reply(client: int, arrays: dict[str, np.ndarray], n: int, lora: bool, switch
                             "switch-next": int(switch)})
     identity = ConfigRecord({"partition-id": client, "round": round_number, "run-id": run_id})
     classes = ConfigRecord({f"class{client}": n})  # its training images per class: all of one class
-    message = Message(content=RecordDict({"arrays": array_record(arrays), "metrics": metrics, "identity": identity,
+    message = Message(content=RecordDict({**state_records(arrays), "metrics": metrics, "identity": identity,
                                           "classes": classes}), dst_node_id=1, message_type="train")
     message.metadata._src_node_id = 100 + client  # a reply from node 100 + site (set by Flower in a run)
     return message
@@ -211,7 +211,7 @@ def edge_reply(node: int, arrays: dict[str, np.ndarray], n: int, digest: str = "
     metrics = MetricRecord({"num-examples": n, "train-loss": 0.5})
     identity = ConfigRecord({"role": "edge", "round": round_number, "run-id": RUN, "bundle-id": f"{bundle}{node}",
                              "promptformer-digest": digest, "refreshed": 0, "refresh-bytes": 0})
-    message = Message(content=RecordDict({"arrays": array_record(arrays), "metrics": metrics, "identity": identity}),
+    message = Message(content=RecordDict({**state_records(arrays), "metrics": metrics, "identity": identity}),
                       dst_node_id=1, message_type="train")
     message.metadata._src_node_id = node
     return message
@@ -246,8 +246,8 @@ def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node(
 
     grid = SiteGrid({7: "edge", 9: "edge", 100: 0, 101: 1})
     messages = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(), grid)}
-    assert set(messages[7].content["arrays"]) == {"lora.a"}
-    assert set(messages[9].content["arrays"]) == set(messages[100].content["arrays"]) == {"lora.a", "promptformer.w"}
+    assert set(content_state(messages[7].content)) == {"lora.a"}
+    assert set(content_state(messages[9].content)) == set(content_state(messages[100].content)) == {"lora.a", "promptformer.w"}
     assert messages[7].content["config"]["promptformer-digest"] == promptformer_digest(strategy.global_state)
 
 

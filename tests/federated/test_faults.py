@@ -28,10 +28,6 @@ def states(run) -> dict[int, dict]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=False, reason=(
-    "intermittent since 2026-12-04, seen twice in full-suite runs on a loaded 2-core machine, passing alone: after "
-    "the server is killed and restarted, the warm sites' SuperNodes ignore the old run's pending message ('not in "
-    "RUNNING status') and receive the new run's identify, but their warm executors never run it; not diagnosed"))
 def test_a_site_and_the_server_killed_mid_run(tmp_path, world6):
     from fedmvp_apps.deploy.supernode import free_port
 

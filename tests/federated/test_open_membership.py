@@ -21,7 +21,7 @@ from fedmvp_formats.messages import Instruction, MessageError
 from fedmvp.federated.sampling import IDENTIFY, sample_among, sample_sites
 from fedmvp.federated.site_registry import REGISTRY_FILE, SiteRegistry, SiteRegistryError
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
-from fedmvp.federated.wire import array_record, instruction_content
+from fedmvp.federated.wire import array_record, instruction_content, state_records
 from fedmvp.presets.server import ServerSpec
 from tests.site_trees import site_preset, world_classes
 
@@ -169,7 +169,7 @@ def _reply(node: int, site: int, name: str, run_id: str, classes: dict[str, int]
     n = sum(classes.values())
     metrics = MetricRecord({"num-examples": n, "train-loss": 0.5, "lora-active": 0, "switch-next": 0})
     identity = ConfigRecord({"partition-id": site, "site-name": name, "round": 1, "run-id": run_id})
-    message = Message(content=RecordDict({"arrays": array_record({"promptformer.w": np.ones(2, np.float32) * site}),
+    message = Message(content=RecordDict({**state_records({"promptformer.w": np.ones(2, np.float32) * site}),
                                           "metrics": metrics, "identity": identity,
                                           "classes": ConfigRecord(classes)}), dst_node_id=1, message_type="train")
     message.metadata._src_node_id = node

@@ -1,7 +1,7 @@
 """Flower replies as a hostile SuperNode sends them: each is left out with a logged reason, nothing averaged.
 
-Rows are real Flower records (``ArrayRecord`` of ``Array`` built from raw dtype/shape/stype/bytes as
-they arrive off the wire, ``MetricRecord``, ``ConfigRecord``) in a real ``Message``, handed to the
+Rows are real Flower records (the packed ``Array`` built from raw dtype/shape/stype/bytes as it
+arrives off the wire, its ``layout`` ConfigRecord, ``MetricRecord``, ``ConfigRecord``) in a real ``Message``, handed to the
 strategy's ``aggregate_train`` beside one good reply: the round must average exactly the good one,
 record the hostile one's reason (one printable line, bounded) and raise nothing. Arrays must be
 refused by their declared shape and bytes before anything is converted (tracemalloc: no copy).
@@ -50,11 +50,23 @@ def npy(array: np.ndarray | None = None, *, descr: str = "<f4", shape: tuple = S
     return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + (payload or b"")
 
 
-def wire(dtype: str = "float32", shape: tuple = SHAPE, data: bytes | None = None, stype: str = "numpy.ndarray"
+FLAT = (6,)  # lora.a [2, 3], packed
+
+
+def wire(dtype: str = "float32", shape: tuple = FLAT, data: bytes | None = None, stype: str = "numpy.ndarray"
          ) -> Array:
-    """An Array as it arrives: its declared fields and bytes, each the sender's to choose."""
+    """The packed Array as it arrives: its declared fields and bytes, each the sender's to choose."""
     return Array(dtype=dtype, shape=tuple(shape), stype=stype,
-                 data=npy(np.ones(SHAPE, np.float32)) if data is None else data)
+                 data=npy(np.ones(FLAT, np.float32)) if data is None else data)
+
+
+def layout(*tensors: tuple[str, tuple]) -> dict[str, list]:
+    """A layout record's values for ``(name, shape)`` pairs (fedmvp_formats.packed)."""
+    return {"names": [n for n, _ in tensors], "ranks": [len(s) for _, s in tensors],
+            "dims": [d for _, s in tensors for d in s]}
+
+
+GOOD_LAYOUT = layout(("lora.a", SHAPE))
 
 
 @dataclass(frozen=True)
@@ -63,41 +75,58 @@ class Hostile:
 
     id: str
     reason: str
-    arrays: dict[str, Array] | None = None  # replaces the ArrayRecord's entries
+    arrays: dict[str, Array] | None = None  # replaces the ArrayRecord's entries (good: one packed Array)
+    layout: dict[str, Any] | None = None  # replaces the layout record's values
     metrics: dict[str, Any] = field(default_factory=dict)  # merged into the good MetricRecord (None: drop key)
     identity: dict[str, Any] = field(default_factory=dict)  # merged into the good ConfigRecord (None: drop key)
     records: dict[str, Any] = field(default_factory=dict)  # replaces whole records (None: drop the record)
     edge: bool = False
 
 
-def _many() -> dict[str, Array]:
-    return {"lora.a": wire(), **{f"lora.z{i:05d}": wire(shape=(1,), data=npy(np.ones(1, np.float32)))
-                                 for i in range(2000)}}
+def packed(array: Array) -> dict[str, Array]:
+    return {"tensors": array}
+
+
+def _many() -> dict[str, Any]:
+    return layout(("lora.a", SHAPE), *((f"lora.z{i:05d}", (1,)) for i in range(2000)))
 
 
 ROWS = [
-    # arrays, before they are converted
-    Hostile("4-TiB-declared", "shape", {"lora.a": wire(shape=(2 ** 40,), data=npy(shape=(2 ** 40,), payload=b"x" * 24))}),
-    Hostile("npy-header-lies-4-TiB", ".npy", {"lora.a": wire(data=npy(shape=(2 ** 40,), payload=b"x" * 24))}),
-    Hostile("16-MB-array", "shape", {"lora.a": wire(shape=(4_000_000,), data=npy(np.ones(4_000_000, np.float32)))}),
-    Hostile("float64", "not float32", {"lora.a": wire("float64", data=npy(np.ones(SHAPE, np.float64)))}),
-    Hostile("float16", "not float32", {"lora.a": wire("float16", data=npy(np.ones(SHAPE, np.float16)))}),
-    Hostile("float64-declared-float32", ".npy", {"lora.a": wire(data=npy(np.ones(SHAPE, np.float64)))}),
-    Hostile("big-endian-float32", ".npy", {"lora.a": wire(data=npy(np.ones(SHAPE, ">f4")))}),
-    Hostile("int32", "not float32", {"lora.a": wire("int32", data=npy(np.ones(SHAPE, np.int32)))}),
-    Hostile("int64", "not float32", {"lora.a": wire("int64", data=npy(np.ones(SHAPE, np.int64)))}),
-    Hostile("bool", "not float32", {"lora.a": wire("bool", data=npy(np.ones(SHAPE, bool)))}),
-    Hostile("complex64", "not float32", {"lora.a": wire("complex64", data=npy(np.ones(SHAPE, np.complex64)))}),
-    Hostile("object-pickle", "not float32", {"lora.a": wire("object", data=npy(descr="|O", payload=b"\x80\x04N."))}),
-    Hostile("object-declared-float32", ".npy", {"lora.a": wire(data=npy(descr="|O", payload=b"\x80\x04N."))}),
-    Hostile("wrong-shape", "shape [3, 2]", {"lora.a": wire(shape=(3, 2), data=npy(np.ones((3, 2), np.float32)))}),
-    Hostile("scalar", "shape []", {"lora.a": wire(shape=(), data=npy(np.float32(1.0).reshape(())))}),
-    Hostile("1000-dimensions", "shape", {"lora.a": wire(shape=(1,) * 1000, data=npy(shape=(1,) * 1000, payload=b""))}),
-    Hostile("truncated-bytes", ".npy", {"lora.a": wire(data=npy(np.ones(SHAPE, np.float32))[:-5])}),
-    Hostile("not-npy", ".npy", {"lora.a": wire(data=b"\x80\x04\x95" + b"x" * 40)}),
-    Hostile("torch-serialisation", "serialisation", {"lora.a": wire(stype="torch.Tensor")}),
-    Hostile("2000-names", "and 1997 more", _many()),
-    Hostile("ansi-name", "unexpected", {"lora.a": wire(), f"lora.{ANSI}": wire()}),
+    # the layout: names and shapes first, against the round's
+    Hostile("4-TiB-declared", "shape [1099511627776], the round's is [2, 3]", layout=layout(("lora.a", (2 ** 40,)))),
+    Hostile("wrong-shape", "shape [3, 2]", layout=layout(("lora.a", (3, 2)))),
+    Hostile("scalar", "shape []", layout=layout(("lora.a", ()))),
+    Hostile("1000-dimensions", "ranks", layout=layout(("lora.a", (1,) * 1000))),
+    Hostile("2000-names", "and 1997 more", layout=_many()),
+    Hostile("ansi-name", "unexpected", layout=layout(("lora.a", SHAPE), (f"lora.{ANSI}", SHAPE))),
+    Hostile("duplicate-names", "distinct", layout=layout(("lora.a", SHAPE), ("lora.a", SHAPE))),
+    Hostile("names-not-strings", "names", layout={**GOOD_LAYOUT, "names": [7]}),
+    Hostile("negative-dim", "dims", layout={**GOOD_LAYOUT, "dims": [-2, -3]}),
+    Hostile("float-dims", "dims", layout={**GOOD_LAYOUT, "dims": [2.0, 3.0]}),
+    Hostile("dims-do-not-fit", "do not fit", layout={**GOOD_LAYOUT, "dims": [2]}),
+    Hostile("extra-layout-key", "expected the keys", layout={**GOOD_LAYOUT, "offsets": [0]}),
+    Hostile("no-layout", "no layout", records={"layout": None}),
+    Hostile("layout-as-metric-record", "malformed reply", records={"layout": MetricRecord({"ranks": [2]})}),
+    # the packed Array, before it is converted
+    Hostile("two-arrays", "expected one tensors array", arrays={**packed(wire()), "lora.a": wire()}),
+    Hostile("per-name-arrays", "expected one tensors array", arrays={"lora.a": wire(shape=SHAPE)}),
+    Hostile("npy-header-lies-4-TiB", ".npy", packed(wire(data=npy(shape=(2 ** 40,), payload=b"x" * 24)))),
+    Hostile("16-MB-array", "shape [4000000], the layout's is [6]",
+            packed(wire(shape=(4_000_000,), data=npy(np.ones(4_000_000, np.float32))))),
+    Hostile("float64", "not float32", packed(wire("float64", data=npy(np.ones(FLAT, np.float64))))),
+    Hostile("float16", "not float32", packed(wire("float16", data=npy(np.ones(FLAT, np.float16))))),
+    Hostile("float64-declared-float32", ".npy", packed(wire(data=npy(np.ones(FLAT, np.float64))))),
+    Hostile("big-endian-float32", ".npy", packed(wire(data=npy(np.ones(FLAT, ">f4"))))),
+    Hostile("int32", "not float32", packed(wire("int32", data=npy(np.ones(FLAT, np.int32))))),
+    Hostile("int64", "not float32", packed(wire("int64", data=npy(np.ones(FLAT, np.int64))))),
+    Hostile("bool", "not float32", packed(wire("bool", data=npy(np.ones(FLAT, bool))))),
+    Hostile("complex64", "not float32", packed(wire("complex64", data=npy(np.ones(FLAT, np.complex64))))),
+    Hostile("object-pickle", "not float32", packed(wire("object", data=npy(descr="|O", payload=b"\x80\x04N.")))),
+    Hostile("object-declared-float32", ".npy", packed(wire(data=npy(descr="|O", shape=FLAT, payload=b"\x80\x04N.")))),
+    Hostile("fortran-2d-header", ".npy", packed(wire(data=npy(np.ones(SHAPE, np.float32))))),
+    Hostile("truncated-bytes", ".npy", packed(wire(data=npy(np.ones(FLAT, np.float32))[:-5]))),
+    Hostile("not-npy", ".npy", packed(wire(data=b"\x80\x04\x95" + b"x" * 40))),
+    Hostile("torch-serialisation", "serialisation", packed(wire(stype="torch.Tensor"))),
     # metrics and identity
     Hostile("no-metrics", "malformed reply", records={"metrics": None}),
     Hostile("metrics-as-config-record", "malformed reply", records={"metrics": ConfigRecord(
@@ -161,7 +190,8 @@ def message(node: int, site: int, arrays: dict[str, Array], row: Hostile | None 
                                                else {"partition-id": site})}
     metrics = {k: v for k, v in (metrics | row.metrics).items() if v is not None}
     identity = {k: v for k, v in (identity | row.identity).items() if v is not None}
-    records = {"arrays": ArrayRecord(row.arrays or arrays), "metrics": MetricRecord(metrics),
+    records = {"arrays": ArrayRecord(row.arrays or arrays), "layout": ConfigRecord(row.layout or GOOD_LAYOUT),
+               "metrics": MetricRecord(metrics),
                "identity": ConfigRecord(identity), **({} if row.edge else {"classes": ConfigRecord({"cat": 8})})
                } | row.records
     msg = Message(content=RecordDict({k: v for k, v in records.items() if v is not None}), dst_node_id=1,
@@ -189,7 +219,7 @@ GOOD = np.full(SHAPE, 0.25, np.float32)
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
 def test_a_hostile_reply_is_left_out_and_nothing_of_it_averaged(row: Hostile, caplog) -> None:
     server = strategy()
-    replies = [message(100, 0, {"lora.a": Array(GOOD)}), message(101, 1, {"lora.a": wire()}, row)]
+    replies = [message(100, 0, packed(Array(GOOD.ravel()))), message(101, 1, packed(wire()), row)]
     tracemalloc.start()
     try:
         with caplog.at_level(logging.WARNING):
@@ -211,8 +241,8 @@ def test_a_hostile_reply_is_left_out_and_nothing_of_it_averaged(row: Hostile, ca
 def test_the_good_reply_alone_is_accepted() -> None:
     """The rows' baseline: the same reply unchanged from site 1 counts."""
     server = strategy()
-    arrays, metrics = server.aggregate_train(1, [message(100, 0, {"lora.a": Array(GOOD)}),
-                                                 message(101, 1, {"lora.a": wire()})])
+    arrays, metrics = server.aggregate_train(1, [message(100, 0, packed(Array(GOOD.ravel()))),
+                                                 message(101, 1, packed(wire()))])
     assert server.rejected == [] and metrics["clients"] == 2
     np.testing.assert_allclose(arrays["lora.a"].numpy(), (GOOD + 1) / 2)
 
@@ -222,10 +252,10 @@ def test_each_sites_classes_are_recorded_with_its_reply_and_an_edge_device_need_
     server = strategy()
     summary: dict = {}
     server.on_aggregated = lambda number, state, s: summary.update(s)
-    edge = message(102, 0, {"lora.a": wire()}, Hostile("edge", "", edge=True))
-    with_classes = message(101, 1, {"lora.a": wire()}, Hostile("two-classes", "",
+    edge = message(102, 0, packed(wire()), Hostile("edge", "", edge=True))
+    with_classes = message(101, 1, packed(wire()), Hostile("two-classes", "",
                                                                 records={"classes": ConfigRecord({"dog": 3, "cat": 5})}))
-    server.aggregate_train(1, [message(100, 0, {"lora.a": Array(GOOD)}), with_classes, edge])
+    server.aggregate_train(1, [message(100, 0, packed(Array(GOOD.ravel()))), with_classes, edge])
     assert server.rejected == []
     assert [(r["role"], r.get("classes")) for r in summary["replies"]] == [
         ("site", {"cat": 8}), ("site", {"dog": 3, "cat": 5}), ("edge", None)]

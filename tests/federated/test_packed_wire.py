@@ -1,0 +1,84 @@
+"""Tensors travel packed: one Array and its layout, read back exactly (fedmvp_formats.packed).
+
+Hostile packed replies are the rows of test_reply_attacks.py; here: what a sender packs is what a
+reader gets, whatever the names and shapes, and a message's object count no longer grows with its
+tensor count (what made the SuperLink the bottleneck of a deployed round, issue 24 §5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_object_tree
+from flwr.supercore.inflatable.inflatable_utils import iterate_object_tree
+
+from fedmvp_formats.messages import MessageError
+from fedmvp_formats.packed import LAYOUT, PACKED, pack, read_layout, read_wire
+
+from fedmvp.federated.wire import content_state, state_records
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("state", [
+    {"promptformer.w": RNG.normal(size=(3, 4)).astype(np.float32)},
+    {"lora.b": RNG.normal(size=(2, 5)), "lora.a": RNG.normal(size=(5,)), "promptformer.s": np.float32(2.5)},
+    {"a.empty": np.zeros((0, 3), np.float32), "b.deep": RNG.normal(size=(1, 2, 1, 3, 1, 2, 1, 2)).astype(np.float32)},
+    {f"promptformer.t{i:03d}": RNG.normal(size=(i % 4 + 1, 3)).astype(np.float32) for i in range(120)},
+], ids=["one", "unsorted-float64-scalar", "empty-and-rank-8", "120-tensors"])
+def test_what_is_packed_is_read_back_exactly(state):
+    content = RecordDict(state_records(state))
+    back = content_state(content)
+    assert list(back) == sorted(state)  # sorted order, whatever the dict's
+    for name, value in state.items():
+        want = np.asarray(value, np.float32)
+        assert back[name].dtype == np.float32 and back[name].shape == want.shape
+        np.testing.assert_array_equal(back[name], want)
+        assert back[name].flags.writeable  # a copy of its own, not a view of the message's bytes
+
+
+def test_no_tensors_is_an_empty_arrays_record_and_no_layout():
+    records = state_records({})
+    assert set(records) == {"arrays"} and len(records["arrays"]) == 0
+    assert content_state(RecordDict(records)) == {}
+
+
+def test_a_messages_objects_do_not_grow_with_its_tensors():
+    """Flower stores each Array (and its chunks) as objects of their own, each one SuperLink request:
+    per-name arrays made 51 objects of the demo's 26 tensors; packed, any count is the same few."""
+    def objects(state: dict) -> int:
+        return sum(1 for _ in iterate_object_tree(get_object_tree(RecordDict(state_records(state)))))
+
+    few = {f"lora.t{i}": np.full(4, i, np.float32) for i in range(2)}
+    many = {f"lora.t{i}": np.full(4, i, np.float32) for i in range(200)}
+    assert objects(few) == objects(many) <= 6
+    per_name = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in many.items()})})
+    assert sum(1 for _ in iterate_object_tree(get_object_tree(per_name))) > 200
+
+
+def test_the_layout_is_plain_lists_in_order():
+    flat, layout = pack({"b": np.ones((2, 3), np.float32), "a": np.zeros(4, np.float32)})
+    assert layout == {"names": ["a", "b"], "ranks": [1, 2], "dims": [4, 2, 3]}
+    assert flat.tolist() == [0.0] * 4 + [1.0] * 6
+    assert read_layout(ConfigRecord(layout)) == {"a": (4,), "b": (2, 3)}
+
+
+@pytest.mark.parametrize("expected,reason", [
+    ({"a": (4,), "b": (2, 3)}, None),
+    ({"a": (4,)}, "unexpected b"),
+    ({"a": (4,), "b": (2, 3), "c": (1,)}, "missing c"),
+    ({"a": (4,), "b": (3, 2)}, "b: shape [2, 3], the round's is [3, 2]"),
+], ids=["exact", "extra", "missing", "shape"])
+def test_a_reader_that_expects_names_and_shapes_holds_the_layout_to_them(expected, reason):
+    records = state_records({"b": np.ones((2, 3), np.float32), "a": np.zeros(4, np.float32)})
+    if reason is None:
+        assert set(read_wire(records["arrays"], records[LAYOUT], expected)) == set(expected)
+    else:
+        with pytest.raises(MessageError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+            read_wire(records["arrays"], records[LAYOUT], expected)
+
+
+def test_the_packed_array_is_one_float32_vector():
+    records = state_records({"a": np.ones((2, 2), np.float32)})
+    array = records["arrays"][PACKED]
+    assert (array.dtype, list(array.shape)) == ("float32", [4])
