@@ -31,6 +31,14 @@ from edge_client.preprocess import PreprocessSpec, normalise
 from edge_client.safetensors_check import CHECK_ITEMSIZE, check_safetensors, load_safetensors
 
 CHECK_COUNT = 32  # what the exporter ships and a device generates: export's parity minimum (export/parity.py)
+SOURCE_WORDS = {"run-test": "the run's test images", "images": "the exporter's --images pictures",
+                "generated": "colour fields generated at export",
+                "bundle-id": "colour fields drawn from the bundle id"}  # bundle-id: a bundle that ships none
+
+
+def check_words(source: str | None) -> str:
+    """Where a bundle's check images came from, in words (the manifest's source, or "bundle-id")."""
+    return SOURCE_WORDS.get(source or "bundle-id", str(source))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from fedmvp_formats.files import cache_root
 from fedmvp_formats.parity_rules import agreement
 
 from edge_client.bundle import Bundle
-from edge_client.check_images import CHECK_COUNT, id_seed
+from edge_client.check_images import CHECK_COUNT, check_words, id_seed
 from edge_client.engines import Candidate, Engine, candidates, open_engine
 from edge_client.runtime import ProviderError, _one_line, default_threads
 
@@ -103,13 +103,7 @@ def _auto(bundle: Bundle, found: list[Candidate], provider: str, threads: int | 
                   "machine": machine_record(provider, threads), "check": check, "reference": reference,
                   "verdicts": verdicts}
         path = _write_cache(path, record)
-    return _pick(bundle, found, verdicts, path, cached=not missing, built=built, source=_source(check))
-
-
-def _source(check: dict[str, Any]) -> str:
-    """Where the check images came from, in words (the line auto prints)."""
-    return {"images": "the exporter's --images", "run-test": "the run's test images",
-            "generated": "generated at export"}.get(check.get("source", ""), "generated from the bundle id")
+    return _pick(bundle, found, verdicts, path, cached=not missing, built=built, source=check_words(check.get("source")))
 
 
 def _pick(bundle: Bundle, found: list[Candidate], verdicts: dict[str, dict[str, Any]], path: Path | None,

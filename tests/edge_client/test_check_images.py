@@ -49,6 +49,8 @@ def test_auto_verifies_on_the_shipped_pictures_and_other_pictures_are_another_ve
     assert shipped.source == "run-test" and shipped.pixels.shape[0] == 32
     choice = choose(bundle, "auto", "auto", "cpu")
     assert "check images (the run's test images)" in choice.line
+    info = CliRunner().invoke(main, ["info", "--bundle", str(bundle_dir), "--json"])
+    assert json.loads(info.stdout)["bundle"]["check_images"] == "run-test"
     record = json.loads(choice.cache.read_text())
     assert record["check"]["source"] == "run-test" and record["check"]["sha256"] == shipped.sha256
     # the reference is the bundle as exported on the shipped pictures, normalised as infer normalises a file
@@ -74,10 +76,12 @@ def test_a_bundle_exported_before_check_images_verifies_on_colour_fields_of_its_
     bundle = Bundle.open(bundle_dir)
     found = bundle.check_images()
     assert found.source == "bundle-id" and found.sha256 is None
+    info = CliRunner().invoke(main, ["info", "--bundle", str(bundle_dir)])
+    assert "checks:   colour fields drawn from the bundle id" in info.stdout
     np.testing.assert_array_equal(found.pixels, generated_check_images(bundle.id, bundle.preprocess))
     choice = choose(bundle, "auto", "auto", "cpu")
     if choice.cache is not None:  # more than one candidate here: verified on the id's colour fields
-        assert "generated from the bundle id" in choice.line
+        assert "drawn from the bundle id" in choice.line
         assert json.loads(choice.cache.read_text())["check"]["seed"] == int(bundle.id[:16], 16)
 
 
