@@ -103,7 +103,8 @@ def _auto(bundle: Bundle, found: list[Candidate], provider: str, threads: int | 
                   "machine": machine_record(provider, threads), "check": check, "reference": reference,
                   "verdicts": verdicts}
         path = _write_cache(path, record)
-    return _pick(bundle, found, verdicts, path, cached=not missing, built=built, source=check_words(check.get("source")))
+    return _pick(bundle, found, verdicts, path, cached=not missing, built=built,
+                 source=check_words(check.get("source")))
 
 
 def _pick(bundle: Bundle, found: list[Candidate], verdicts: dict[str, dict[str, Any]], path: Path | None,
