@@ -6,6 +6,8 @@ Runtimes (``runtime`` column): ``torch_plain`` (open_clip's image encoder, no pr
 int8, accuracy bound on), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` /
 ``ort_int8_blockwise_all`` (every weight MatMul quantised); ``openvino_fp32`` / ``openvino_bf16`` /
 ``openvino_int8`` and ``auto`` (what `edge-client --runtime auto` picks here: ``edge_runtimes.py``).
+On a trained run (``--run``): int8's accuracy drop, and the accuracy of what ``auto`` picks and of
+OpenVINO bf16 against fp32 on the run's labelled test images (``edge_accuracy.py``).
 All runtimes are timed interleaved in one process (medians), at batch 1 and 8 by default. FLOPs
 are counted on the PyTorch model (2 per multiply-add); the GEMM peak is the best fp32 MatMul of
 torch and ONNX Runtime here. Peak memory per runtime: one fresh process each
@@ -236,6 +238,12 @@ def run(options: Options) -> Section:
             else {}
         run_path = options.run or (None if options.quick else newest_demo_run(Path.cwd()))
         trained = trained_int8(run_path, work) if run_path else None
+        runtimes = None
+        if run_path and options.device == "cpu":
+            from benchmarks.edge_accuracy import trained_runtimes
+            from export.bundle_writer import DEFAULT_PARITY_IMAGES
+
+            runtimes = trained_runtimes(run_path, work, threads, DEFAULT_PARITY_IMAGES)
     for row in section.rows:
         row.update(agree.get(row["runtime"], {}))
         row["peak_rss_mb"] = memory.get(row["runtime"], {}).get("peak_rss_mb")
@@ -263,6 +271,13 @@ def run(options: Options) -> Section:
     kept = trained and ratio(trained["layers_kept_fp32"], trained["layers_kept_fp32"] + trained["layers_quantised"])
     section.goals.append(Goal.at_most("int8 share of layers kept fp32 on the trained run (was 17 of 22 on the demo)",
                                       kept, 0.5, ""))
+    from benchmarks.edge_accuracy import accuracy_ratios
+
+    section.config["trained_runtimes"] = runtimes
+    section.ratios.update(accuracy_ratios(runtimes))
+    section.goals.append(Goal.at_most("auto accuracy drop vs fp32 on the trained run's test images, points (0 "
+                                      "where it agrees 100%)", section.ratios["auto_accuracy_drop_points"],
+                                      1.0, " points"))
     if trained is None:
         section.notes.append("no trained run (`--run`, or runs/demo-* here): int8 agreement on real weights "
                              "not measured; run `fedmvp demo` first")

@@ -9,8 +9,6 @@ does. Each is timed with the other runtimes, interleaved (benchmarks/edge.py).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +28,7 @@ def _runner(engine: Any) -> Callable[[np.ndarray], list[np.ndarray]]:
 
 def runtime_runners(onnx: dict[str, Path], threads: int) -> tuple[dict[str, Callable], list[str], dict[str, Any]]:
     """``{row: run(pixels)}`` for the OpenVINO and auto rows, notes on what could not run, and auto's choice."""
+    from benchmarks.edge_accuracy import fresh_verdicts
     from edge_client.bundle import Bundle
     from edge_client.engines import Candidate, offered, open_engine, unavailable
     from edge_client.runtime_choice import choose
@@ -49,17 +48,9 @@ def runtime_runners(onnx: dict[str, Path], threads: int) -> tuple[dict[str, Call
                 out["openvino_int8"] = _runner(open_engine(int8, Candidate("openvino", "int8"), threads=threads))
             except Exception as err:  # noqa: BLE001 - a model OpenVINO cannot compile is a note, not a crash
                 notes.append(f"openvino_int8: {' '.join(str(err).split())[:200]}")
-    previous = os.environ.get("FEDMVP_CACHE")
-    with tempfile.TemporaryDirectory(prefix="fedmvp-bench-verdicts-") as cache:
-        os.environ["FEDMVP_CACHE"] = cache
-        try:
-            choice = choose(fp32, "auto", "auto", "cpu", threads)
-            engine = choice.engine or open_engine(fp32, choice.candidate, "cpu", threads)
-        finally:
-            if previous is None:
-                os.environ.pop("FEDMVP_CACHE", None)
-            else:
-                os.environ["FEDMVP_CACHE"] = previous
+    with fresh_verdicts():
+        choice = choose(fp32, "auto", "auto", "cpu", threads)
+        engine = choice.engine or open_engine(fp32, choice.candidate, "cpu", threads)
     out["auto"] = _runner(engine)
     picked = {k: v for k, v in choice.to_json().items() if k not in ("cache", "cached")}
     notes.append(choice.line.split("; cache ")[0])

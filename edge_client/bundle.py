@@ -12,6 +12,8 @@ bundle/
   train.pt2            torch.export training program (no tensors of its own)
   text_features.safetensors  text.attribute_features [C*K, E]: what the PromptFormer's text_proj
                        receives, so a refresh can recompute the baked text side (trainable bundles)
+  check_images.safetensors   images [N, S, S, 3] uint8: the pictures `--runtime auto` verifies runtimes on
+                       (``edge_client.check_images``; absent in bundles exported before)
   previous/            after a refresh: the files it replaced (and the old personalised/), for rollback
 ```
 The manifest's ``method`` is the model's method configuration (num_prompts, heads, ff_mult,
@@ -58,8 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmvp_formats.bundle_manifest import (CLASSES_KEY, MANIFEST, REFRESH_DERIVE, REFRESH_JOURNAL, ManifestError,
-                                            check_manifest, classes_digest)
+from fedmvp_formats.bundle_manifest import (CHECK_SECTION, CLASSES_KEY, MANIFEST, REFRESH_DERIVE, REFRESH_JOURNAL,
+                                            ManifestError, check_manifest, classes_digest)
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.method import MethodRecord
 from fedmvp_formats.privacy import RECORD as PRIVACY
@@ -69,6 +71,7 @@ from fedmvp_formats.privacy import PrivacyError, PrivacyRecord
 from edge_client.bundle_files import (BundleError, check_device_dirs, check_onnx_external,  # noqa: F401
                                       file_problem, plain_name, verify_program_archive)
 from edge_client.bundle_files import fail as _fail
+from edge_client.check_images import CheckImages, check_header, generated_check_images, read_check_images
 from edge_client.preprocess import PreprocessSpec
 from edge_client.safetensors_check import check_safetensors, load_safetensors
 
@@ -209,6 +212,15 @@ class Bundle:
         """LoRA tensor name -> shape, as the manifest records them (what updates must match)."""
         return {k: list(v) for k, v in self.manifest["lora"]["tensors"].items()}
 
+    def check_images(self) -> CheckImages:
+        """The pictures `--runtime auto` verifies on: the shipped ones (manifest ``check_images``), else, in a
+        bundle exported before they travelled, colour fields drawn from its id (``edge_client.check_images``)."""
+        section = self.manifest.get(CHECK_SECTION)
+        if section is None:
+            return CheckImages(generated_check_images(self.id, self.preprocess), "bundle-id")
+        pixels = read_check_images(self.file("check"), self.preprocess, section["images"])
+        return CheckImages(pixels, section["source"], self.manifest["files"][section["file"]]["sha256"])
+
     def lora(self) -> dict[str, Any]:
         """The LoRA tensors as numpy arrays (no torch needed), the file's header checked first."""
         return load_safetensors(self.file("lora"))
@@ -312,8 +324,11 @@ def _check_contents(root: Path, m: dict[str, Any]) -> None:
     files, roles = m["files"], m["files_by_role"]
     tensors = {n for n in files if n.endswith(".safetensors")} | {roles[r] for r in ("weights", "lora", "text")
                                                                    if r in roles}
-    for name in sorted(tensors):
+    for name in sorted(tensors - {roles.get("check")}):
         check_safetensors(root / name)
+    if "check" in roles:  # uint8 pictures, not float32 tensors
+        check_header(root / roles["check"], PreprocessSpec.from_manifest(m["preprocess"]).image_size,
+                     m[CHECK_SECTION]["images"])
     check_onnx_external(root / roles["onnx"], {n: e.get("bytes") for n, e in files.items()})
     if "training" in roles:
         verify_program_archive(root / roles["training"])

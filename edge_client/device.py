@@ -74,6 +74,8 @@ def bundle_report(bundle: str | os.PathLike | None) -> dict[str, Any]:
                 "model": (m.get("model") or {}).get("clip"), "classes": verified.class_names,
                 "trainable": verified.trainable, "promptformer_digest": verified.promptformer_digest,
                 "refreshable": verified.refreshable, "previous": (verified.path / PREVIOUS).is_dir(),
+                # where `auto`'s check images came from (run-test: the run's test images travelled here)
+                "check_images": (m.get("check_images") or {}).get("source", "bundle-id"),
                 "files": {name: entry.get("sha256") for name, entry in sorted(m.get("files", {}).items())},
                 "bytes": sum(int(e.get("bytes", 0)) for e in m.get("files", {}).values())})
     if out["hashes_ok"]:

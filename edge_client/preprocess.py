@@ -134,10 +134,16 @@ def resize_crop_rgb(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     return np.asarray(img, dtype=np.uint8)
 
 
-def preprocess(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
-    """One PIL image -> normalised float32 array [3, size, size] (the model's input)."""
-    x = resize_crop_rgb(image, spec).astype(np.float32) / np.float32(255.0)
+def normalise(pixels: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
+    """uint8 RGB [..., size, size, 3] (resized and cropped) -> normalised float32 [..., 3, size, size]:
+    ToTensor and Normalize, as torch computes them in float32."""
+    x = pixels.astype(np.float32) / np.float32(255.0)
     mean = np.asarray(spec.mean, dtype=np.float32)
     std = np.asarray(spec.std, dtype=np.float32)
     x = (x - mean) / std
-    return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
+    return np.ascontiguousarray(np.moveaxis(x, -1, -3), dtype=np.float32)
+
+
+def preprocess(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
+    """One PIL image -> normalised float32 array [3, size, size] (the model's input)."""
+    return normalise(resize_crop_rgb(image, spec), spec)

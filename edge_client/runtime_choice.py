@@ -8,11 +8,15 @@ against the bundle as exported on ONNX Runtime's CPU provider, times the ones th
 and takes the fastest. A candidate that fails is named in the one line that says what was picked; when
 none passes, the bundle as exported on ONNX Runtime runs (its parity was checked at export).
 
-The check images are the bundle's own: pictures generated from its id (so every device of a bundle
-checks the same ones), preprocessed as `infer` preprocesses a file. Their reference logits and every
-verdict are cached per bundle id and machine (CPU, its flags, runtime versions, threads, provider) in
-``$FEDMVP_CACHE/edge-runtime/`` (one JSON file, written atomically): a second call reads the verdict
-and verifies nothing. docs/architecture.md, "Runtimes".
+The check images are the bundle's own (``Bundle.check_images``, ``edge_client/check_images.py``): the
+pictures the exporter shipped (its parity images: ``--images`` or the run's test images, or generated
+colour fields), or, in a bundle exported before they travelled, colour fields drawn from its id (so
+every device of a bundle checks the same ones), normalised as `infer` normalises a file. Their reference
+logits and every verdict are cached per bundle id and machine (CPU, its flags, runtime versions,
+threads, provider) in ``$FEDMVP_CACHE/edge-runtime/`` (one JSON file, written atomically): a second call
+reads the verdict and verifies nothing. The bundle id is the manifest's sha256, which hashes the check
+file, so other check images are another bundle and another verdict; the record also names them
+(``check``: source, sha256 or seed). docs/architecture.md, "Runtimes".
 """
 
 from __future__ import annotations
@@ -27,21 +31,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from fedmvp_formats.atomic import write_json
+from fedmvp_formats.bundle_manifest import CHECK_SECTION
 from fedmvp_formats.files import cache_root
 from fedmvp_formats.parity_rules import agreement
 
 from edge_client.bundle import Bundle
+from edge_client.check_images import CHECK_COUNT, check_words, id_seed
 from edge_client.engines import Candidate, Engine, candidates, open_engine
-from edge_client.preprocess import preprocess
 from edge_client.runtime import ProviderError, _one_line, default_threads
 
 CACHE_FORMAT = "fedmvp-runtime-verdicts"
 CACHE_VERSION = 1
 CACHE_FOLDER = "edge-runtime"
-CHECK_IMAGES = 32  # as many as export's parity needs at least (export/parity.py MIN_IMAGES)
 CHECK_BATCH = 8  # `edge-client infer`'s default batch: the one timed
 
 
@@ -77,7 +80,8 @@ def choose(bundle: Bundle, runtime: str = "ort", precision: str = "auto", provid
 
 def _auto(bundle: Bundle, found: list[Candidate], provider: str, threads: int | None) -> Choice:
     path = cache_path(bundle, provider, threads)
-    record = _read_cache(path, bundle)
+    check = check_note(bundle)
+    record = _read_cache(path, bundle, check)
     verdicts: dict[str, dict[str, Any]] = record.get("verdicts", {})
     missing = [c for c in found if c.key not in verdicts]
     built: dict[str, Engine] = {}
@@ -96,14 +100,15 @@ def _auto(bundle: Bundle, found: list[Candidate], provider: str, threads: int | 
             if engine is not None:
                 built[candidate.key] = engine
         record = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "bundle_id": bundle.id,
-                  "machine": machine_record(provider, threads), "check": {"images": CHECK_IMAGES,
-                  "batch": CHECK_BATCH, "seed": _seed(bundle)}, "reference": reference, "verdicts": verdicts}
+                  "machine": machine_record(provider, threads), "check": check, "reference": reference,
+                  "verdicts": verdicts}
         path = _write_cache(path, record)
-    return _pick(bundle, found, verdicts, path, cached=not missing, built=built)
+    return _pick(bundle, found, verdicts, path, cached=not missing, built=built,
+                 source=check_words(check.get("source")))
 
 
 def _pick(bundle: Bundle, found: list[Candidate], verdicts: dict[str, dict[str, Any]], path: Path | None,
-          cached: bool, built: dict[str, Engine]) -> Choice:
+          cached: bool, built: dict[str, Engine], source: str) -> Choice:
     """The fastest candidate that passed; the faster ones that failed are named in the line."""
     ranked = sorted(found, key=lambda c: (not verdicts[c.key]["passed"], verdicts[c.key].get("ms_per_image")
                                           or float("inf")))
@@ -125,7 +130,7 @@ def _pick(bundle: Bundle, found: list[Candidate], verdicts: dict[str, dict[str, 
     others = ", ".join(f"{c.describe()} {verdicts[c.key]['ms_per_image']:.1f}" for c in passed[1:])
     line = (f"runtime: {best.describe()}, picked by auto: {v['ms_per_image']:.1f} ms/image at batch {CHECK_BATCH}"
             + (f" (vs {others})" if others else "")
-            + f"; verified on {v['images']} check images: top-1 {100 * v['top1_agreement']:.2f}%, "
+            + f"; verified on {v['images']} check images ({source}): top-1 {100 * v['top1_agreement']:.2f}%, "
               f"max |logit diff| {v['max_abs_logit_diff']:.2e}"
             + "".join(f"; {c.describe()} failed verification, not used: {_why(verdicts[c.key])}" for c in failed)
             + ("; cached verdict" if cached else "") + where)
@@ -180,21 +185,20 @@ def _logits(engine: Engine, bundle: Bundle, pixels: np.ndarray) -> tuple[np.ndar
     return np.concatenate(parts).astype(np.float64), times
 
 
-def _seed(bundle: Bundle) -> int:
-    return int(bundle.id[:16], 16)
+def check_images(bundle: Bundle, count: int | None = None) -> np.ndarray:
+    """The bundle's check images [N, 3, S, S] (``Bundle.check_images``), the first ``count`` where given."""
+    pixels = bundle.check_images().pixels
+    return pixels if count is None else pixels[:count]
 
 
-def check_images(bundle: Bundle, count: int = CHECK_IMAGES) -> np.ndarray:
-    """The bundle's check images [count, 3, S, S]: smooth colour fields drawn from its id (8x8 random colours
-    upsampled bicubically, so neighbouring pixels correlate as in photographs), preprocessed as infer does."""
-    rng = np.random.default_rng(_seed(bundle))
-    size = bundle.preprocess.image_size
-    images = []
-    for _ in range(count):
-        low = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
-        picture = Image.fromarray(low, "RGB").resize((size, size), Image.Resampling.BICUBIC)
-        images.append(preprocess(picture, bundle.preprocess))
-    return np.stack(images).astype(np.float32)
+def check_note(bundle: Bundle) -> dict[str, Any]:
+    """Which check images a verdict was reached on, from the manifest alone: the shipped file's source, count
+    and sha256, or (a bundle without them) the id seed its colour fields are drawn from."""
+    section = bundle.manifest.get(CHECK_SECTION)
+    if section is None:
+        return {"images": CHECK_COUNT, "batch": CHECK_BATCH, "seed": id_seed(bundle.id)}
+    return {"images": section["images"], "batch": CHECK_BATCH, "source": section["source"],
+            "sha256": bundle.manifest["files"][section["file"]]["sha256"]}
 
 
 def machine_record(provider: str, threads: int | None) -> dict[str, Any]:
@@ -243,27 +247,29 @@ def cache_path(bundle: Bundle, provider: str, threads: int | None) -> Path:
     return cache_root() / CACHE_FOLDER / f"{bundle.id[:20]}-{hashlib.sha256(machine).hexdigest()[:16]}.json"
 
 
-def _read_cache(path: Path, bundle: Bundle) -> dict[str, Any]:
-    """The cached record, or {} when there is none or it is not one this fedmvp wrote for this bundle."""
+def _read_cache(path: Path, bundle: Bundle, check: dict[str, Any]) -> dict[str, Any]:
+    """The cached record, or {} when there is none or it is not one this fedmvp wrote for this bundle and
+    these check images."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     ok = isinstance(record, dict) and record.get("format") == CACHE_FORMAT \
         and record.get("version") == CACHE_VERSION and record.get("bundle_id") == bundle.id \
-        and isinstance(record.get("verdicts", {}), dict) and _logit_table(record.get("reference"), bundle)
+        and record.get("check") == check and isinstance(record.get("verdicts", {}), dict) \
+        and _logit_table(record.get("reference"), bundle, check["images"])
     return record if ok else {}
 
 
-def _logit_table(value: Any, bundle: Bundle) -> bool:
-    """Whether ``value`` is CHECK_IMAGES rows of one logit per class (or absent)."""
+def _logit_table(value: Any, bundle: Bundle, rows: int) -> bool:
+    """Whether ``value`` is ``rows`` rows (one per check image) of one logit per class (or absent)."""
     if value is None:
         return True
     try:
         table = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
         return False
-    return table.shape == (CHECK_IMAGES, len(bundle.class_names)) and bool(np.all(np.isfinite(table)))
+    return table.shape == (rows, len(bundle.class_names)) and bool(np.all(np.isfinite(table)))
 
 
 def _write_cache(path: Path, record: dict[str, Any]) -> Path | None:

@@ -9,7 +9,8 @@ here first, with the standard library only (the inference install has no torch):
 - the 8-byte header length against the file's size and a cap, before anything is allocated for it;
 - the header one JSON object (not nested deeper than its format, no key twice), ``__metadata__`` a
   map of strings, every other entry {dtype, shape, data_offsets};
-- every tensor F32 (all a bundle or update holds) with shape * 4 == its data span;
+- every tensor F32 (all a bundle or update holds; the check images alone are U8, ``dtypes``) with
+  shape * its item size == its data span;
 - the spans in bounds, in order, not overlapping, and covering the data exactly.
 
 `load_safetensors` is the checked way to load one, for numpy (inference) or torch (training).
@@ -30,6 +31,7 @@ from edge_client.bundle_files import BundleError
 MAX_HEADER = 16 << 20  # bytes; a bundle's largest header (every frozen tensor of a ViT) is tens of KB
 MAX_DIMS = 8
 ITEMSIZE = {"F32": 4}  # the exporter and `edge-client train` write float32 only
+CHECK_ITEMSIZE = {"U8": 1}  # the bundle's check images (edge_client/check_images.py): uint8 pictures
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,11 @@ class Span:
     length: int
 
 
-def check_safetensors(path: str | os.PathLike, error: type[ValueError] = BundleError) -> dict[str, Span]:
+def check_safetensors(path: str | os.PathLike, error: type[ValueError] = BundleError,
+                      dtypes: dict[str, int] | None = None) -> dict[str, Span]:
     """Every tensor of a safetensors file by name (where its bytes lie), from a header checked as above;
-    raises ``error`` (one line naming the file) for anything else."""
+    raises ``error`` (one line naming the file) for anything else. ``dtypes``: the accepted dtypes and their
+    item sizes (default ITEMSIZE: float32)."""
     path = Path(path)
 
     def bad(reason: str) -> ValueError:
@@ -65,7 +69,9 @@ def check_safetensors(path: str | os.PathLike, error: type[ValueError] = BundleE
         raise error(f"{path}: cannot read ({err.strerror or err})") from None
     header = _parse(raw, bad)
     data_size = size - 8 - length
-    entries = {name: _entry(name, info, data_size, bad) for name, info in header.items() if name != "__metadata__"}
+    sizes = ITEMSIZE if dtypes is None else dtypes
+    entries = {name: _entry(name, info, data_size, bad, sizes) for name, info in header.items()
+               if name != "__metadata__"}
     end = 0
     for name, span in sorted(entries.items(), key=lambda item: (item[1].offset, item[1].length)):
         if span.offset != end:
@@ -78,11 +84,11 @@ def check_safetensors(path: str | os.PathLike, error: type[ValueError] = BundleE
 
 
 def load_safetensors(path: str | os.PathLike, error: type[ValueError] = BundleError,
-                     framework: str = "numpy") -> dict[str, Any]:
+                     framework: str = "numpy", dtypes: dict[str, int] | None = None) -> dict[str, Any]:
     """Tensors of a safetensors file, checked first: numpy arrays, or torch tensors (``framework="pt"``)."""
     from safetensors import SafetensorError
 
-    check_safetensors(path, error)
+    check_safetensors(path, error, dtypes)
     if framework == "pt":
         from safetensors.torch import load_file
     else:
@@ -117,19 +123,19 @@ def _parse(raw: bytes, bad: Any) -> dict[str, Any]:
     return header
 
 
-def _entry(name: str, info: Any, data_size: int, bad: Any) -> Span:
+def _entry(name: str, info: Any, data_size: int, bad: Any, sizes: dict[str, int]) -> Span:
     """One tensor's entry, checked; its offset relative to the data section."""
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
         raise bad(f"tensor {name!r}: its entry is not {{dtype, shape, data_offsets}}")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in ITEMSIZE:
-        raise bad(f"tensor {name!r} has dtype {dtype!r}; only {', '.join(ITEMSIZE)} is accepted")
+    if dtype not in sizes:
+        raise bad(f"tensor {name!r} has dtype {dtype!r}; only {', '.join(sizes)} is accepted")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_count(d) for d in shape):
         raise bad(f"tensor {name!r}: shape {str(shape)[:80]} is not a list of at most {MAX_DIMS} sizes")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(o) for o in offsets) \
             or not offsets[0] <= offsets[1] <= data_size:
         raise bad(f"tensor {name!r}: data span {str(offsets)[:80]} is not within the {data_size} data bytes")
-    need = math.prod(shape) * ITEMSIZE[dtype]
+    need = math.prod(shape) * sizes[dtype]
     if need != offsets[1] - offsets[0]:
         raise bad(f"tensor {name!r}: shape {shape} of {dtype} needs {need} bytes, its data span holds "
                   f"{offsets[1] - offsets[0]}")

@@ -26,15 +26,16 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from fedmvp_formats.atomic import move
-from fedmvp_formats.bundle_manifest import (CONTEXT_SOURCES, FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS,
-                                            REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES, file_entries,
-                                            write_manifest)
+from fedmvp_formats.bundle_manifest import (CHECK_SECTION, CONTEXT_SOURCES, FORMAT, FORMAT_VERSION, MANIFEST,
+                                            PRECISIONS, REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES,
+                                            file_entries, write_manifest)
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.privacy import RECORD as PRIVACY
 from fedmvp_formats.promptformer import promptformer_digest
 
 from edge_client.bundle import read_bundle, verify_program_archive
-from export import onnx_export, parity, training_artifact
+from edge_client.check_images import write_check_images
+from export import check_images, onnx_export, parity, training_artifact
 from export.class_set import ClassSet, file_class_set, run_class_set, text_features
 from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
 from export.errors import ExportError
@@ -73,6 +74,7 @@ class BundleResult:
     sizes: dict[str, int] = field(default_factory=dict)
     int8: Int8Plan | None = None
     discarded: list[str] = field(default_factory=list)  # device state deleted with the replaced bundle
+    check: check_images.ShippedCheck | None = None  # the check images it carries (export/check_images.py)
 
     @property
     def passed(self) -> bool:
@@ -83,7 +85,8 @@ class BundleResult:
         return sum(self.sizes.values())
 
     def lines(self) -> list[str]:
-        out = [r.line() for r in self.parity.values()] + ([self.int8.line()] if self.int8 else [])
+        out = [r.line() for r in self.parity.values()] + ([self.int8.line()] if self.int8 else []) \
+            + ([self.check.line()] if self.check else [])
         width = max((len(name) for name in self.sizes), default=0)
         out += [f"  {name:<{width}} {size / 1e6:8.3f} MB" for name, size in sorted(self.sizes.items())]
         out.append(f"bundle: {self.path} ({self.total_bytes / 1e6:.3f} MB, {self.manifest['precision']})")
@@ -104,7 +107,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
                  training: bool = True, progress: bool = False,
                  discard_device_state: bool = False, privacy: dict[str, Any] | None = None,
                  labels: np.ndarray | None = None,
-                 max_accuracy_drop: float = DEFAULT_MAX_ACCURACY_DROP) -> BundleResult:
+                 max_accuracy_drop: float = DEFAULT_MAX_ACCURACY_DROP, ship_images: bool = True) -> BundleResult:
     """Export ``model`` (round tensors loaded) over ``classes`` into the bundle directory ``out``.
 
     ``calibration``: images that choose which layers int8 keeps in fp32 (default: ``images``;
@@ -117,7 +120,10 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     ``discard_device_state``: with ``force``, also replace an ``out`` holding device state
     (``export.publish.device_state``); refused otherwise, since the device's training would be lost.
     ``privacy``: the manifest's ``privacy`` section (the run's [privacy] settings and the round's epsilon:
-    what a device clips and noises by, docs/howto/privacy.md); None: none."""
+    what a device clips and noises by, docs/howto/privacy.md); None: none.
+    ``ship_images``: the bundle's check images (what `edge-client --runtime auto` verifies on) are the first
+    32 real ones of ``images`` (``image_note`` says how many are real and where from; export/check_images.py);
+    False, or no real image: generated colour fields, so no test image leaves this machine."""
     out = Path(out)
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
@@ -191,11 +197,16 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             bar.update()
         if "weights" not in names:
             weights_file.unlink()
+        spec = preprocess_spec(clip)
+        check = check_images.from_parity(images, image_note or {}, spec) if ship_images \
+            else check_images.generated(spec)
+        write_check_images(tmp / names["check"], check.pixels)
 
         step("manifest")
         manifest = _manifest(model, clip, classes, edge, precision, results, source or {},
                              image_note or {"given": len(images)}, linked, names, int8_plan)
         manifest["promptformer"] = promptformer_section(model, edge, external)
+        manifest[CHECK_SECTION] = check.manifest(names["check"])
         if privacy is not None:
             manifest[PRIVACY] = dict(privacy)
         manifest["files"] = file_entries(tmp, list(names.values()))
@@ -210,7 +221,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         bar.close()
     sizes = {e: out.joinpath(e).stat().st_size for e in [*names.values(), MANIFEST]}
     return BundleResult(path=out, manifest=manifest, parity=results, sizes=sizes, int8=int8_plan,
-                        discarded=discarded)
+                        discarded=discarded, check=check)
 
 
 def accuracy_target(images: torch.Tensor, labels: np.ndarray | None, reference: np.ndarray,
@@ -323,13 +334,14 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
                   domain: str | None = None, parity_images: int = DEFAULT_PARITY_IMAGES, training: bool = True,
                   progress: bool = False, runs_root: str | Path = "runs",
                   discard_device_state: bool = False, images: str | Path | None = None,
-                  max_accuracy_drop: float | None = None) -> BundleResult:
+                  max_accuracy_drop: float | None = None, ship_images: bool = True) -> BundleResult:
     """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest).
 
     Needs the run directory only: the class set is the run's record; parity runs on ``images`` (a folder,
     walked recursively) when given, else on the run's test images where reachable, else on generated
     pixels with one warning line (``export.run_inputs.export_images``). ``max_accuracy_drop``: int8's
-    bound in points on the labelled ones of those images (default 1.0; int8 only)."""
+    bound in points on the labelled ones of those images (default 1.0; int8 only). ``ship_images``: the first
+    32 of those images travel in the bundle as its check images (False: generated ones; `--no-check-images`)."""
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if max_accuracy_drop is not None and precision != "int8":
@@ -361,4 +373,5 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
                         source=source, image_note=chosen.note, calibration=chosen.calibration, training=training,
                         progress=progress, discard_device_state=discard_device_state,
                         privacy=round_privacy(run_dir, checkpoint.round), labels=chosen.labels,
-                        max_accuracy_drop=DEFAULT_MAX_ACCURACY_DROP if max_accuracy_drop is None else max_accuracy_drop)
+                        max_accuracy_drop=DEFAULT_MAX_ACCURACY_DROP if max_accuracy_drop is None else max_accuracy_drop,
+                        ship_images=ship_images)

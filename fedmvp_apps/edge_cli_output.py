@@ -30,6 +30,8 @@ def print_table(predictions: list) -> None:
 
 
 def info_lines(report: dict[str, Any]) -> list[str]:
+    from edge_client.check_images import check_words
+
     b, d = report["bundle"], report["device"]
     lines = [f"bundle:     {b['path']}"]
     if b.get("error"):
@@ -45,6 +47,7 @@ def info_lines(report: dict[str, Any]) -> list[str]:
                      if b.get("classes_pinned") else ", class names not pinned by model.onnx (re-export to pin them)"),
                   f"  LoRA:     {b.get('lora', {}).get('describe', '?')}",
                   f"  training: {'yes (edge-client train)' if b.get('trainable') else 'no (inference-only bundle)'}",
+                  f"  checks:   {check_words(b.get('check_images'))} (what --runtime auto verifies on)",
                   f"  size:     {b.get('bytes', 0) / 1e6:.1f} MB"]
     lines.append(f"providers:  {', '.join(d['providers']) or 'onnxruntime not installed'}")
     lines.append("runtimes:   " + ", ".join(f"{name} {r['version']}" if r["available"] else f"{name} ({r['why']})"

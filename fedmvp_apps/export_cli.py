@@ -45,6 +45,11 @@ def _quiet_libraries() -> None:
               help="Folder of images (walked recursively) that the parity check judges on, and int8 calibrates "
                    "on when the run's training images are not reachable. Default: the run's test images where "
                    "this machine holds them, else generated pixels (with a warning).")
+@click.option("--check-images/--no-check-images", "ship_images", default=True, show_default=True,
+              help="Ship the first 32 parity images (the run's test images, or --images) in the bundle as "
+                   "check_images.safetensors: edge-client --runtime auto verifies runtimes on them. They are this "
+                   "machine's pictures and travel to every device: --no-check-images ships generated colour "
+                   "fields instead (docs/howto/check-images.md).")
 @click.option("--inference-only", is_flag=True,
               help="Leave out what only on-device training needs: the training program, and for fp16/int8 "
                    "the fp32 frozen weights (the ONNX model then holds its own). `edge-client train` refuses it.")
@@ -55,8 +60,8 @@ def _quiet_libraries() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def main(run: Path | None, round_number: int | None, out: Path | None, precision: str,
          max_accuracy_drop: float | None, attributes: Path | None,
-         domain: str | None, parity_images: int, images: Path | None, inference_only: bool, force: bool,
-         discard_device_state: bool, as_json: bool) -> None:
+         domain: str | None, parity_images: int, images: Path | None, ship_images: bool, inference_only: bool,
+         force: bool, discard_device_state: bool, as_json: bool) -> None:
     """Compile a round of a fedmvp run into an edge bundle.
 
     The bundle holds one ONNX model (frozen CLIP + PromptFormer + the attribute text features
@@ -72,7 +77,7 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
         result = export_bundle(run, round_number, out, precision=precision, force=force, attributes=attributes,
                                domain=domain, parity_images=parity_images, training=not inference_only,
                                progress=not as_json, discard_device_state=discard_device_state, images=images,
-                               max_accuracy_drop=max_accuracy_drop)
+                               max_accuracy_drop=max_accuracy_drop, ship_images=ship_images)
     except ParityError as err:
         _fail(as_json, EXIT_PARITY, f"parity failed, no bundle written: {err}",
               {"parity": {k: r.to_manifest() for k, r in err.results.items()}})
@@ -86,6 +91,7 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
                                "parity": {k: r.to_manifest() for k, r in result.parity.items()},
                                "sizes": result.sizes, "total_bytes": result.total_bytes,
                                "int8": result.int8.to_manifest() if result.int8 else None,
+                               "check_images": result.manifest.get("check_images"),
                                "discarded": result.discarded}, sort_keys=True))
     else:
         for line in result.lines() + ([linked] if linked else []):

@@ -32,8 +32,17 @@ FORMAT_VERSION = 2  # 2: the manifest records the method config (``method``)
 MANIFEST = "manifest.json"
 # The files a bundle holds, by role (an inference-only bundle drops training, text and maybe weights).
 ROLES = {"onnx": "model.onnx", "weights": "weights.safetensors", "lora": "lora.safetensors",
-         "training": "train.pt2", "text": "text_features.safetensors"}
+         "training": "train.pt2", "text": "text_features.safetensors", "check": "check_images.safetensors"}
 REQUIRED_ROLES = ("onnx", "lora")
+# ``check``: the pictures `edge-client --runtime auto` verifies a runtime on (section ``check_images``). One
+# uint8 tensor CHECK_TENSOR [N, S, S, 3]: RGB after the bundle's resize and crop, before normalisation (the
+# device normalises by ``preprocess`` as it does a file; 4x smaller than float32 and exact). Where they came
+# from: ``--images``, the run's recorded test images, or generated colour fields (``--no-check-images``, or
+# no real image at export). Bundles exported before have neither: the device generates its own from the id.
+CHECK_SECTION = "check_images"
+CHECK_TENSOR = "images"
+CHECK_SOURCES = ("images", "run-test", "generated")
+MAX_CHECK_IMAGES = 256
 PRECISIONS = ("fp32", "fp16", "int8")
 CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class list it was exported with
 # ``onnx.int8`` of an int8 bundle (export/int8.py's plan): the MatMul layers ``quantized`` and ``kept_fp32``,
@@ -51,6 +60,7 @@ SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
     "source": ((dict,), False), "model": ((dict,), False), "onnx": ((dict,), False),
     "training": ((dict, type(None)), False), "parity": ((dict,), False), "promptformer": ((dict,), False),
     PRIVACY: ((dict,), False),  # the run's [privacy] settings and the round's epsilon (none: no DP)
+    CHECK_SECTION: ((dict,), False),  # absent in bundles exported before check images travelled
 }
 
 # What each section holds (the reference page docs/reference/bundle.md is generated from SECTIONS and this).
@@ -77,6 +87,10 @@ SECTION_HELP: dict[str, str] = {
                     "round needs (docs/method.md §10)",
     PRIVACY: "the run's [privacy] settings (clip_norm, noise_multiplier, target_delta, mode, max_epsilon) and "
              "the epsilon spent up to the exported round; absent without differential privacy",
+    CHECK_SECTION: "the pictures `edge-client --runtime auto` verifies runtimes on: file (role check), source "
+                   f"({', '.join(CHECK_SOURCES)}: --images, the run's test images, generated colour fields), "
+                   "images (count), generated (how many of them are generated), layout; absent in bundles "
+                   "exported before (the device then generates its own from the bundle id)",
 }
 
 # What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
@@ -154,6 +168,7 @@ def check_manifest(m: Any, where: str) -> MethodRecord:
         raise bad("source.round", f"not a round number, got {source['round']!r}")
     if source.get("run_id") is not None and not isinstance(source["run_id"], str):
         raise bad("source.run_id", f"not a string, got {type(source['run_id']).__name__}")
+    _check_check_images(m, bad)
     if PRIVACY in m:  # what the device clips (and noises) by: the one record's checks
         try:
             PrivacyRecord.from_record(m[PRIVACY], f"{where}: field {PRIVACY}")
@@ -206,6 +221,25 @@ def _check_int8(plan: Any, bad: Any) -> None:
             isinstance(accuracy.get(k), (int, float)) and not isinstance(accuracy.get(k), bool)
             for k in INT8_ACCURACY)):
         raise bad("onnx.int8.accuracy", f"criterion accuracy needs numbers {', '.join(INT8_ACCURACY)}")
+
+
+def _check_check_images(m: dict[str, Any], bad: Any) -> None:
+    """``check_images`` and the ``check`` role come together; the section names the role's file, a source of
+    CHECK_SOURCES and counts (the tensor itself the reader checks against its header)."""
+    section, role = m.get(CHECK_SECTION), m["files_by_role"].get("check")
+    if section is None:
+        if role is not None:
+            raise bad(CHECK_SECTION, f"missing, but files_by_role names a check file ({role!r})")
+        return
+    if section.get("file") != role or role is None:
+        raise bad(f"{CHECK_SECTION}.file", f"{section.get('file')!r} is not files_by_role's check file ({role!r})")
+    if section.get("source") not in CHECK_SOURCES:
+        raise bad(f"{CHECK_SECTION}.source", f"{section.get('source')!r} is not one of {', '.join(CHECK_SOURCES)}")
+    count, generated = section.get("images"), section.get("generated")
+    if not (_integer(count) and 0 < count <= MAX_CHECK_IMAGES):
+        raise bad(f"{CHECK_SECTION}.images", f"not a count of 1 to {MAX_CHECK_IMAGES} images, got {count!r}")
+    if not (_integer(generated) and 0 <= generated <= count):
+        raise bad(f"{CHECK_SECTION}.generated", f"not a count of 0 to {count} images, got {generated!r}")
 
 
 def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -22,7 +22,8 @@ def manifest() -> dict:
             "preprocess": {}, "precision": "fp32", "files_by_role": dict(ROLES),
             "lora": {"tensors": {"lora.block.attn.to_q.lora_A.weight": [4, 8]}},
             "source": {"round": 2, "run_id": "run-1"}, "model": {}, "onnx": {"num_classes": 2},
-            "training": {}, "parity": {}, "promptformer": {}}
+            "training": {}, "parity": {}, "promptformer": {},
+            "check_images": {"file": ROLES["check"], "source": "run-test", "images": 32, "generated": 0}}
 
 
 def _error(m) -> str:
@@ -36,6 +37,7 @@ def _error(m) -> str:
 def test_a_whole_manifest_passes_and_gives_its_method_record():
     assert check_manifest(manifest(), WHERE) == MethodRecord()
     required_only = {k: v for k, v in manifest().items() if SECTIONS[k][1]}  # optional sections may be absent
+    del required_only["files_by_role"]["check"]  # with the check images' section, their role (a bundle before them)
     assert check_manifest(required_only, WHERE) == MethodRecord()
     assert check_manifest({**manifest(), "training": None}, WHERE) == MethodRecord()  # an inference-only bundle
 
@@ -83,6 +85,11 @@ BAD = [  # (what, edit, what the line says)
     ("lora shape", lambda m: m["lora"].update(tensors={"lora.x": [4, 0]}), "field lora.tensors"),
     ("source round", lambda m: m["source"].update(round="2"), "field source.round"),
     ("source run", lambda m: m["source"].update(run_id=7), "field source.run_id"),
+    ("check role alone", lambda m: m.pop("check_images"), "field check_images: missing, but files_by_role names"),
+    ("check file", lambda m: m["check_images"].update(file="model.onnx"), "field check_images.file"),
+    ("check source", lambda m: m["check_images"].update(source="elsewhere"), "field check_images.source"),
+    ("check count", lambda m: m["check_images"].update(images=0), "field check_images.images"),
+    ("check generated", lambda m: m["check_images"].update(generated=33), "field check_images.generated"),
 ]
 
 

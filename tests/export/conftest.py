@@ -6,16 +6,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from export_helpers import write_dataset, write_preset, write_run
+from export_helpers import tiny_run_in
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("export-run")
-    write_dataset(root / "data")
-    write_preset(root / "preset.toml", root / "data")
-    write_run(root / "runs" / "exporttest-1", root / "preset.toml")
-    return root / "runs" / "exporttest-1"
+    return tiny_run_in(tmp_path_factory.mktemp("export-run"))
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,14 @@ def write_run(run_path: Path, preset: Path, seed: int = 0,
     shared(run_path, preset, pretrained_tag(), "exporttest", seed, lora_targets=lora_targets, classes=classes)
 
 
+def tiny_run_in(root: Path, name: str = "exporttest-1") -> Path:
+    """The dataset, the preset and a run of it under ``root``: RUN, as ``fedmvp train`` would leave it."""
+    write_dataset(root / "data")
+    write_preset(root / "preset.toml", root / "data")
+    write_run(root / "runs" / name, root / "preset.toml")
+    return root / "runs" / name
+
+
 def rebuilt_model(run_path: Path, round_number: int = 2):
     """The PyTorch model exactly as the exporter rebuilds it: (model, clip)."""
     from tests.run_fixtures import rebuilt_model as shared

@@ -40,7 +40,7 @@ def test_bundle_manifest_and_files(tiny_bundle, tiny_run):
     assert bundle.class_names == base + new and len(base) == 8 and len(new) == 4  # base first, then new
     assert bundle.preprocess.image_size == 32 and m["preprocess"]["resize"] == "bicubic-shortest-side"
     assert set(m["files"]) == {"model.onnx", "train.pt2", "lora.safetensors", "weights.safetensors",
-                               "text_features.safetensors"}
+                               "text_features.safetensors", "check_images.safetensors"}
     assert sorted(m["lora"]["tensors"]) == sorted(LORA)
     assert m["lora"]["tensors"][LORA[0]] == [4, 128]
     fp32 = m["parity"]["fp32"]

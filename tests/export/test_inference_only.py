@@ -14,8 +14,9 @@ from edge_client.infer import Predictor
 from fedmvp_apps.export_cli import main as export_main
 
 EXPECTED_FILES = {
-    "fp32": ["lora.safetensors", "manifest.json", "model.onnx", "weights.safetensors"],  # ONNX external data
-    "fp16": ["lora.safetensors", "manifest.json", "model.onnx"],  # the ONNX model embeds its fp16 weights
+    "fp32": ["check_images.safetensors", "lora.safetensors", "manifest.json", "model.onnx",
+             "weights.safetensors"],  # ONNX external data
+    "fp16": ["check_images.safetensors", "lora.safetensors", "manifest.json", "model.onnx"],  # fp16 weights embedded
 }
 
 

@@ -23,7 +23,8 @@ from forge import (PROGRAM_PREFIX, SAFETENSORS_ATTACKS, deflated_blob, external_
 from edge_client.bundle import Bundle, BundleError, read_bundle, verify_program_archive  # noqa: E402
 from edge_client.bundle_files import check_onnx_external  # noqa: E402
 from edge_client.protobuf import onnx_external_data  # noqa: E402
-from edge_client.safetensors_check import check_safetensors, load_safetensors  # noqa: E402
+from edge_client.safetensors_check import CHECK_ITEMSIZE, check_safetensors, load_safetensors  # noqa: E402
+from fedmvp_formats.bundle_manifest import ROLES  # noqa: E402
 from edge_client.tensor_layout import safetensors_layout  # noqa: E402
 from edge_client.update import UpdateError, read_update, write_update  # noqa: E402
 
@@ -86,8 +87,8 @@ def test_safetensors_refused_before_allocating(attack: str, update_file: Path, t
 def test_real_safetensors_pass_as_the_library_reads_them(pristine_bundle: Path) -> None:
     from safetensors import safe_open
 
-    for path in sorted(pristine_bundle.glob("*.safetensors")):
-        checked = check_safetensors(path)
+    for path in sorted(pristine_bundle.glob("*.safetensors")):  # the check images alone hold uint8 pictures
+        checked = check_safetensors(path, dtypes=CHECK_ITEMSIZE if path.name == ROLES["check"] else None)
         with safe_open(str(path), "np") as handle:
             assert sorted(checked) == sorted(handle.keys())
             for name, entry in checked.items():
