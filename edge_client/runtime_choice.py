@@ -43,7 +43,7 @@ from edge_client.engines import Candidate, Engine, candidates, open_engine
 from edge_client.runtime import ProviderError, _one_line, default_threads
 
 CACHE_FORMAT = "fedmvp-runtime-verdicts"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: verdicts judge reduced precisions on images not near-tied (parity_rules)
 CACHE_FOLDER = "edge-runtime"
 CHECK_BATCH = 8  # `edge-client infer`'s default batch: the one timed
 
@@ -130,8 +130,10 @@ def _pick(bundle: Bundle, found: list[Candidate], verdicts: dict[str, dict[str, 
     others = ", ".join(f"{c.describe()} {verdicts[c.key]['ms_per_image']:.1f}" for c in passed[1:])
     line = (f"runtime: {best.describe()}, picked by auto: {v['ms_per_image']:.1f} ms/image at batch {CHECK_BATCH}"
             + (f" (vs {others})" if others else "")
-            + f"; verified on {v['images']} check images ({source}): top-1 {100 * v['top1_agreement']:.2f}%, "
-              f"max |logit diff| {v['max_abs_logit_diff']:.2e}"
+            + f"; verified on {v['images']} check images ({source}): top-1 {100 * v['top1_agreement']:.2f}%"
+            + (f" ({100 * v['decisive_agreement']:.2f}% of the {v['decisive_images']} not near-tied)"
+               if v.get("decisive_images", v["images"]) != v["images"] else "")
+            + f", max |logit diff| {v['max_abs_logit_diff']:.2e}"
             + "".join(f"; {c.describe()} failed verification, not used: {_why(verdicts[c.key])}" for c in failed)
             + ("; cached verdict" if cached else "") + where)
     return Choice(best, "auto", line, shown, path, cached, built.get(best.key))
@@ -163,6 +165,7 @@ def _verify(bundle: Bundle, candidate: Candidate, provider: str, threads: int | 
         return {"passed": False, "error": f"cannot run it: {_one_line(err)}"}, None
     found = agreement(reference, logits, candidate.precision, bound_reduced=True)
     verdict = {"passed": found.passed, "images": found.images, "top1_agreement": round(found.top1_agreement, 6),
+               "decisive_images": found.decisive_images, "decisive_agreement": round(found.decisive_agreement, 6),
                "max_abs_logit_diff": float(f"{found.max_abs_logit_diff:.3e}"),
                "max_allowed_diff": found.max_allowed_diff, "device": engine.device,
                "ms_per_image": round(statistics.median(batch_ms) / CHECK_BATCH, 4), "describe": found.describe()}

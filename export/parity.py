@@ -31,16 +31,20 @@ class ParityResult:
     max_abs_logit_diff: float
     top1_agreement: float
     passed: bool
+    decisive_images: int | None = None  # reduced precisions: the images not near-tied for fp32 (the rules')
+    decisive_agreement: float | None = None  # top-1 agreement on those: what the rules hold
 
     def to_manifest(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
     def line(self) -> str:
         verdict = "ok" if self.passed else "FAILED"
         need = MIN_AGREEMENT[self.precision]
         extra = f", need <= {FP32_MAX_ABS_DIFF:g}" if self.precision == "fp32" else ""
+        judged = "" if self.decisive_agreement is None else \
+            f", on the {self.decisive_images} not near-tied {100 * self.decisive_agreement:.2f}%"
         return (f"parity {self.precision}: {self.images} images, max |logit diff| {self.max_abs_logit_diff:.2e}"
-                f"{extra}, top-1 agreement {100 * self.top1_agreement:.2f}% (need >= {100 * need:g}%): {verdict}")
+                f"{extra}, top-1 agreement {100 * self.top1_agreement:.2f}%{judged} (need >= {100 * need:g}%): {verdict}")
 
 
 @torch.no_grad()
@@ -75,7 +79,9 @@ def compare(reference: np.ndarray, candidate: np.ndarray, precision: str) -> Par
     found = agreement(reference, candidate, precision)
     return ParityResult(precision=precision, images=found.images,
                         max_abs_logit_diff=float(f"{found.max_abs_logit_diff:.2e}"),
-                        top1_agreement=round(found.top1_agreement, 6), passed=found.passed)
+                        top1_agreement=round(found.top1_agreement, 6), passed=found.passed,
+                        **({} if precision == "fp32" else {"decisive_images": found.decisive_images,
+                                                           "decisive_agreement": round(found.decisive_agreement, 6)}))
 
 
 def check(path: Path, reference: np.ndarray, images: torch.Tensor, precision: str) -> ParityResult:

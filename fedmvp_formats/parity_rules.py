@@ -4,9 +4,13 @@ Why here: the exporter holds each precision it writes to these rules against PyT
 (``export/parity.py``), and the device holds each runtime and precision it may pick to the same
 rules against the bundle as exported (``edge_client/runtime_choice.py``); one copy, numpy only.
 fp32 must agree on every image and stay within ``FP32_MAX_ABS_DIFF``; a reduced precision must
-agree on at least ``MIN_AGREEMENT`` of the images. The device adds a logit bound for reduced
-precisions (``REDUCED_MAX_REL_DIFF`` of the reference's logit range): top-1 agreement alone would
-pass a runtime whose logits are off in scale (docs/architecture.md, "Runtimes").
+agree on at least ``MIN_AGREEMENT`` of the *decisive* images: those whose reference top-1 margin is at
+least ``NEAR_TIE_REL`` of the reference logits' range. An image whose two best classes are closer than
+that is a coin toss for fp32 itself, and any rounding decides it: on the trained demo bundle OpenVINO
+bf16 flipped 1 of 32 check images (margin 0.09% of the range) and 2 of 256 test images (0.07%, 0%)
+at no cost in accuracy (docs/benchmarks.md), and 99% of 32 images means all 32. The device adds a
+logit bound for reduced precisions (``REDUCED_MAX_REL_DIFF`` of the reference's logit range): top-1
+agreement alone would pass a runtime whose logits are off in scale (docs/architecture.md, "Runtimes").
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 FP32_MAX_ABS_DIFF = 1e-3
 MIN_AGREEMENT = {"fp32": 1.0, "bf16": 0.99, "fp16": 0.99, "int8": 0.99}
 REDUCED_MAX_REL_DIFF = 0.1  # the device's bound for bf16/fp16/int8: a tenth of the reference logits' range
+NEAR_TIE_REL = 0.01  # a reference top-1 margin under 1% of its logit range: a near tie, not judged (reduced only)
 
 
 @dataclass(frozen=True)
@@ -27,15 +32,21 @@ class Agreement:
     precision: str
     images: int
     max_abs_logit_diff: float
-    top1_agreement: float
+    top1_agreement: float  # on every image
     max_allowed_diff: float | None  # None: no logit bound for this precision here
     passed: bool
+    decisive_images: int = 0  # reduced precisions: the images judged (reference margin >= NEAR_TIE_REL)
+    decisive_agreement: float = 1.0  # top-1 agreement on those: what MIN_AGREEMENT holds
 
     def describe(self) -> str:
         bound = f" (allowed {self.max_allowed_diff:.2e})" if self.max_allowed_diff is not None else ""
         need = 100 * MIN_AGREEMENT[self.precision]
-        return (f"{self.images} images, max |logit diff| {self.max_abs_logit_diff:.2e}{bound}, "
-                f"top-1 agreement {100 * self.top1_agreement:.2f}% (need >= {need:g}%)")
+        if self.precision == "fp32":
+            judged = f"top-1 agreement {100 * self.top1_agreement:.2f}% (need >= {need:g}%)"
+        else:
+            judged = (f"top-1 agreement {100 * self.top1_agreement:.2f}%, on the {self.decisive_images} not near-tied "
+                      f"{100 * self.decisive_agreement:.2f}% (need >= {need:g}%)")
+        return f"{self.images} images, max |logit diff| {self.max_abs_logit_diff:.2e}{bound}, {judged}"
 
 
 def agreement(reference: np.ndarray, candidate: np.ndarray, precision: str,
@@ -49,11 +60,24 @@ def agreement(reference: np.ndarray, candidate: np.ndarray, precision: str,
     if ref.shape != got.shape or ref.ndim != 2 or not len(ref):
         raise ValueError(f"logits of shapes {ref.shape} and {got.shape} cannot be compared")
     diff = float(np.max(np.abs(ref - got))) if np.all(np.isfinite(got)) else float("inf")
-    top1 = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+    same = ref.argmax(-1) == got.argmax(-1)
+    top1 = float(np.mean(same))
     if precision == "fp32":
         allowed: float | None = FP32_MAX_ABS_DIFF
+        decisive = np.ones(len(ref), bool)
     else:
         allowed = REDUCED_MAX_REL_DIFF * float(np.ptp(ref)) if bound_reduced else None
-    passed = top1 >= MIN_AGREEMENT[precision] and (allowed is None or diff <= allowed)
+        decisive = top1_margins(ref) >= NEAR_TIE_REL * float(np.ptp(ref))
+    judged = float(np.mean(same[decisive])) if decisive.any() else 1.0
+    passed = judged >= MIN_AGREEMENT[precision] and (allowed is None or diff <= allowed)
     return Agreement(precision=precision, images=int(len(ref)), max_abs_logit_diff=diff, top1_agreement=top1,
-                     max_allowed_diff=allowed, passed=bool(passed))
+                     max_allowed_diff=allowed, passed=bool(passed), decisive_images=int(decisive.sum()),
+                     decisive_agreement=judged)
+
+
+def top1_margins(logits: np.ndarray) -> np.ndarray:
+    """Each row's best logit minus its second best (0 with a single class)."""
+    if logits.shape[-1] < 2:
+        return np.zeros(len(logits))
+    best_two = np.sort(logits, axis=-1)[:, -2:]
+    return best_two[:, 1] - best_two[:, 0]
