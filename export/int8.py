@@ -116,6 +116,8 @@ class Int8Plan:
         calibration = (f"top-1 agreement {100 * self.calibration_agreement:.2f}% (expected "
                        f"{100 * self.calibration_expected_agreement:.2f}%) on {self.calibration_images} "
                        f"training images")
+        if self.scheme_choice and self.scheme_choice.get("asked") == "auto":
+            head += f"auto picked {self.scheme_choice['why']}; "
         if self.accuracy is None:
             return head + "calibration " + calibration
         a = self.accuracy

@@ -107,7 +107,7 @@ class _Batches:
 
 
 def quantize_static_model(proto: onnx.ModelProto, calibration: np.ndarray, layers: list[str] | None = None,
-                          keep_fp32_inputs: list[str] = (), input_name: str = "pixel_values",
+                          keep_fp32_inputs: list[str] = (), input_name: str | None = None,
                           batch: int = 8, activations: str = "QUInt8", cache: Path | None = None,
                           outputs: bool = False) -> onnx.ModelProto:
     """Static int8 (QDQ): weights s8 per output channel (7-bit range, as the dynamic model), activation
@@ -120,13 +120,16 @@ def quantize_static_model(proto: onnx.ModelProto, calibration: np.ndarray, layer
     (docs/architecture.md, "int8").
     ``activations``: "QUInt8" (u8 x s8, the x86 kernel without VNNI) or "QInt8". ``cache``: the calibrated
     ranges are read from this file when it exists, else computed and written there (ranges of every
-    MatMul input of the fp32 model: the same whichever layers are quantised)."""
+    MatMul input of the fp32 model: the same whichever layers are quantised). ``input_name``: what
+    ``calibration`` feeds (default: the first graph input that is not an initializer)."""
     import onnxruntime
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     onnxruntime.set_default_logger_severity(3)  # the calibration session warns about the LoRA graph inputs
     chosen = quantizable_layers(proto, list(keep_fp32_inputs)) if layers is None else list(layers)
-    reader = _Batches(input_name, calibration, batch)
+    constants = {init.name for init in proto.graph.initializer}
+    name = input_name or next(i.name for i in proto.graph.input if i.name not in constants)
+    reader = _Batches(name, calibration, batch)
     with _quiet(), tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
         src, dst = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
         src.write_bytes(proto.SerializeToString(deterministic=True))

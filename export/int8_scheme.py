@@ -76,7 +76,7 @@ def plan_scheme(proto: onnx.ModelProto, lora_names: list[str], reference: np.nda
     model, plan = plans[picked]
     other = next(name for name in candidates if name != picked)
     plan.scheme_choice = {"asked": "auto",
-                          "why": f"faster at batch {TIMING_BATCH} on this machine ({ms[picked]:.1f} against "
+                          "why": f"{picked}: faster at batch {TIMING_BATCH} on this machine ({ms[picked]:.1f} against "
                                  f"{ms[other]:.1f} ms per image for {other}), both holding the {plan.criterion} "
                                  f"criterion",
                           "candidates": {name: _figures(p, ms[name]) for name, (_, p) in plans.items()}}
