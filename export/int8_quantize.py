@@ -48,7 +48,6 @@ def quantizable_layers(proto: onnx.ModelProto, keep_fp32_inputs: list[str]) -> l
 
 
 SCHEMES = INT8_SCHEMES  # what onnx.int8.scheme may say (the manifest's one definition)
-STATIC_CALIBRATION_IMAGES = 64  # MinMax ranges: more images only widen them (one run of the fp32 model each)
 
 
 def quantize(proto: onnx.ModelProto, layers: list[str], scheme: str = "dynamic",
@@ -63,7 +62,9 @@ def quantize(proto: onnx.ModelProto, layers: list[str], scheme: str = "dynamic",
     if scheme == "static":
         if calibration is None:
             raise Int8Error("static int8 needs calibration images")
-        out = quantize_static_model(proto, calibration[:STATIC_CALIBRATION_IMAGES], list(layers), cache=cache)
+        # every calibration image (the export's up to 256 training images): on the trained demo 256 gave
+        # 98.05% agreement with fp32 against 96.48% from the first 64 (docs/architecture.md, "int8")
+        out = quantize_static_model(proto, calibration, list(layers), cache=cache)
         weights = {init.name for init in out.graph.initializer}
         done = sum(node.op_type == "DequantizeLinear" and node.input[0] in weights for node in out.graph.node)
     elif scheme == "dynamic":
