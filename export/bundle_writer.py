@@ -105,7 +105,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
                  discard_device_state: bool = False, privacy: dict[str, Any] | None = None,
                  labels: np.ndarray | None = None,
                  max_accuracy_drop: float = DEFAULT_MAX_ACCURACY_DROP, int8_scheme: str = "auto",
-                 int8_scheme_why: str | None = None) -> BundleResult:
+                 real_calibration: int | None = None) -> BundleResult:
     """Export ``model`` (round tensors loaded) over ``classes`` into the bundle directory ``out``.
 
     ``calibration``: images that choose which layers int8 keeps in fp32 (default: ``images``;
@@ -113,7 +113,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     ``labels``: the class index of each of ``images`` (-1: unknown); with at least ``parity.MIN_IMAGES``
     known, int8 keeps the fewest layers fp32 that hold the top-1 accuracy on those within
     ``max_accuracy_drop`` points (export/int8.py), else those that agree with fp32 on ``calibration``.
-    ``int8_scheme``: dynamic, static or auto (export/int8_scheme.py); ``int8_scheme_why``: why a fixed one.
+    ``int8_scheme``: dynamic, static or auto (export/int8_scheme.py); ``real_calibration``: how many of the
+    calibration images are real (None: all; 0: auto is dynamic, static has nothing real to calibrate on).
     ``training=False``: an inference-only bundle, without the training program, and without the
     fp32 frozen weights when the ONNX model embeds its own (fp16, int8).
     ``discard_device_state``: with ``force``, also replace an ``out`` holding device state
@@ -178,7 +179,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
                                                      calib_reference, parity.MIN_AGREEMENT["int8"], progress=step,
                                                      edge=edge, accuracy=accuracy_target(images, labels, reference,
                                                                                          max_accuracy_drop),
-                                                     scheme=int8_scheme, scheme_why=int8_scheme_why)
+                                                     scheme=int8_scheme, real_calibration=real_calibration)
         if precision != "fp32":
             onnx_export.save(onnx_export.pin_classes(variant, list(classes.names)), tmp / names["onnx"])
             onnx_export.check(tmp / names["onnx"])
@@ -357,7 +358,7 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     ckpt_path = run_dir.round_path(checkpoint.round) / "global.safetensors"
     chosen = export_images(run_dir, clip.preprocess, clip.image_size, parity_images,
                            folder, int8=precision == "int8", class_names=list(classes.names))
-    scheme, scheme_why = int8_scheme_for(int8_scheme or "auto", chosen.calibration_real)
+    scheme_why = int8_scheme_for(int8_scheme or "auto", chosen.calibration_real)[1]  # the same call decides
     for line in (chosen.warning, chosen.unlabelled, scheme_why if precision == "int8" else None):
         if line:
             warn(line)
@@ -369,4 +370,4 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
                         progress=progress, discard_device_state=discard_device_state,
                         privacy=round_privacy(run_dir, checkpoint.round), labels=chosen.labels,
                         max_accuracy_drop=DEFAULT_MAX_ACCURACY_DROP if max_accuracy_drop is None else max_accuracy_drop,
-                        int8_scheme=scheme, int8_scheme_why=scheme_why)
+                        int8_scheme=int8_scheme or "auto", real_calibration=chosen.calibration_real)

@@ -52,21 +52,22 @@ def int8_scheme_for(asked: str, real_calibration: int) -> tuple[str, str | None]
 
 
 def plan_scheme(proto: onnx.ModelProto, lora_names: list[str], reference: np.ndarray, run: Run, target: float,
-                calibration: np.ndarray, scheme: str = DEFAULT_SCHEME, why: str | None = None,
+                calibration: np.ndarray, scheme: str = DEFAULT_SCHEME, real_calibration: int | None = None,
                 progress: Callable[[str], None] | None = None, shifts: dict[str, np.ndarray] | None = None,
                 accuracy: AccuracyTarget | None = None) -> tuple[onnx.ModelProto, Int8Plan]:
     """The int8 model of ``scheme`` (``auto``: the faster at batch 8 of both, each planned under the same
-    criterion) and its plan, ``scheme_choice`` filled in. ``why``: the reason a fixed scheme was taken
-    (default: asked by name). Other arguments: ``export.int8.plan_int8``'s; ``calibration`` are the
-    images ``reference`` was computed on, static's ranges are calibrated on them."""
-    if scheme not in CHOICES:
-        raise ValueError(f"int8 scheme {scheme!r}: choose one of {', '.join(CHOICES)}")
+    criterion) and its plan, ``scheme_choice`` filled in. ``real_calibration``: how many of ``calibration``
+    are real images (None: all; 0 makes auto dynamic, see ``int8_scheme_for``). Other arguments:
+    ``export.int8.plan_int8``'s; ``calibration`` are the images ``reference`` was computed on, static's
+    ranges are calibrated on them."""
+    asked = scheme
+    scheme, why = int8_scheme_for(asked, len(calibration) if real_calibration is None else real_calibration)
     candidates = SCHEMES if scheme == "auto" else (scheme,)
     plans = {name: plan_int8(proto, lora_names, reference, run, target, progress, shifts, accuracy, name,
                              calibration) for name in candidates}
     if scheme != "auto":
         model, plan = plans[scheme]
-        plan.scheme_choice = {"asked": scheme, "why": why or "asked by name",
+        plan.scheme_choice = {"asked": asked, "why": why or "asked by name",
                               "candidates": {scheme: _figures(plan, None)}}
         return model, plan
     if progress:
@@ -96,13 +97,12 @@ def time_models(models: dict[str, onnx.ModelProto], pixels: np.ndarray, repeats:
     """Median ms per image of each model on ``pixels`` (one batch), ONNX Runtime's CPU provider with
     ``threads`` (default: this machine's cores), run round-robin so that load hits all of them alike."""
     from edge_client.runtime import make_session
-    from export.onnx_export import save
 
     with tempfile.TemporaryDirectory(prefix="fedmvp-int8-time-") as work:
         sessions = {}
         for name, model in models.items():
             path = Path(work) / f"{name}.onnx"
-            save(model, path)
+            path.write_bytes(model.SerializeToString())
             sessions[name], _ = make_session(path, "cpu", threads=threads)
         feeds = {name: {s.get_inputs()[0].name: pixels} for name, s in sessions.items()}
         for name, session in sessions.items():  # warm-up: first-run allocations and kernel selection

@@ -359,7 +359,7 @@ def to_fp16(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
 def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, reference: np.ndarray,
             target: float, progress=None, edge: EdgeClassifier | None = None,
             accuracy: "AccuracyTarget | None" = None, scheme: str = "auto",
-            scheme_why: str | None = None) -> tuple[onnx.ModelProto, "Int8Plan"]:
+            real_calibration: int | None = None) -> tuple[onnx.ModelProto, "Int8Plan"]:
     """int8 of the MatMul weights, the layers that would flip predictions kept fp32 (export/int8.py).
 
     ``calibration``: images, ``reference``: the fp32 model's logits on them. LoRA MatMuls are
@@ -368,7 +368,7 @@ def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, ref
     first-order estimate (export/int8_sensitivity.py) instead of one ONNX run per layer.
     ``accuracy``: the task accuracy to hold on labelled held-out images (else: agreement >= ``target``).
     ``scheme``: dynamic, static or auto (both planned, the faster at batch 8 here ships; export/int8_scheme.py);
-    ``scheme_why``: why a fixed scheme was taken, for the manifest (default: asked by name)."""
+    ``real_calibration``: how many of ``calibration`` are real images (None: all; 0: auto is dynamic)."""
     from export.int8 import quantizable_layers
     from export.int8_scheme import plan_scheme
 
@@ -382,7 +382,7 @@ def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, ref
             progress("int8: first-order sensitivity")
         shifts = layer_shifts(edge, images, proto, quantizable_layers(proto, lora_names))
     out, plan = plan_scheme(proto, lora_names, reference, calibration_runner(calibration), target, calibration,
-                            scheme, scheme_why, progress, shifts, accuracy)
+                            scheme, real_calibration, progress, shifts, accuracy)
     _check_lora_fp32(out, lora_names, "int8 quantisation")
     return _sorted(out), plan
 

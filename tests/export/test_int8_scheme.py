@@ -43,8 +43,9 @@ def test_auto_ships_the_scheme_that_was_faster_here(images, monkeypatch, timings
 def test_a_scheme_asked_by_name_is_planned_alone(images, monkeypatch, scheme):
     monkeypatch.setattr(int8_scheme, "time_models", lambda *a: pytest.fail("a named scheme is not timed"))
     proto = matmuls_as_matmul(mlp(1, 100.0))
-    model, plan = plan_scheme(proto, [], run(proto, images), runner(images), 0.99, images, scheme, "because")
-    assert plan.scheme == scheme and plan.scheme_choice["why"] == "because"
+    model, plan = plan_scheme(proto, [], run(proto, images), runner(images), 0.99, images, scheme)
+    assert plan.scheme == scheme and plan.scheme_choice == {**plan.scheme_choice, "asked": scheme,
+                                                            "why": "asked by name"}
     assert list(plan.scheme_choice["candidates"]) == [scheme] and ops(model)[SCHEME_OPS[scheme][1]] == 3
 
 
