@@ -3,7 +3,8 @@
 Runtimes (``runtime`` column): ``torch_plain`` (open_clip's image encoder, no prompts),
 ``torch_prompted`` (the fedmvp model with cached attribute text features), ``ort_plain_fp32``
 (the plain encoder as ONNX), ``ort_fp32`` (the bundle's model.onnx), ``ort_int8`` (the exporter's
-int8, accuracy bound on), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` /
+int8, accuracy bound on, the scheme `--int8-scheme auto` picked: ``int8_bundle_scheme``; its ratios
+``ort_int8_vs_ort_fp32_b1`` / ``_b8``), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` /
 ``ort_int8_blockwise_all`` (every weight MatMul quantised); ``openvino_fp32`` / ``openvino_bf16`` /
 ``openvino_int8`` and ``auto`` (what `edge-client --runtime auto` picks here: ``edge_runtimes.py``).
 On a trained run (``--run``): int8's accuracy drop, and the accuracy of what ``auto`` picks and of
@@ -185,7 +186,8 @@ def newest_demo_run(root: Path) -> Path | None:
 def trained_int8(run_path: Path, work: Path) -> dict:
     """The exporter's int8 on a trained run (e.g. `fedmvp demo`'s): what its accuracy bound measured on the
     run's labelled test images (fp32 and int8 accuracy, the drop in points), top-1 agreement with fp32
-    there (the bundle's own parity check) and the layers kept fp32."""
+    there (the bundle's own parity check), the layers kept fp32 and the scheme `--int8-scheme auto` shipped
+    (with what each candidate measured)."""
     from export.bundle_writer import export_bundle
 
     start = time.perf_counter()
@@ -195,7 +197,8 @@ def trained_int8(run_path: Path, work: Path) -> dict:
     return {"run": str(run_path), "test_images": check.images, "top1_agreement": check.top1_agreement,
             "max_abs_logit_diff": check.max_abs_logit_diff, "parity_passed": check.passed,
             "layers_quantised": len(plan.quantized), "layers_kept_fp32": len(plan.kept_fp32),
-            "criterion": plan.criterion, "accuracy": plan.accuracy,
+            "criterion": plan.criterion, "accuracy": plan.accuracy, "scheme": plan.scheme,
+            "scheme_choice": plan.scheme_choice,
             "export_seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -253,7 +256,8 @@ def run(options: Options) -> Section:
     section.config.update({"gflop_per_image": {k: round(v, 3) for k, v in flops.items()},
                            "gemm_peak_gflops": peak["gflops"], "gemm": peak["shapes"],
                            "build_seconds": {k: round(v, 2) for k, v in models.build_seconds.items()},
-                           "int8_plan": models.int8_plan, "memory": memory})
+                           "int8_plan": models.int8_plan, "memory": memory,
+                           "int8_bundle_scheme": (models.int8_plan or {}).get("scheme")})
     section.ratios = ratios(section.rows, flops, peak["gflops"], batches)
     section.ratios["int8_file_fraction"] = round(int8_fraction, 4) if int8_fraction else None
     all_fraction = ratio(models.file_bytes.get("ort_int8_dynamic_all"), models.file_bytes.get("ort_fp32"))

@@ -17,7 +17,7 @@ import onnx
 
 def write_variants(fp32: Path, calibration: np.ndarray, work: Path) -> dict[str, tuple[Path, float]]:
     """``{runtime: (model path, seconds to quantise)}`` for the all-layers dynamic and static int8 models."""
-    from export.int8 import quantize_dynamic_model, quantize_static_model
+    from export.int8_quantize import quantize_dynamic_model, quantize_static_model
     from export.onnx_export import prepare_fp32
 
     proto = onnx.load(str(fp32))  # external data read in
@@ -42,7 +42,7 @@ def quantize_blockwise_model(proto: onnx.ModelProto, keep_fp32_inputs: list[str]
     compute (accuracy level 4: activations quantised per block), every quantisable MatMul but LoRA's."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from export.int8 import _quiet, quantizable_layers
+    from export.int8_quantize import _quiet, quantizable_layers
 
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)  # the quantiser rewrites the model it is given

@@ -40,6 +40,7 @@ from export.class_set import ClassSet, file_class_set, run_class_set, text_featu
 from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
 from export.errors import ExportError
 from export.int8 import DEFAULT_MAX_ACCURACY_DROP, AccuracyTarget, Int8Plan
+from export.int8_scheme import int8_scheme_for
 from export.publish import check_out, publish
 from export.run_inputs import export_images, find_run, images_folder, load_checkpoint, preprocess_spec, read_config, rebuild_model
 from fedmvp.clip import LoadedClip
@@ -52,8 +53,7 @@ from fedmvp.runs import warn
 DEFAULT_PARITY_IMAGES = 256
 NUMERICS = {"fp32": "fp32 weights and compute",
             "fp16": "fp16 weights and compute; pixel_values, outputs and LoRA initializers fp32",
-            "int8": "dynamic int8: MatMul weights s8 per output channel (7-bit range), activations u8 per "
-                    "call; the layers in onnx.int8.kept_fp32, LoRA and everything else fp32"}
+            "int8": "int8 of the MatMul weights (onnx.int8.scheme)"}  # the plan says how: Int8Plan.numerics
 
 
 class ParityError(RuntimeError):
@@ -107,7 +107,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
                  training: bool = True, progress: bool = False,
                  discard_device_state: bool = False, privacy: dict[str, Any] | None = None,
                  labels: np.ndarray | None = None,
-                 max_accuracy_drop: float = DEFAULT_MAX_ACCURACY_DROP, ship_images: bool = True) -> BundleResult:
+                 max_accuracy_drop: float = DEFAULT_MAX_ACCURACY_DROP, ship_images: bool = True,
+                 int8_scheme: str = "auto", real_calibration: int | None = None) -> BundleResult:
     """Export ``model`` (round tensors loaded) over ``classes`` into the bundle directory ``out``.
 
     ``calibration``: images that choose which layers int8 keeps in fp32 (default: ``images``;
@@ -115,6 +116,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     ``labels``: the class index of each of ``images`` (-1: unknown); with at least ``parity.MIN_IMAGES``
     known, int8 keeps the fewest layers fp32 that hold the top-1 accuracy on those within
     ``max_accuracy_drop`` points (export/int8.py), else those that agree with fp32 on ``calibration``.
+    ``int8_scheme``: dynamic, static or auto (export/int8_scheme.py); ``real_calibration``: how many of the
+    calibration images are real (None: all; 0: auto is dynamic, static has nothing real to calibrate on).
     ``training=False``: an inference-only bundle, without the training program, and without the
     fp32 frozen weights when the ONNX model embeds its own (fp16, int8).
     ``discard_device_state``: with ``force``, also replace an ``out`` holding device state
@@ -181,7 +184,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
             variant, int8_plan = onnx_export.to_int8(graph, edge.lora_names, calib.numpy().astype("float32"),
                                                      calib_reference, parity.MIN_AGREEMENT["int8"], progress=step,
                                                      edge=edge, accuracy=accuracy_target(images, labels, reference,
-                                                                                         max_accuracy_drop))
+                                                                                         max_accuracy_drop),
+                                                     scheme=int8_scheme, real_calibration=real_calibration)
         if precision != "fp32":
             onnx_export.save(onnx_export.pin_classes(variant, list(classes.names)), tmp / names["onnx"])
             onnx_export.check(tmp / names["onnx"])
@@ -285,7 +289,7 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
         "onnx": {"file": names["onnx"], "opset": onnx_export.OPSET, "input": onnx_export.INPUT_NAME,
                  "outputs": list(onnx_export.OUTPUT_NAMES), "batch": "dynamic", "num_classes": len(classes.names),
                  "external_data": [names["weights"]] if linked else [], "external_bytes": linked,
-                 "numerics": NUMERICS[precision],
+                 "numerics": int8_plan.numerics() if int8_plan else NUMERICS[precision],
                  "lora_initializers": list(edge.lora_names),
                  **({"int8": int8_plan.to_manifest()} if int8_plan else {})},
         "training": {"file": names["training"], "format": "torch.export", "torch_version": torch.__version__,
@@ -334,20 +338,25 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
                   domain: str | None = None, parity_images: int = DEFAULT_PARITY_IMAGES, training: bool = True,
                   progress: bool = False, runs_root: str | Path = "runs",
                   discard_device_state: bool = False, images: str | Path | None = None,
-                  max_accuracy_drop: float | None = None, ship_images: bool = True) -> BundleResult:
+                  max_accuracy_drop: float | None = None, ship_images: bool = True,
+                  int8_scheme: str | None = None) -> BundleResult:
     """Export round ``round_number`` (default: the last complete one) of ``run`` (default: the newest).
 
     Needs the run directory only: the class set is the run's record; parity runs on ``images`` (a folder,
     walked recursively) when given, else on the run's test images where reachable, else on generated
     pixels with one warning line (``export.run_inputs.export_images``). ``max_accuracy_drop``: int8's
     bound in points on the labelled ones of those images (default 1.0; int8 only). ``ship_images``: the first
-    32 of those images travel in the bundle as its check images (False: generated ones; `--no-check-images`)."""
+    32 of those images travel in the bundle as its check images (False: generated ones; `--no-check-images`).
+    ``int8_scheme``: auto (default), dynamic or static (export/int8_scheme.py; without real calibration
+    images auto is dynamic)."""
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if max_accuracy_drop is not None and precision != "int8":
         raise ExportError(f"--max-accuracy-drop applies to --precision int8, not {precision}")
     if max_accuracy_drop is not None and not max_accuracy_drop >= 0:
         raise ExportError(f"--max-accuracy-drop must be 0 or more points, got {max_accuracy_drop}")
+    if int8_scheme is not None and precision != "int8":
+        raise ExportError(f"--int8-scheme applies to --precision int8, not {precision}")
     if parity_images < parity.MIN_IMAGES:
         raise ExportError(f"--parity-images must be at least {parity.MIN_IMAGES}")
     run_dir = find_run(run, Path(runs_root))
@@ -363,7 +372,8 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     ckpt_path = run_dir.round_path(checkpoint.round) / "global.safetensors"
     chosen = export_images(run_dir, clip.preprocess, clip.image_size, parity_images,
                            folder, int8=precision == "int8", class_names=list(classes.names))
-    for line in (chosen.warning, chosen.unlabelled):
+    scheme_why = int8_scheme_for(int8_scheme or "auto", chosen.calibration_real)[1]  # the same call decides
+    for line in (chosen.warning, chosen.unlabelled, scheme_why if precision == "int8" else None):
         if line:
             warn(line)
     source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "run_id": config.get("run_id"),
@@ -374,4 +384,5 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
                         progress=progress, discard_device_state=discard_device_state,
                         privacy=round_privacy(run_dir, checkpoint.round), labels=chosen.labels,
                         max_accuracy_drop=DEFAULT_MAX_ACCURACY_DROP if max_accuracy_drop is None else max_accuracy_drop,
-                        ship_images=ship_images)
+                        ship_images=ship_images, int8_scheme=int8_scheme or "auto",
+                        real_calibration=chosen.calibration_real)

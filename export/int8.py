@@ -1,4 +1,4 @@
-"""Dynamic int8 with an accuracy guard: the layers whose quantisation flips predictions stay fp32.
+"""int8 with an accuracy guard: the layers whose quantisation flips predictions stay fp32.
 
 Why: dynamic int8 (weights s8 per output channel, activations u8 per call) moves every
 logit a little, and a model whose images often have near-tied top classes (small CLIPs, a
@@ -28,30 +28,24 @@ Without labelled images the criterion is agreement (``target``) on the calibrati
 The first-order estimate predicts the count for the accuracy bound too: a flip costs accuracy on a
 correctly classified image, so the agreement to predict for is 1 - bound / fp32 accuracy.
 
-Weights use 7 bits (``reduce_range``): x86 CPUs without VNNI saturate in the u8 x s8
-multiply-add at 8 bits, and the bundle must behave the same on whatever device runs it.
-Static int8 (``quantize_static_model``, QDQ, calibrated activation ranges) is built for
-comparison only (``python -m benchmarks edge`` times both).
+The quantisers (export/int8_quantize.py): weights s8 per output channel at 7 bits; the scheme
+(``scheme``) "dynamic" (above) or "static" (QDQ, activation ranges calibrated once on the run's training
+images, the kept layers left without Q/DQ); which one a bundle ships is measured per export
+(export/int8_scheme.py, ``fedmvp-export --int8-scheme``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-QUANTIZED_OPS = ("MatMul",)  # Gemm is rewritten to MatMul + Add first (what the quantizer does itself)
-
-
-class Int8Error(RuntimeError):
-    """The model could not be quantised as asked."""
-
+from export.int8_quantize import (SCHEMES, Int8Error, matmuls_as_matmul, quantizable_layers,  # noqa: F401
+                                 quantize, quantize_dynamic_model, quantize_static_model)
 
 DEFAULT_MAX_ACCURACY_DROP = 1.0  # points of top-1 accuracy int8 may lose on the labelled held-out images
 
@@ -94,6 +88,9 @@ class Int8Plan:
     sensitivity: str = "first-order"  # how layers were ranked: "first-order" (torch estimate) or "per-layer"
     predicted_kept: int = -1  # layers the first-order estimate said to keep (-1: not estimated)
     criterion: str = "agreement"  # "accuracy" (AccuracyTarget) or "agreement" (target_agreement, calibration)
+    scheme: str = "dynamic"  # SCHEMES: how the quantised layers compute (absent in older manifests: dynamic)
+    # how the scheme was chosen (export/int8_scheme.py): asked, why, and what each candidate measured
+    scheme_choice: dict | None = None
     # criterion "accuracy": {images, fp32, int8 (top-1 accuracies), drop_points, max_drop_points,
     # top1_agreement (int8 vs fp32, same images)}; the keys: fedmvp_formats.bundle_manifest.INT8_ACCURACY
     accuracy: dict | None = None
@@ -105,12 +102,22 @@ class Int8Plan:
         out["calibration_max_abs_logit_diff"] = float(f"{self.calibration_max_abs_logit_diff:.2e}")
         return out
 
+    def numerics(self) -> str:
+        """The manifest's ``onnx.numerics`` of an int8 bundle: what its quantised layers compute in."""
+        how = ("activations u8 per call (dynamic)" if self.scheme == "dynamic"
+               else "activations u8 with ranges calibrated at export (static QDQ)")
+        return (f"int8: MatMul weights s8 per output channel (7-bit range), {how}; the layers in "
+                f"onnx.int8.kept_fp32, LoRA and everything else fp32")
+
     def line(self) -> str:
         total = len(self.quantized) + len(self.kept_fp32)
-        head = f"int8: {len(self.quantized)} of {total} MatMul layers quantised, {len(self.kept_fp32)} kept fp32; "
+        head = (f"int8: {len(self.quantized)} of {total} MatMul layers quantised ({self.scheme}), "
+                f"{len(self.kept_fp32)} kept fp32; ")
         calibration = (f"top-1 agreement {100 * self.calibration_agreement:.2f}% (expected "
                        f"{100 * self.calibration_expected_agreement:.2f}%) on {self.calibration_images} "
                        f"training images")
+        if self.scheme_choice and self.scheme_choice.get("asked") == "auto":
+            head += f"auto picked {self.scheme_choice['why']}; "
         if self.accuracy is None:
             return head + "calibration " + calibration
         a = self.accuracy
@@ -119,105 +126,9 @@ class Int8Plan:
                 f"{100 * a['top1_agreement']:.2f}%) on {a['images']} labelled held-out images; " + calibration)
 
 
-def matmuls_as_matmul(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy with every Gemm rewritten as MatMul (+ Add), so layer names are stable across calls."""
-    from onnxruntime.quantization.onnx_model import ONNXModel
-
-    out = onnx.ModelProto()
-    out.CopyFrom(proto)
-    ONNXModel(out).replace_gemm_with_matmul()
-    return out
-
-
-def quantizable_layers(proto: onnx.ModelProto, keep_fp32_inputs: list[str]) -> list[str]:
-    """MatMul nodes with a constant weight, except those reading any of ``keep_fp32_inputs``."""
-    constants = {init.name for init in proto.graph.initializer} - set(keep_fp32_inputs)
-    keep = set(keep_fp32_inputs)
-    return [node.name for node in proto.graph.node
-            if node.op_type in QUANTIZED_OPS and len(node.input) == 2 and node.input[1] in constants
-            and not set(node.input) & keep]
-
-
-def quantize(proto: onnx.ModelProto, layers: list[str]) -> onnx.ModelProto:
-    """Dynamic int8 of exactly ``layers`` (per-channel s8 weights, 7-bit range)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    if not layers:
-        out = onnx.ModelProto()
-        out.CopyFrom(proto)
-        return out
-    with _quiet(), tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
-        src, dst = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
-        src.write_bytes(proto.SerializeToString(deterministic=True))
-        quantize_dynamic(src, dst, op_types_to_quantize=list(QUANTIZED_OPS), weight_type=QuantType.QInt8,
-                         per_channel=True, reduce_range=True, nodes_to_quantize=list(layers))
-        out = onnx.load(str(dst))
-    done = sum(node.op_type == "MatMulInteger" for node in out.graph.node)
-    if done != len(layers):
-        raise Int8Error(f"asked to quantise {len(layers)} MatMul layers, the quantiser did {done}")
-    return out
-
-
-def quantize_dynamic_model(proto: onnx.ModelProto, layers: list[str] | None = None,
-                           keep_fp32_inputs: list[str] = ()) -> onnx.ModelProto:
-    """Dynamic int8 (MatMulInteger, activations quantised per call) of ``layers`` (default: every
-    quantisable MatMul of ``proto`` not reading ``keep_fp32_inputs``, e.g. the LoRA names).
-
-    ``proto``: weight transposes folded and Gemm rewritten (``export.onnx_export.prepare_fp32``)."""
-    return quantize(proto, quantizable_layers(proto, list(keep_fp32_inputs)) if layers is None else layers)
-
-
-class _Batches:
-    """An onnxruntime CalibrationDataReader (it only needs ``get_next``) over images, ``batch`` at a time."""
-
-    def __init__(self, input_name: str, images: np.ndarray, batch: int):
-        self.feeds = iter([{input_name: images[i:i + batch]} for i in range(0, len(images), batch)])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self.feeds, None)
-
-
-def quantize_static_model(proto: onnx.ModelProto, calibration: np.ndarray, layers: list[str] | None = None,
-                          keep_fp32_inputs: list[str] = (), input_name: str = "pixel_values",
-                          batch: int = 8, activations: str = "QUInt8") -> onnx.ModelProto:
-    """Static int8 (QDQ): weights s8 per output channel (7-bit range, as the dynamic model), activation
-    ranges calibrated once on ``calibration`` (MinMax, u8 per tensor) instead of measured per call.
-
-    Why both: dynamic costs a min/max + quantise of every MatMul input per call, static fixes the
-    ranges, so it can be faster but clips images whose activations leave the calibrated range.
-    ``activations``: "QUInt8" (u8 x s8, the x86 kernel without VNNI) or "QInt8"."""
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-
-    chosen = quantizable_layers(proto, list(keep_fp32_inputs)) if layers is None else list(layers)
-    reader = _Batches(input_name, calibration, batch)
-    with _quiet(), tempfile.TemporaryDirectory(prefix="fedmvp-int8-") as work:
-        src, dst = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
-        src.write_bytes(proto.SerializeToString(deterministic=True))
-        quantize_static(src, dst, reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=list(QUANTIZED_OPS),
-                        per_channel=True, reduce_range=True, activation_type=QuantType[activations],
-                        weight_type=QuantType.QInt8, nodes_to_quantize=chosen,
-                        calibrate_method=CalibrationMethod.MinMax,
-                        extra_options={"WeightSymmetric": True, "ActivationSymmetric": False})
-        return onnx.load(str(dst))
-
-
 # run(model, limit) -> the model's logits on the first ``limit`` calibration images (all when None)
 Run = Callable[[onnx.ModelProto, "int | None"], np.ndarray]
 SENSITIVITY_IMAGES = 32
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """The quantiser logs advice ("consider pre-processing") on the root logger on every call."""
-    loggers = [logging.getLogger(), logging.getLogger("onnxruntime")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 def _agreement(reference: np.ndarray, logits: np.ndarray) -> float:
@@ -278,8 +189,8 @@ def predict_kept(ranked: list[str], shifts: dict[str, np.ndarray], reference: np
 
 def plan_int8(proto: onnx.ModelProto, keep_fp32_inputs: list[str], reference: np.ndarray, run: Run,
               target: float, progress: Callable[[str], None] | None = None,
-              shifts: dict[str, np.ndarray] | None = None,
-              accuracy: AccuracyTarget | None = None) -> tuple[onnx.ModelProto, Int8Plan]:
+              shifts: dict[str, np.ndarray] | None = None, accuracy: AccuracyTarget | None = None,
+              scheme: str = "dynamic", calibration: np.ndarray | None = None) -> tuple[onnx.ModelProto, Int8Plan]:
     """The int8 model that quantises as many layers as it can while holding the criterion.
 
     ``proto``: the fp32 model (Gemm already rewritten, see ``matmuls_as_matmul``);
@@ -289,18 +200,30 @@ def plan_int8(proto: onnx.ModelProto, keep_fp32_inputs: list[str], reference: np
     Without them every layer is quantised alone and run once to rank them (slow).
     ``accuracy``: hold the task accuracy on labelled held-out images within its bound, with the fewest
     layers kept (searched down from the prediction too); None: top-1 agreement >= ``target`` with fp32 on
-    the calibration images."""
+    the calibration images. ``scheme``: SCHEMES; "static" calibrates its activation ranges once on
+    ``calibration`` (the images ``reference`` was computed on) and every candidate shares them."""
+    if scheme not in SCHEMES:
+        raise Int8Error(f"int8 scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
+    with tempfile.TemporaryDirectory(prefix="fedmvp-int8-ranges-") as work:
+        return _plan(proto, keep_fp32_inputs, reference, run, target, progress, shifts, accuracy, scheme,
+                     calibration, Path(work) / "ranges.json")
+
+
+def _plan(proto: onnx.ModelProto, keep_fp32_inputs: list[str], reference: np.ndarray, run: Run, target: float,
+          progress: Callable[[str], None] | None, shifts: dict[str, np.ndarray] | None,
+          accuracy: AccuracyTarget | None, scheme: str, calibration: np.ndarray | None,
+          cache: Path) -> tuple[onnx.ModelProto, Int8Plan]:
     note = progress or (lambda _: None)
     layers = quantizable_layers(proto, keep_fp32_inputs)
     if not layers:
         raise Int8Error("the model has no MatMul with a constant weight to quantise")
     plan = Int8Plan(target_agreement=target, calibration_images=int(len(reference)),
                     sensitivity="first-order" if shifts is not None else "per-layer",
-                    criterion="agreement" if accuracy is None else "accuracy")
+                    criterion="agreement" if accuracy is None else "accuracy", scheme=scheme)
 
     def attempt(kept: list[str]) -> Trial:
-        note(f"int8: keeping {len(kept)} most sensitive in fp32")
-        model = quantize(proto, [name for name in layers if name not in kept])
+        note(f"int8 ({scheme}): keeping {len(kept)} most sensitive in fp32")
+        model = quantize(proto, [name for name in layers if name not in kept], scheme, calibration, cache)
         plan.searched += 1
         if accuracy is None:
             return _calibrated(model, reference, run)
@@ -317,7 +240,8 @@ def plan_int8(proto: onnx.ModelProto, keep_fp32_inputs: list[str], reference: np
         plan.predicted_kept = predict_kept(ranked, shifts, reference, aim)
         kept, best = _search(ranked, plan.predicted_kept, attempt, good, fewest=accuracy is not None)
     else:
-        kept, best = _per_layer_plan(proto, layers, reference, run, plan, note, attempt, good)
+        kept, best = _per_layer_plan(proto, layers, reference, run, plan, note, attempt, good,
+                                     lambda name: quantize(proto, [name], scheme, calibration, cache))
     if accuracy is not None:
         plan.accuracy = {"images": int(len(accuracy.labels)), "fp32": round(accuracy.fp32, 6),
                          "int8": round(accuracy.fp32 - best.drop_points / 100.0, 6),
@@ -378,7 +302,8 @@ def _search(ranked: list[str], start: int, attempt: Callable[[list[str]], Trial]
 
 def _per_layer_plan(proto: onnx.ModelProto, layers: list[str], reference: np.ndarray, run: Run, plan: Int8Plan,
                     note: Callable[[str], None], attempt: Callable[[list[str]], Trial],
-                    good: Callable[[Trial], bool]) -> tuple[list[str], Trial]:
+                    good: Callable[[Trial], bool],
+                    alone: Callable[[str], onnx.ModelProto]) -> tuple[list[str], Trial]:
     """The fallback without a torch twin: all layers first, else rank by quantising each alone."""
     best = attempt([])
     if good(best):
@@ -386,7 +311,7 @@ def _per_layer_plan(proto: onnx.ModelProto, layers: list[str], reference: np.nda
     sensitivity, few = {}, reference[:SENSITIVITY_IMAGES]
     for i, name in enumerate(layers):
         note(f"int8: sensitivity {i + 1}/{len(layers)}")
-        only = run(quantize(proto, [name]), SENSITIVITY_IMAGES)
+        only = run(alone(name), SENSITIVITY_IMAGES)
         plan.searched += 1
         sensitivity[name] = float(np.mean(np.abs(only - few)))
     ranked = sorted(layers, key=lambda n: (-sensitivity[n], layers.index(n)))

@@ -358,15 +358,19 @@ def to_fp16(model: ir.Model, lora_names: list[str]) -> onnx.ModelProto:
 
 def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, reference: np.ndarray,
             target: float, progress=None, edge: EdgeClassifier | None = None,
-            accuracy: "AccuracyTarget | None" = None) -> tuple[onnx.ModelProto, "Int8Plan"]:
-    """Dynamic int8 of the MatMul weights, the layers that would flip predictions kept fp32 (export/int8.py).
+            accuracy: "AccuracyTarget | None" = None, scheme: str = "auto",
+            real_calibration: int | None = None) -> tuple[onnx.ModelProto, "Int8Plan"]:
+    """int8 of the MatMul weights, the layers that would flip predictions kept fp32 (export/int8.py).
 
     ``calibration``: images, ``reference``: the fp32 model's logits on them. LoRA MatMuls are
     never quantised (their weights are graph inputs, and the edge swaps them as fp32).
     ``edge``: the torch module ``model`` was exported from; with it the layers are ranked by a
     first-order estimate (export/int8_sensitivity.py) instead of one ONNX run per layer.
-    ``accuracy``: the task accuracy to hold on labelled held-out images (else: agreement >= ``target``)."""
-    from export.int8 import plan_int8, quantizable_layers
+    ``accuracy``: the task accuracy to hold on labelled held-out images (else: agreement >= ``target``).
+    ``scheme``: dynamic, static or auto (both planned, the faster at batch 8 here ships; export/int8_scheme.py);
+    ``real_calibration``: how many of ``calibration`` are real images (None: all; 0: auto is dynamic)."""
+    from export.int8 import quantizable_layers
+    from export.int8_scheme import plan_scheme
 
     proto = _quantisable(model, lora_names)
     shifts = None
@@ -377,8 +381,8 @@ def to_int8(model: ir.Model, lora_names: list[str], calibration: np.ndarray, ref
         if progress:
             progress("int8: first-order sensitivity")
         shifts = layer_shifts(edge, images, proto, quantizable_layers(proto, lora_names))
-    out, plan = plan_int8(proto, lora_names, reference, calibration_runner(calibration), target, progress, shifts,
-                          accuracy)
+    out, plan = plan_scheme(proto, lora_names, reference, calibration_runner(calibration), target, calibration,
+                            scheme, real_calibration, progress, shifts, accuracy)
     _check_lora_fp32(out, lora_names, "int8 quantisation")
     return _sorted(out), plan
 

@@ -173,6 +173,7 @@ class ExportImages:
     warning: str | None = None
     labels: np.ndarray | None = None  # per parity image: its class's index in ``class_names``, -1 unknown
     unlabelled: str | None = None  # int8: why its accuracy bound cannot be held (the one warning line)
+    calibration_real: int = 0  # int8: how many calibration images are real (static int8 needs some)
 
 
 def export_images(run: RunDir, preprocess, image_size: int, count: int, folder: Path | None,
@@ -197,11 +198,11 @@ def export_images(run: RunDir, preprocess, image_size: int, count: int, folder: 
     parity_images = topped_up(real, image_size, seed=0)
     generated = len(parity_images) - len(real)
     said = [_said("parity", len(real), generated, source, reason)]
-    calibration = None
+    calibration, calibration_real = None, len(real)  # None: the parity images calibrate
     if int8:
         train = run_training_images(federation, preprocess, count) if federation else torch.zeros(0)
         if len(train) or folder is None:  # the run's training images (another seed for any top-up)
-            calibration = topped_up(train, image_size, seed=1)
+            calibration, calibration_real = topped_up(train, image_size, seed=1), len(train)
             said.append(_said("int8 calibration", len(train), len(calibration) - len(train),
                               "the run's training images", reason))
     parts = [s for s in said if s]
@@ -216,7 +217,8 @@ def export_images(run: RunDir, preprocess, image_size: int, count: int, folder: 
         unlabelled = (f"int8: fewer than {MIN_IMAGES} labelled held-out images ({why}); layers kept fp32 by top-1 "
                       f"agreement with fp32 instead of --max-accuracy-drop")
     return ExportImages(parity_images, calibration, {kind: len(real), "synthetic": generated},
-                        "; ".join(parts) + hint if parts else None, labels, unlabelled)
+                        "; ".join(parts) + hint if parts else None, labels, unlabelled,
+                        calibration_real if int8 else 0)
 
 
 def _said(purpose: str, real: int, generated: int, source: str, reason: str) -> str | None:

@@ -35,6 +35,11 @@ def _quiet_libraries() -> None:
               help="With --precision int8: keep in fp32 the fewest layers that hold the top-1 accuracy on the "
                    "run's labelled test images (or --images DIR/<class>/) within this many points of fp32's "
                    "[default: 1.0]. Without 32 labelled images: top-1 agreement with fp32 >= 99%, with a warning.")
+@click.option("--int8-scheme", type=click.Choice(["auto", "dynamic", "static"]), default=None,
+              help="With --precision int8: dynamic (activations quantised per call) or static (QDQ, activation "
+                   "ranges calibrated on the run's training images), each keeping fp32 the fewest layers that "
+                   "hold the bound; auto plans both and ships the faster at batch 8 on this machine (dynamic, "
+                   "with a warning, when no real image can calibrate static) [default: auto].")
 @click.option("--attributes", type=click.Path(path_type=Path), default=None,
               help="{class: [phrases]} JSON: bake this class set instead of the run's (untrained classes too).")
 @click.option("--domain", default=None, help="With --attributes: sentence prefix of this domain (e.g. sketch).")
@@ -59,7 +64,7 @@ def _quiet_libraries() -> None:
                    "previous/ bundle (refused otherwise: they would be lost).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def main(run: Path | None, round_number: int | None, out: Path | None, precision: str,
-         max_accuracy_drop: float | None, attributes: Path | None,
+         max_accuracy_drop: float | None, int8_scheme: str | None, attributes: Path | None,
          domain: str | None, parity_images: int, images: Path | None, ship_images: bool, inference_only: bool,
          force: bool, discard_device_state: bool, as_json: bool) -> None:
     """Compile a round of a fedmvp run into an edge bundle.
@@ -77,7 +82,8 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
         result = export_bundle(run, round_number, out, precision=precision, force=force, attributes=attributes,
                                domain=domain, parity_images=parity_images, training=not inference_only,
                                progress=not as_json, discard_device_state=discard_device_state, images=images,
-                               max_accuracy_drop=max_accuracy_drop, ship_images=ship_images)
+                               max_accuracy_drop=max_accuracy_drop, ship_images=ship_images,
+                               int8_scheme=int8_scheme)
     except ParityError as err:
         _fail(as_json, EXIT_PARITY, f"parity failed, no bundle written: {err}",
               {"parity": {k: r.to_manifest() for k, r in err.results.items()}})

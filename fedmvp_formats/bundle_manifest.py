@@ -49,6 +49,9 @@ CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class li
 # the ``criterion`` that chose them and, for "accuracy", what it measured on labelled held-out images
 # (top-1 accuracies as fractions, the drop and its bound in points, top-1 agreement with fp32).
 INT8_CRITERIA = ("accuracy", "agreement")
+# ``onnx.int8.scheme``: how the quantised layers compute, "dynamic" (MatMulInteger, activations quantised per
+# call; what a manifest without the key means) or "static" (QDQ, activation ranges calibrated at export).
+INT8_SCHEMES = ("dynamic", "static")
 INT8_ACCURACY = ("images", "fp32", "int8", "drop_points", "max_drop_points", "top1_agreement")
 
 # Top-level sections: (the types a value may have, required). ``source`` and ``promptformer`` are optional
@@ -78,7 +81,7 @@ SECTION_HELP: dict[str, str] = {
     "source": "the run and round it was exported from (run_id; refreshed_from after a refresh)",
     "model": "the CLIP backbone: clip, pretrained, weights_identity, embed_dim, vision_width",
     "onnx": "file, opset, input and outputs, num_classes, external data, numerics, LoRA initializer names, "
-            "int8 (the layers kept fp32)",
+            "int8 (the scheme, the layers kept fp32)",
     "training": "the torch.export training program (file, inputs, outputs, trainable: lora); null in an "
                 "inference-only bundle",
     "parity": "ONNX Runtime against PyTorch at export: images used, per precision max |logit diff| and top-1 "
@@ -205,7 +208,8 @@ def _check_classes(m: dict[str, Any], bad: Any) -> None:
 
 def _check_int8(plan: Any, bad: Any) -> None:
     """``onnx.int8``, where present: layer lists of names; the criterion (absent in bundles exported before
-    it was recorded: agreement) and, for "accuracy", every measured figure a number."""
+    it was recorded: agreement) and, for "accuracy", every measured figure a number; the scheme (absent
+    before it was recorded: dynamic, the only one then)."""
     if plan is None:
         return
     if not isinstance(plan, dict):
@@ -216,6 +220,9 @@ def _check_int8(plan: Any, bad: Any) -> None:
     criterion = plan.get("criterion", "agreement")
     if criterion not in INT8_CRITERIA:
         raise bad("onnx.int8.criterion", f"{criterion!r} is not one of {', '.join(INT8_CRITERIA)}")
+    scheme = plan.get("scheme", "dynamic")
+    if scheme not in INT8_SCHEMES:
+        raise bad("onnx.int8.scheme", f"{scheme!r} is not one of {', '.join(INT8_SCHEMES)}")
     accuracy = plan.get("accuracy")
     if criterion == "accuracy" and (not isinstance(accuracy, dict) or not all(
             isinstance(accuracy.get(k), (int, float)) and not isinstance(accuracy.get(k), bool)

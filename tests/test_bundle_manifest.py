@@ -112,11 +112,13 @@ def test_an_int8_plan_names_its_layers_and_its_criterion_measures_numbers():
                 "top1_agreement": 0.97}
     plan = {"quantized": ["a"], "kept_fp32": ["b"], "criterion": "accuracy", "accuracy": accuracy}
     m = manifest()
-    for ok in (plan, {"quantized": [], "kept_fp32": ["b"]}, {**plan, "criterion": "agreement", "accuracy": None}):
+    for ok in (plan, {"quantized": [], "kept_fp32": ["b"]}, {**plan, "criterion": "agreement", "accuracy": None},
+               {**plan, "scheme": "static"}, {**plan, "scheme": "dynamic"}):  # no scheme: an older bundle, dynamic
         m["onnx"]["int8"] = ok
         assert check_manifest(m, WHERE) == MethodRecord()
     for bad, field in (({**plan, "kept_fp32": "b"}, "onnx.int8.kept_fp32"),
                        ({**plan, "criterion": "luck"}, "onnx.int8.criterion"),
+                       ({**plan, "scheme": "blockwise"}, "onnx.int8.scheme"),
                        ({**plan, "accuracy": {**accuracy, "drop_points": None}}, "onnx.int8.accuracy"),
                        ({**plan, "accuracy": None}, "onnx.int8.accuracy")):
         m["onnx"]["int8"] = bad

@@ -91,8 +91,10 @@ def test_int8_calibration_without_the_data_is_generated_and_said_in_the_same_lin
     chosen = export_images(RunDir(run), preprocess, 32, 256, None, int8=True)
     assert chosen.warning.count(GENERATED) == 2 and "int8 calibration on 32 generated images" in chosen.warning
     assert len(chosen.calibration) == 32 and chosen.note == {"run": 0, "synthetic": 32}
+    assert chosen.calibration_real == 0  # static int8 could calibrate on nothing real (auto: dynamic)
     given = export_images(RunDir(run), preprocess, 32, 256, images, int8=True)
     assert given.warning is None and given.calibration is None  # write_bundle calibrates on the folder's images
+    assert given.calibration_real == 34
     assert len(given.parity) == 34
 
 
@@ -131,3 +133,18 @@ def test_int8_without_labelled_images_says_so_once_and_keeps_layers_by_agreement
     plan = read_bundle(tmp_path / "b").manifest["onnx"]["int8"]
     assert plan["criterion"] == "agreement" and plan["accuracy"] is None
     assert plan["calibration_agreement"] >= plan["target_agreement"] == 0.99
+
+
+def test_int8_auto_without_any_real_image_is_dynamic_and_says_why_in_one_line(lone_run, tmp_path):
+    """The run's data gone and no --images: static would calibrate on generated pixels, so auto plans
+    dynamic only; one warning line says which scheme and why, and the manifest records the same."""
+    run, _, _ = lone_run
+    result = _export(run, tmp_path / "b", "--precision", "int8", "--inference-only")
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.stderr.splitlines() if "quantisation" in line]
+    assert warned == ["warning: int8: dynamic quantisation (auto): no real calibration images (neither the run's "
+                      "training images nor --images), and static int8 would calibrate its activation ranges on "
+                      "generated pixels"], result.stderr
+    plan = read_bundle(tmp_path / "b").manifest["onnx"]["int8"]
+    assert plan["scheme"] == "dynamic" and plan["scheme_choice"]["asked"] == "auto"
+    assert plan["scheme_choice"]["why"] == warned[0].removeprefix("warning: ")

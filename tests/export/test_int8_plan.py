@@ -127,24 +127,29 @@ def labelled(x: np.ndarray, reference: np.ndarray, seed: int = 3) -> AccuracyTar
     return AccuracyTarget(reference, labels, 0.0, lambda model: run(model, x))
 
 
-@pytest.mark.parametrize("ranking", ["per-layer", "first-order"])
-def test_a_tight_accuracy_bound_keeps_more_layers_than_a_loose_one(images, ranking):
+@pytest.mark.parametrize(("ranking", "scheme"), [("per-layer", "dynamic"), ("first-order", "dynamic"),
+                                                ("per-layer", "static"), ("first-order", "static")])
+def test_a_tight_accuracy_bound_keeps_more_layers_than_a_loose_one(images, ranking, scheme):
     """The task accuracy on labelled images decides (not agreement): a loose bound quantises every layer,
-    a tight one keeps layers fp32, the fewest along the ranking (one fewer breaks the bound)."""
+    a tight one keeps layers fp32, the fewest along the ranking (one fewer breaks the bound); for either
+    scheme, static's ranges calibrated on the calibration images (here the same images)."""
     proto = matmuls_as_matmul(mlp(1, 0.0))
     layers = quantizable_layers(proto, [])
     reference = run(proto, images)
     target = labelled(images, reference)
-    full = run(quantize(proto, layers), images)
+    scheme_quantize = lambda names: quantize(proto, names, scheme, images)  # noqa: E731
+    full = run(scheme_quantize(layers), images)
     assert target.drop_points(full) > 0  # all int8 loses accuracy here: the tight bound has work to do
     # first-order: estimates saying every layer matters, so the search starts at keeping all and goes down
     shifts = {name: np.full(IMAGES, 1e3) for name in layers} if ranking == "first-order" else None
     plans = {}
     for bound in (0.0, 100.0):
         target.max_drop_points = bound
-        model, plan = plan_int8(proto, [], reference, runner(images), 0.99, shifts=shifts, accuracy=target)
+        model, plan = plan_int8(proto, [], reference, runner(images), 0.99, shifts=shifts, accuracy=target,
+                                scheme=scheme, calibration=images)
         out = run(model, images)
         assert plan.criterion == "accuracy" and plan.accuracy["max_drop_points"] == bound
+        assert plan.scheme == scheme and ops(model).get(SCHEME_OPS[scheme][1], 0) == len(plan.quantized)
         assert plan.accuracy["fp32"] == pytest.approx(target.fp32) and 0.6 < target.fp32 < 0.9
         assert plan.accuracy["drop_points"] == pytest.approx(target.drop_points(out), abs=1e-3)
         assert target.drop_points(out) <= bound
@@ -154,5 +159,45 @@ def test_a_tight_accuracy_bound_keeps_more_layers_than_a_loose_one(images, ranki
         plans[bound] = plan
     assert plans[100.0].kept_fp32 == [] and len(plans[0.0].kept_fp32) > 0
     tight = plans[0.0].kept_fp32  # the ranking's first ones
-    fewer = run(quantize(proto, [name for name in layers if name not in tight[:-1]]), images)
+    fewer = run(scheme_quantize([name for name in layers if name not in tight[:-1]]), images)
     assert target.drop_points(fewer) > 0.0  # one layer fewer kept breaks the tight bound
+
+
+# What each scheme leaves in the graph: (its activation quantiser, the op counted once per quantised layer).
+SCHEME_OPS = {"dynamic": ("DynamicQuantizeLinear", "MatMulInteger"), "static": ("QuantizeLinear", "DequantizeLinear")}
+
+
+def ops(model: onnx.ModelProto) -> dict[str, int]:
+    """Op type -> count; for static only the DequantizeLinear nodes of constant weights (one per layer)."""
+    weights = {init.name for init in model.graph.initializer}
+    out: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] not in weights:
+            continue  # an activation's
+        out[node.op_type] = out.get(node.op_type, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize(("scheme", "absent"), [("dynamic", "QuantizeLinear"), ("static", "MatMulInteger")])
+def test_the_scheme_decides_the_graph_and_the_kept_layers_get_no_int8_ops(images, scheme, absent):
+    """quantize(scheme): dynamic -> DynamicQuantizeLinear + MatMulInteger, static -> QuantizeLinear on the
+    activation and a DequantizeLinear'd s8 weight per layer; the layer left out stays a plain fp32 MatMul."""
+    proto = matmuls_as_matmul(mlp(1, 1.0))
+    layers = quantizable_layers(proto, [])
+    model = quantize(proto, layers[1:], scheme, images)
+    found = ops(model)
+    quantiser, per_layer = SCHEME_OPS[scheme]
+    assert found.get(quantiser, 0) >= 1 and found[per_layer] == 2 and absent not in found
+    kept = next(n for n in model.graph.node if n.name == layers[0])
+    assert kept.op_type == "MatMul" and list(kept.input) == ["x", "w0"]  # fp32 input, fp32 weight
+    reference = run(proto, images)
+    assert np.mean(run(model, images).argmax(-1) == reference.argmax(-1)) > 0.9  # int8, not garbage
+
+
+def test_static_needs_calibration_images_and_an_unknown_scheme_is_refused(images):
+    proto = matmuls_as_matmul(mlp(1, 1.0))
+    layers = quantizable_layers(proto, [])
+    with pytest.raises(Int8Error, match="calibration images"):
+        quantize(proto, layers, "static")
+    with pytest.raises(Int8Error, match="blockwise"):
+        plan_int8(proto, [], run(proto, images), runner(images), 0.99, scheme="blockwise")

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from export_helpers import NUM_CLASSES
 
 from edge_client.bundle import read_bundle
+from export.int8 import SCHEMES
 from fedmvp_apps.export_cli import main
 
 
@@ -41,7 +42,9 @@ def test_reduced_precision_bundle(precision, tiny_run, tiny_bundle, tmp_path):
         assert plan["criterion"] == "accuracy" and plan["accuracy"]["images"] == 72
         assert plan["accuracy"]["drop_points"] <= plan["accuracy"]["max_drop_points"] == 1.0
         assert 0 < plan["calibration_agreement"] <= 1 and plan["calibration_images"] >= 32
-        assert sum(n.op_type == "MatMulInteger" for n in model.graph.node) == len(plan["quantized"]) > 0
+        assert plan["scheme_choice"]["asked"] == "auto" and set(plan["scheme_choice"]["candidates"]) == set(SCHEMES)
+        per_layer = {"dynamic": "MatMulInteger", "static": "DequantizeLinear"}[plan["scheme"]]  # static: + weights'
+        assert sum(n.op_type == per_layer for n in model.graph.node) >= len(plan["quantized"]) > 0
         assert not set(plan["quantized"]) & set(plan["kept_fp32"])
         assert plan["sensitivity"] == "first-order" and plan["predicted_kept"] >= 0  # ranked in torch, not per layer
         assert f"int8: {len(plan['quantized'])} of" in result.output and "labelled held-out images" in result.output
@@ -71,9 +74,11 @@ def test_the_accuracy_bound_reaches_the_plan_and_the_manifest_records_it(tiny_ru
     assert plan["quantized"] and not set(plan["quantized"]) & set(plan["kept_fp32"])
 
 
-def test_a_tight_bound_keeps_more_layers_of_the_tiny_model_than_a_loose_one(tiny_run, tmp_path):
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_tight_bound_keeps_more_layers_of_the_tiny_model_than_a_loose_one(tiny_run, tmp_path, scheme):
     """write_bundle on the real tiny model, judged on noise images labelled with fp32's own top-1 (fp32 100%
-    accurate; their near-tied logits flip under int8): bound 0 keeps layers fp32, bound 100 keeps none."""
+    accurate; their near-tied logits flip under int8): bound 0 keeps layers fp32, bound 100 keeps none,
+    whichever the scheme."""
     from export_helpers import rebuilt_model
 
     from export import parity
@@ -90,8 +95,10 @@ def test_a_tight_bound_keeps_more_layers_of_the_tiny_model_than_a_loose_one(tiny
     kept = {}
     for bound in (0.0, 100.0):
         result = write_bundle(model, clip, classes, tmp_path / f"b{bound:g}", images=images, precision="int8",
-                              training=False, calibration=images[:32], labels=labels, max_accuracy_drop=bound)
+                              training=False, calibration=images[:32], labels=labels, max_accuracy_drop=bound,
+                              int8_scheme=scheme)
         accuracy = result.int8.accuracy
+        assert result.int8.scheme == result.manifest["onnx"]["int8"]["scheme"] == scheme
         assert accuracy["fp32"] == 1.0 and accuracy["drop_points"] <= bound and accuracy["images"] == 64
         kept[bound] = len(result.int8.kept_fp32)
     assert kept[100.0] == 0 < kept[0.0], kept
@@ -101,3 +108,29 @@ def test_the_accuracy_bound_is_for_int8_only(tiny_run, tmp_path):
     result = CliRunner().invoke(main, ["--run", str(tiny_run), "--max-accuracy-drop", "1",
                                        "--out", str(tmp_path / "b")])
     assert result.exit_code == 2 and "--max-accuracy-drop applies to --precision int8, not fp32" in result.stderr
+
+
+# What --int8-scheme leaves in model.onnx: ops that must be there, and the other scheme's that must not.
+SCHEME_GRAPH = {"dynamic": ({"DynamicQuantizeLinear", "MatMulInteger"}, {"QuantizeLinear", "DequantizeLinear"}),
+                "static": ({"QuantizeLinear", "DequantizeLinear"}, {"DynamicQuantizeLinear", "MatMulInteger"})}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_int8_scheme_reaches_the_graph_and_the_manifest(tiny_run, tmp_path, scheme):
+    out = tmp_path / scheme
+    result = CliRunner().invoke(main, ["--run", str(tiny_run), "--precision", "int8", "--int8-scheme", scheme,
+                                       "--out", str(out), "--inference-only", "--json"])
+    assert result.exit_code == 0, result.output
+    manifest = read_bundle(out).manifest
+    plan = manifest["onnx"]["int8"]
+    assert plan["scheme"] == scheme and plan["scheme_choice"]["asked"] == scheme and plan["quantized"]
+    assert (scheme == "static") == ("calibrated at export" in manifest["onnx"]["numerics"])
+    kinds = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    present, absent = SCHEME_GRAPH[scheme]
+    assert present <= kinds and not absent & kinds
+    assert plan["accuracy"]["drop_points"] <= 1.0  # the bound held on the run's labelled test images
+
+
+def test_the_int8_scheme_is_for_int8_only(tiny_run, tmp_path):
+    result = CliRunner().invoke(main, ["--run", str(tiny_run), "--int8-scheme", "static", "--out", str(tmp_path / "b")])
+    assert result.exit_code == 2 and "--int8-scheme applies to --precision int8, not fp32" in result.stderr
