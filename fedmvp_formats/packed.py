@@ -17,6 +17,7 @@ and a packed array that arrive from elsewhere are judged before a byte is used (
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ LAYOUT = "layout"  # the ConfigRecord beside it: where each tensor is in the pac
 NAMES, RANKS, DIMS = "names", "ranks", "dims"
 MAX_RANK = 8
 MAX_NPY_HEADER = 4096  # np.save writes 128 bytes for a 1-D float32 array
+MAX_VALUES = 1 << 31  # 8 GiB of float32: far above any PromptFormer, far below what a size overflow could claim
 
 
 def pack(state: Mapping[str, np.ndarray]) -> tuple[np.ndarray, dict[str, list]]:
@@ -61,14 +63,22 @@ def read_layout(layout: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     for name, rank in zip(names, ranks):
         shapes[name] = tuple(dims[at:at + rank])
         at += rank
+    total = values_in(shapes)
+    if total > MAX_VALUES:
+        raise MessageError(f"layout: {total} values declared, more than {MAX_VALUES} float32s travel in a message")
     return shapes
+
+
+def values_in(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """How many float32 values the shapes hold (exact integers: no int64 wrap-around)."""
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 def read_packed(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """The tensors of a packed array's bytes (a .npy, as Flower's ``Array`` holds it), judged first:
     its header (read with a bounded size) must declare float32 of exactly the layout's element count,
     and the bytes after it must be exactly that. Each tensor is a copy of its own. `MessageError` otherwise."""
-    count = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
+    count = values_in(shapes)
     stream = io.BytesIO(data)
     try:
         if len(data) > 4 * count + MAX_NPY_HEADER:
@@ -85,7 +95,7 @@ def read_packed(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str,
     flat = np.frombuffer(data, np.float32, count, stream.tell())
     out, at = {}, 0
     for name, shape in shapes.items():  # the layout's order: where the sender put each one
-        size = int(np.prod(shape, dtype=np.int64))
+        size = math.prod(shape)
         out[name] = flat[at:at + size].reshape(shape).copy()
         at += size
     return out
@@ -116,7 +126,7 @@ def read_wire(arrays: Mapping[str, Any], layout: Mapping[str, Any] | None,
     if not shapes:
         return {}
     array = arrays[PACKED]
-    count = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
+    count = values_in(shapes)
     if array.stype != "numpy.ndarray":
         raise MessageError(f"{PACKED}: serialisation {shown(array.stype)} is not numpy.ndarray")
     if array.dtype != "float32":

@@ -82,3 +82,12 @@ def test_the_packed_array_is_one_float32_vector():
     records = state_records({"a": np.ones((2, 2), np.float32)})
     array = records["arrays"][PACKED]
     assert (array.dtype, list(array.shape)) == ("float32", [4])
+
+
+@pytest.mark.parametrize("dims", [[2 ** 32, 2 ** 32], [2 ** 62, 4], [2 ** 31 + 1]], ids=["2**64", "2**64-b", "over-bound"])
+def test_a_layout_declaring_more_values_than_a_message_holds_is_refused_before_any_read(dims):
+    """int64 products wrap (2**32 * 2**32 is 0 in int64): sizes are exact integers, bounded."""
+    layout = ConfigRecord({"names": ["promptformer.w"], "ranks": [len(dims)], "dims": dims})
+    arrays = ArrayRecord({PACKED: Array(np.zeros(0, np.float32))})
+    with pytest.raises(MessageError, match="values declared"):
+        read_wire(arrays, layout)

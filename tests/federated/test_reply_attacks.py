@@ -93,7 +93,9 @@ def _many() -> dict[str, Any]:
 
 ROWS = [
     # the layout: names and shapes first, against the round's
-    Hostile("4-TiB-declared", "shape [1099511627776], the round's is [2, 3]", layout=layout(("lora.a", (2 ** 40,)))),
+    Hostile("4-TiB-declared", "1099511627776 values declared", layout=layout(("lora.a", (2 ** 40,)))),
+    Hostile("2**64-wraps-int64", "18446744073709551616 values declared", layout=layout(("lora.a", (2 ** 32, 2 ** 32)))),
+    Hostile("1-GiB-wrong-shape", "shape [268435456], the round's is [2, 3]", layout=layout(("lora.a", (2 ** 28,)))),
     Hostile("wrong-shape", "shape [3, 2]", layout=layout(("lora.a", (3, 2)))),
     Hostile("scalar", "shape []", layout=layout(("lora.a", ()))),
     Hostile("1000-dimensions", "ranks", layout=layout(("lora.a", (1,) * 1000))),
