@@ -36,7 +36,6 @@ def test_reduced_precision_bundle(precision, tiny_run, tiny_bundle, tmp_path):
     inits = {i.name: i for i in model.graph.initializer}
     lora = bundle.manifest["onnx"]["lora_initializers"]
     assert all(inits[n].data_type == onnx.TensorProto.FLOAT for n in lora)  # swappable as fp32, un-quantized
-    kinds = {n.op_type for n in model.graph.node}
     if precision == "int8":
         plan = bundle.manifest["onnx"]["int8"]  # held by accuracy on the run's 72 labelled test images
         assert plan["criterion"] == "accuracy" and plan["accuracy"]["images"] == 72
