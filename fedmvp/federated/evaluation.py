@@ -19,6 +19,7 @@ from fedmvp.model import autocast_for
 from fedmvp.runs import RunDir, RunError
 
 COLUMNS = ("local", "base", "new", "hm")
+ROW_KEYS = (*COLUMNS, "domain", *SITE_COUNT_KEYS)  # a row's metrics and how many sites each is a mean over
 
 
 @torch.no_grad()
@@ -104,9 +105,8 @@ def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
                 run.write_json("zero_shot.json", zero_shot)
             if tuned.get("hm") is None:
                 tuned = evaluate_global(ctx, checkpoint.tensors)
-    keys = (*COLUMNS, "domain", *SITE_COUNT_KEYS)  # how many sites each metric is a mean over (None: not recorded)
-    result = {"run": str(run.path), "round": checkpoint.round,
-              "zero-shot": {k: zero_shot.get(k) for k in keys}, "tuned": {k: tuned.get(k) for k in keys}}
+    result = {"run": str(run.path), "round": checkpoint.round,  # a key not recorded: None
+              "zero-shot": {k: zero_shot.get(k) for k in ROW_KEYS}, "tuned": {k: tuned.get(k) for k in ROW_KEYS}}
     privacy = round_privacy(run, checkpoint.round)  # [privacy]: what this round's weights have spent
     return result if privacy is None else {**result, "privacy": privacy}
 

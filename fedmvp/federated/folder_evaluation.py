@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fedmvp.data.federation import SiteRequest
-from fedmvp.federated.evaluation import COLUMNS, federation_counts
-from fedmvp.federated.metrics import SITE_COUNT_KEYS, Counts, combine_counts
+from fedmvp.federated.evaluation import ROW_KEYS, federation_counts
+from fedmvp.federated.metrics import Counts, combine_counts
 from fedmvp.federated.privacy_budget import round_privacy
 from fedmvp.federated.task import task_context
 from fedmvp.runs import RunDir, RunError
@@ -47,7 +47,7 @@ def evaluate_folder(run: RunDir, round_number: int | None, data: str | Path, nam
     for row, state in (("zero-shot", None), ("tuned", checkpoint.tensors)):
         by_site = federation_counts(ctx, state)  # one site: this folder's
         metrics = combine_counts(record, by_site)
-        result[row] = {k: metrics.get(k) for k in (*COLUMNS, "domain", *SITE_COUNT_KEYS)}
+        result[row] = {k: metrics.get(k) for k in ROW_KEYS}
         counts[row] = _by_kind(next(iter(by_site.values())), kinds)
     images = {kind: pair[1] for kind, pair in counts["tuned"].items()}
     result |= {"site": {"name": site_name, "data": str(folder), "eval_fraction": fraction, "images": images},
