@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from fedmvp.data.federation_plan import is_open
+from fedmvp.federated.ingest import SOURCE as INGESTED
 from fedmvp.federated.metrics import SITE_COUNT_KEYS, Counts, combine_counts, evaluation_sites
 from fedmvp.federated.privacy_budget import round_privacy
 from fedmvp.federated.task import Samples, TaskContext, task_context
 from fedmvp.model import autocast_for
-from fedmvp.runs import RunDir
+from fedmvp.runs import RunDir, RunError
 
 COLUMNS = ("local", "base", "new", "hm")
+ROW_KEYS = (*COLUMNS, "domain", *SITE_COUNT_KEYS)  # a row's metrics and how many sites each is a mean over
 
 
 @torch.no_grad()
@@ -57,30 +60,53 @@ def site_counts(ctx: TaskContext, site: int, global_state: dict[str, torch.Tenso
     return counts
 
 
+def federation_counts(ctx: TaskContext, global_state: dict[str, torch.Tensor] | None) -> dict[int, Counts]:
+    """Every site of ``ctx``'s federation evaluated here, each as its node would (``site_counts``): the
+    whole federation (a simulation's data), or one site's part (a site's folder, ``folder_evaluation``)."""
+    assignment = evaluation_sites(ctx.federation.record())
+    return {c.client_id: site_counts(ctx, c.client_id, global_state, assignment) for c in ctx.federation.clients}
+
+
 def evaluate_global(ctx: TaskContext, global_state: dict[str, torch.Tensor] | None) -> dict[str, float | None]:
     """The paper's metrics of the global model (or zero-shot CLIP), every site evaluated here."""
-    record = ctx.federation.record()
-    assignment = evaluation_sites(record)
-    counts = {c.client_id: site_counts(ctx, c.client_id, global_state, assignment) for c in ctx.federation.clients}
-    return combine_counts(record, counts)
+    return combine_counts(ctx.federation.record(), federation_counts(ctx, global_state))
+
+
+def not_evaluated(run: RunDir, round_number: int, source: str | None = None) -> str:
+    """Why an open federation's round without recorded metrics cannot be evaluated here (one line);
+    ``source`` "ingest": a round `fedmvp ingest` wrote, which no site ever evaluates."""
+    how = "was written by fedmvp ingest, which evaluates nothing" if source == INGESTED else \
+        "was not evaluated when it ran"
+    later = "" if source == INGESTED else ", or let the sites evaluate rounds as they run (fedmvp serve --eval-every N)"
+    return (f"{run.path}: round {round_number} {how}, and its data is not here: an open federation's sites hold "
+            f"it. Evaluate the round on one site's folder (fedmvp evaluate --run {run.path} --round {round_number} "
+            f"--data DIR){later}")
 
 
 def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
-    """Zero-shot (frozen CLIP, same attribute classifier) and tuned metrics of one round."""
+    """Zero-shot (frozen CLIP, same attribute classifier) and tuned metrics of one round.
+
+    An open federation's server holds no site data (docs/architecture.md "Open membership"): its rounds'
+    metrics are what the sites reported; a round they did not evaluate is a `RunError` (``not_evaluated``),
+    and a zero-shot row never recorded shows as not measured."""
     config = run.read_config()
     checkpoint = run.load_checkpoint(round_number)
     zero_shot = run.read_json("zero_shot.json")
     tuned = checkpoint.state.get("metrics", {})
     if zero_shot is None or tuned.get("hm") is None:
-        ctx = task_context(run.preset_file(config), run.method(checkpoint), config.get("server_device", "cpu"))
-        if zero_shot is None:
-            zero_shot = evaluate_global(ctx, None)
-            run.write_json("zero_shot.json", zero_shot)
-        if tuned.get("hm") is None:
-            tuned = evaluate_global(ctx, checkpoint.tensors)
-    keys = (*COLUMNS, "domain", *SITE_COUNT_KEYS)  # how many sites each metric is a mean over (None: not recorded)
-    result = {"run": str(run.path), "round": checkpoint.round,
-              "zero-shot": {k: zero_shot.get(k) for k in keys}, "tuned": {k: tuned.get(k) for k in keys}}
+        if is_open(run.preset()):
+            if "hm" not in tuned:  # an evaluated round records hm (None where no site held a set)
+                raise RunError(not_evaluated(run, checkpoint.round, checkpoint.state.get("source")))
+            zero_shot = zero_shot or {}
+        else:
+            ctx = task_context(run.preset_file(config), run.method(checkpoint), config.get("server_device", "cpu"))
+            if zero_shot is None:
+                zero_shot = evaluate_global(ctx, None)
+                run.write_json("zero_shot.json", zero_shot)
+            if tuned.get("hm") is None:
+                tuned = evaluate_global(ctx, checkpoint.tensors)
+    result = {"run": str(run.path), "round": checkpoint.round,  # a key not recorded: None
+              "zero-shot": {k: zero_shot.get(k) for k in ROW_KEYS}, "tuned": {k: tuned.get(k) for k in ROW_KEYS}}
     privacy = round_privacy(run, checkpoint.round)  # [privacy]: what this round's weights have spent
     return result if privacy is None else {**result, "privacy": privacy}
 
@@ -89,7 +115,9 @@ def format_table(result: dict) -> str:
     """Rows zero-shot / tuned, columns Local, Base, New, HM (percent), then the held-out domain."""
     has_domain = any(result[row].get("domain") is not None for row in ("zero-shot", "tuned"))
     header = f"{'':<10} {'Local':>7} {'Base':>7} {'New':>7} {'HM':>7}" + (f" {'Domain':>8}" if has_domain else "")
-    lines = [f"round {result['round']} of {result['run']}", header]
+    site = result.get("site")  # one site's folder (folder_evaluation): where the figures come from
+    where = "" if site is None else f", on site {site['name']}'s folder {site['data']}"
+    lines = [f"round {result['round']} of {result['run']}{where}", header]
     for row in ("zero-shot", "tuned"):
         values = result[row]
         cells = " ".join(f"{100 * values[k]:7.2f}" if values.get(k) is not None else f"{'-':>7}" for k in COLUMNS)
@@ -97,6 +125,9 @@ def format_table(result: dict) -> str:
             d = values.get("domain")
             cells += f" {100 * d:8.2f}" if d is not None else f" {'-':>8}"
         lines.append(f"{row:<10} {cells}")
+    if site is not None:
+        images = ", ".join(f"{kind} {n}" for kind, n in site["images"].items())
+        lines.append(f"held-out images: {images}")
     privacy = result.get("privacy")
     if privacy is not None:
         lines.append(f"privacy: epsilon {privacy['epsilon']:.3g} at delta {privacy['delta']:g} over "

@@ -180,7 +180,9 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
     row = {"round": result.round, "source": SOURCE, "updates": len(accepted), "examples": result.examples,
            "train_loss": result.mean_loss, **({"epsilon": spent["epsilon"]} if spent else {})}
     state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete", "privacy")}
-    state |= {key: [] for key in ("sites", "rejected") if key in state}  # those describe a Flower round
+    # Those describe a Flower round's replies: round R's sites did not train round R+1 (an open federation's
+    # sites by id and name, in state.json "replies"); the round's senders are its update files ("ingest").
+    state |= {key: [] for key in ("sites", "rejected", "replies") if key in state}
     state |= {"source": SOURCE, "ingested_onto": base, "metrics": row,
               "ingest_rules": rules.server.subset(INGEST_RULES), "ingest": [v.record() for v in verdicts]}
     if spent is not None:

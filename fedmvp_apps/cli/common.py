@@ -34,6 +34,12 @@ class BadInput(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
+def site_folder_error(err: Exception) -> BadInput:
+    """A site folder's problems (``fedmvp.data.site_folder.SiteFolderError``), one line each: how `fedmvp
+    join --data` and `fedmvp evaluate --data` refuse a folder."""
+    return BadInput("\nerror: ".join(getattr(err, "problems", None) or [str(err)]))
+
+
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 

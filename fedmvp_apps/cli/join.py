@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp_apps.cli.common import BadInput, FiniteFloat
+from fedmvp_apps.cli.common import BadInput, FiniteFloat, site_folder_error
 
 
 @click.command()
@@ -104,7 +104,7 @@ def named_site_node_config(preset: str, data: Path | None, name: str, eval_fract
     try:
         load_federation(preset, SiteRequest(name=name, data=str(folder), eval_fraction=eval_fraction))
     except SiteFolderError as err:
-        raise BadInput("\nerror: ".join(err.problems)) from None
+        raise site_folder_error(err) from None
     parts = [f"{SITE_NAME}={name!r}", f"data={str(folder)!r}", f"preset={_preset_value(preset)!r}"]
     if eval_fraction is not None:
         parts.append(f"eval-fraction={float(eval_fraction)!r}")
