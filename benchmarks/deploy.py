@@ -78,6 +78,45 @@ class Deployment:
                 proc.wait()
 
 
+ROLES = {"fedmvp_apps.deploy.superlink_process": "SuperLink", "flwr-serverapp": "ServerApp",
+         "fedmvp_apps.deploy.supernode_process": "SuperNodes", "fedmvp_apps.deploy.warm_executor": "site executors (training)",
+         "flower-superexec": "SuperExec", "flwr": "flwr commands", "fedmvp_apps.cli": "serve and join"}
+
+
+def program(argv: list[str]) -> str:
+    """What a command line runs: the module of ``python -m M``, else the script's or executable's name."""
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    first = Path(argv[0]).name if argv else ""
+    return Path(argv[1]).name if first.startswith("python") and len(argv) > 1 else first
+
+
+def cpu_by_process(sessions: set[int]) -> dict[int, tuple[str, float]]:
+    """Each live process of ``sessions`` (the deployment's process groups): its role (``ROLES``, by the
+    ``program`` it runs) and CPU seconds so far (user + system); empty where there is no /proc."""
+    proc, tick = Path("/proc"), os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    found: dict[int, tuple[str, float]] = {}
+    for entry in proc.glob("[0-9]*") if proc.is_dir() else ():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[3]) in sessions:  # fields[3]: the session id
+            role = ROLES.get(program(argv), "other")
+            found[int(entry.name)] = (role, (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def cpu_between(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds spent between two ``cpu_by_process`` snapshots, by role (a process that ended between
+    them is not counted)."""
+    spent: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        spent[role] = spent.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
+    return spent
+
+
 def site_threads() -> int:
     """Each site's share of this machine's cores: the sites of a real deployment each have their own
     machine; here they share one, and torch's default (every core, in each) oversubscribes it."""
@@ -121,17 +160,32 @@ def deploy(preset: Path, work: Path, rounds: int, warm: bool, timeout: float) ->
         for site in SITES:
             command, env = site_command(superlink, preset, site, work / "certs" / "ca.crt", warm)
             procs.start(f"site-{site}", command, env)
-        try:
-            code = procs.procs["serve"].wait(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the deployment did not finish in {timeout:.0f} s") from None
+        sessions = {proc.pid for proc in procs.procs.values()}  # each started in a session of its own
+        cpu: dict[int, dict[int, tuple[str, float]]] = {}  # at the checkpoints of round 1 and of the last steady round
+        commands: set[int] = set()  # `flwr` commands seen running during the steady rounds (none: serve asks in-process)
+        looked = 0.0
+        while (code := procs.procs["serve"].poll()) is None:
+            if time.time() > deadline:
+                raise RuntimeError(f"the deployment did not finish in {timeout:.0f} s")
+            for mark in (1, rounds - 1):
+                if mark not in cpu and (run / f"round-{mark:04d}" / "state.json").exists():
+                    cpu[mark] = cpu_by_process(sessions)
+            if 1 in cpu and rounds - 1 not in cpu and time.time() - looked > 0.25:
+                looked = time.time()
+                commands |= {pid for pid, (role, _) in cpu_by_process(sessions).items() if role == "flwr commands"}
+            time.sleep(0.05)
         if code != 0:
             raise RuntimeError(f"serve exited {code}: {procs.log('serve')[-500:]}")
     finally:
         procs.stop()
     marks = [began] + [(run / f"round-{r:04d}" / "state.json").stat().st_mtime for r in range(1, rounds + 1)]
     tasks = [TASK_LINE.findall(procs.log(f"site-{site}")) for site in SITES]
-    return {"run": run, "round_seconds": [b - a for a, b in zip(marks, marks[1:])],  # a task logged twice counts once
+    steady_cpu = {}
+    if len(cpu) == 2 and rounds > 2:  # CPU seconds per steady round, by role
+        steady_cpu = {role: seconds / (rounds - 2) for role, seconds in cpu_between(cpu[1], cpu[rounds - 1]).items()}
+    return {"run": run, "round_seconds": [b - a for a, b in zip(marks, marks[1:])], "steady_cpu": steady_cpu,
+            "steady_flwr_commands": len(commands),
+            # a task logged twice counts once
             "tasks": [len({(n, pid) for n, pid, _ in t}) for t in tasks], "executor_pids": [len({pid for _, pid, _ in t}) for t in tasks],
             "failed_tasks": sum(status == "failed" for t in tasks for _, _, status in set(t))}
 
@@ -181,7 +235,11 @@ def run(options: Options) -> Section:
         "preset": "demo" + (" (quick override)" if options.quick else ""), "rounds": rounds, "sites": len(SITES),
         "transport": "TLS on 127.0.0.1", "site_threads": site_threads(), "local_train_seconds": {str(k): v for k, v in local.items()},
         "warm_tasks_per_site": results["warm"]["tasks"], "warm_processes_per_site": results["warm"]["executor_pids"],
-        "warm_failed_tasks": results["warm"]["failed_tasks"]})
+        "warm_failed_tasks": results["warm"]["failed_tasks"],
+        # where a steady round's CPU goes, every process of the deployment (Linux /proc; empty elsewhere)
+        "warm_cpu_seconds_per_steady_round": {role: round(seconds, 3) for role, seconds in
+                                              sorted(results["warm"]["steady_cpu"].items())},
+        "cpu_cores": os.cpu_count(), "warm_flwr_commands_during_steady_rounds": results["warm"]["steady_flwr_commands"]})
     for kind, result in results.items():
         for number, seconds in enumerate(result["round_seconds"], start=1):
             label = {1: "first (start-up)", rounds: "last (final evaluation)"}.get(number, "steady")
@@ -199,7 +257,9 @@ def run(options: Options) -> Section:
                          "the last (median); local training is both sites' round-2 local_train one after the "
                          "other in this process, after a warm-up call each, the median of "
                          f"{LOCAL_REPEATS} calls each (the deployment runs them at once on the same CPUs, "
-                         "each site on its share of the cores). With --quick (one step per site) the figure is mostly fixed costs.")
+                         "each site on its share of the cores). With --quick (one step per site) the figure is mostly fixed costs. "
+                         "CPU seconds by role: every process of the deployment between the checkpoints of round 1 and "
+                         "of the last steady round, per round (what the sites' training shares the cores with).")
     if options.model:
         section.notes.append(f"--model {options.model} ignored: the demo preset's backbone is used")
     section.seconds = time.perf_counter() - began
@@ -214,6 +274,10 @@ def show(section: Section) -> None:
     print(f"{'runtime':<40} {'round':>5} {'kind':<24} {'seconds':>8}")
     for r in section.rows:
         print(f"{r['runtime']:<40} {r['round']:>5} {r['kind']:<24} {r['seconds']:8.2f}")
+    cpu = c.get("warm_cpu_seconds_per_steady_round") or {}
+    if cpu:
+        print(f"CPU seconds per steady warm round ({c['cpu_cores']} cores, {sum(cpu.values()):.2f} s in all): "
+              + ", ".join(f"{role} {seconds:.2f}" for role, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])))
     show_ratios(section)
 
 

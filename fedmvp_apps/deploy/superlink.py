@@ -103,6 +103,8 @@ class Server:
             raise ServeInputError("with TLS, give --node-keys FILE (the sites' public keys: `fedmvp certs --nodes N` "
                                   "writes node-keys.txt); --allow-any-node admits any SuperNode that trusts the CA")
         self.superexec: subprocess.Popen | None = None
+        self.operator_token = ""
+        self.status_client = None  # run_status.RunStatusClient once asked; False: this Flower has none
         self.link = f"{'127.0.0.1' if self.host in ('0.0.0.0', '::', '') else self.host}:{self.port}"
 
     def env(self) -> dict[str, str]:
@@ -115,7 +117,8 @@ class Server:
         self.home.mkdir(parents=True, exist_ok=True)
         # A fresh operator token and SuperExec secret per start: nothing from an earlier start stays valid.
         token_file, secret_file = self.home / "operator.token", self.home / "superexec.secret"
-        store_cli_credentials(self.home, self.link, write_operator_token(token_file))
+        self.operator_token = write_operator_token(token_file)
+        store_cli_credentials(self.home, self.link, self.operator_token)
         write_operator_token(secret_file)
         # The SuperLink's state (nodes, runs) in a file beside the run: restarted after a crash, it still
         # knows the SuperNodes, which then carry on instead of failing to reconnect.
@@ -208,6 +211,21 @@ class Server:
             raise ServeError(f"flwr run failed: {' '.join((started.stdout + started.stderr).split())[-400:]}") from None
 
     def status(self, run_id: int) -> str:
+        """Flower's status text of the run ("running", "finished:completed"): asked in this process
+        (`run_status`), through `flwr ls` where this Flower lacks the client that needs."""
+        if self.status_client is None:
+            try:
+                from fedmvp_apps.deploy.run_status import RunStatusClient
+
+                self.status_client = RunStatusClient(self.link, self.operator_token,
+                                                     self.certs["ca.crt"] if self.certs else None)
+            except ImportError:
+                self.status_client = False
+        if self.status_client:
+            try:
+                return self.status_client.status(run_id)
+            except Exception:  # noqa: BLE001 - a refused or broken look: `flwr ls` says it this time
+                pass
         listed = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json", timeout=60)
         try:
             return str(json.loads(listed.stdout)["runs"][0]["status"])
@@ -240,6 +258,9 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM (each stops its own app processes), then SIGKILL: the SuperExec first, then the SuperLink."""
+        if self.status_client:
+            self.status_client.close()
+            self.status_client = None
         for proc in (self.superexec, self.proc):
             if proc is None or proc.poll() is not None:
                 continue

@@ -4,6 +4,7 @@ was asked for. Figures are not checked (the machine is shared); structure and se
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -74,6 +75,10 @@ def test_deploy_quick_runs_each_sites_messages_in_one_warm_process() -> None:
         "first (start-up)", "steady", "last (final evaluation)"]
     assert section.ratios["deploy_round_vs_local_train"] > 0
     assert section.goals[0].target == "<= 1.3x"
+    if sys.platform.startswith("linux"):  # where a steady round's CPU goes, by role (/proc)
+        cpu = section.config["warm_cpu_seconds_per_steady_round"]
+        assert cpu["site executors (training)"] > 0 and cpu["SuperLink"] > 0 and cpu["SuperNodes"] > 0
+        assert section.config["warm_flwr_commands_during_steady_rounds"] == 0  # serve watches its run in-process
     json.dumps(section.to_json())
 
 

@@ -128,6 +128,22 @@ def test_an_outsider_with_the_ca_certificate_or_a_node_key_controls_nothing(tmp_
         superlink_log = (tmp_path / "runs" / "guarded.superlink.log").read_text()
         assert "SuperExec authentication failed for /flwr.proto.Runtime/AcquireTask" in superlink_log
 
+        # What `serve` watches its run with, in its own process (no `flwr ls` interpreter a second):
+        # the operator token reads the run's status; any other is refused.
+        from fedmvp_apps.deploy.run_status import RunStatusClient
+
+        operator = (tmp_path / "runs" / ".guarded.flwr" / "operator.token").read_text().strip()
+        for token, admitted in ((operator, True), ("g" * 43, False), (node_key, False)):
+            client = RunStatusClient(f"127.0.0.1:{port}", token, certs / "ca.crt")
+            try:
+                if admitted:
+                    assert client.status(int(run_id)).split(":")[0] in ("starting", "running")
+                else:
+                    with pytest.raises(Exception):
+                        client.status(int(run_id))
+            finally:
+                client.close()
+
         time.sleep(3)
         assert not marker.exists()  # the outsider's ServerApp never ran
         assert procs.procs["serve"].poll() is None  # the federation's run goes on

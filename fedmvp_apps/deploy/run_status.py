@@ -1,0 +1,50 @@
+"""A run's status from the SuperLink's Control API, asked in this process.
+
+`fedmvp serve` watches its run once a second until it ends. Asking through the ``flwr ls`` command
+started a fresh interpreter each time, which imports Flower's CLI: about 1 s of CPU per look, so
+half a core for the whole run, taken from the ServerApp, the SuperLink and (in a trial on one
+machine) the sites. Measured on 2 cores, that was a quarter of a deployed round (docs/benchmarks.md,
+the deploy section). Here the same ``ListRuns`` request goes through Flower's own Control API client
+(``ControlHttpClient``, what ``flwr ls`` builds), with the operator token as its bearer
+(`control_auth`: the SuperLink admits nobody else), on one connection kept for the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class OperatorBearer:
+    """Flower's protobuf-over-HTTP client interceptor that sends the operator token on every request
+    (what ``flwr``'s account interceptor sends from its credential store; there is nothing to refresh)."""
+
+    def __init__(self, token: str) -> None:
+        self.header = f"Bearer {token}"
+
+    def intercept(self, context, call_next):
+        context.request.headers["Authorization"] = self.header
+        return call_next(context)
+
+
+class RunStatusClient:
+    """``status(run_id)``: Flower's status text of one run, as ``flwr ls`` prints it ("running",
+    "finished:completed", ...); ``close`` ends the connection."""
+
+    def __init__(self, address: str, token: str, root_certificates: Path | None) -> None:
+        from flwr.supercore.control import ControlHttpClient
+        from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+
+        self.client = ControlHttpClient.from_server_address(
+            server_address=address, insecure=root_certificates is None,
+            root_certificates=root_certificates.read_bytes() if root_certificates else None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI"), OperatorBearer(token)])
+
+    def status(self, run_id: int) -> str:
+        from flwr.proto.control_pb2 import ListRunsRequest  # pylint: disable=no-name-in-module
+
+        runs = self.client.ListRuns(ListRunsRequest(run_id=run_id)).run_dict  # an unknown id: an error
+        status = runs[run_id].status
+        return status.status if not status.sub_status else f"{status.status}:{status.sub_status}"
+
+    def close(self) -> None:
+        self.client.close()
