@@ -48,7 +48,6 @@ from fedmvp_formats.tensors import tensor_problem
 from fedmvp.presets.server import ServerSpec
 
 
-
 @dataclass(frozen=True)
 class WireTensors:
     """A reply's tensors as they came: its ``arrays`` record and its ``layout`` (None: none sent)."""

@@ -58,16 +58,18 @@ def content_torch_state(content: RecordDict) -> dict[str, torch.Tensor]:
     return to_torch_state(content_state(content))
 
 
-def instruction_content(arrays: ArrayRecord, instruction: Instruction, config: ConfigRecord | None = None
-                        ) -> RecordDict:
-    """A message's content: ``arrays`` and the instruction's records, each a ConfigRecord (``config``:
-    an existing ConfigRecord the instruction's scalars are written into)."""
+def instruction_content(arrays: ArrayRecord | dict[str, ArrayRecord | ConfigRecord], instruction: Instruction,
+                        config: ConfigRecord | None = None) -> RecordDict:
+    """A message's content: ``arrays`` (or its ``state_records``, packed once for many messages) and the
+    instruction's records, each a ConfigRecord (``config``: an existing ConfigRecord the instruction's
+    scalars are written into)."""
+    tensors = state_records(numpy_state(arrays)) if isinstance(arrays, ArrayRecord) else arrays
     records = instruction.records()
     config = ConfigRecord() if config is None else config
     for key, value in records.pop(CONFIG).items():
         config[key] = value
     others = {name: ConfigRecord(values) for name, values in records.items()}
-    return RecordDict({**state_records(numpy_state(arrays)), CONFIG: config, **others})
+    return RecordDict({**tensors, CONFIG: config, **others})
 
 
 def content_instruction(content: RecordDict) -> Instruction:
@@ -81,11 +83,15 @@ def node_contents(instruction: Instruction, config: ConfigRecord, site_of: Calla
     gets, or, where ``site_of(node)`` gives an id (an open federation's site), one per site carrying it
     (``Instruction.site``, each node its own; ``config`` copied, as a content's records are written into)."""
     made: dict[tuple[int, int | None], RecordDict] = {}
+    packed: dict[int, dict[str, ArrayRecord | ConfigRecord]] = {}  # packed (and hashed by Flower) once per set
 
     def content(node: int, arrays: ArrayRecord) -> RecordDict:
         key = (id(arrays), site_of(node))
         if key not in made:
-            made[key] = instruction_content(arrays, instruction, config) if key[1] is None else \
-                instruction_content(arrays, replace(instruction, site=key[1]), ConfigRecord(dict(config)))
+            if key[0] not in packed:
+                packed[key[0]] = state_records(numpy_state(arrays))
+            tensors = packed[key[0]]
+            made[key] = instruction_content(tensors, instruction, config) if key[1] is None else \
+                instruction_content(tensors, replace(instruction, site=key[1]), ConfigRecord(dict(config)))
         return made[key]
     return content

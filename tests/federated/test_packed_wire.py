@@ -91,3 +91,20 @@ def test_a_layout_declaring_more_values_than_a_message_holds_is_refused_before_a
     arrays = ArrayRecord({PACKED: Array(np.zeros(0, np.float32))})
     with pytest.raises(MessageError, match="values declared"):
         read_wire(arrays, layout)
+
+
+def test_a_rounds_tensors_are_packed_once_for_every_site_of_an_open_federation():
+    """Each site of an open federation gets a content of its own (its id), the tensors packed once and
+    shared: not re-packed and re-hashed per site on the round's hot path."""
+    from fedmvp_formats.messages import Instruction
+
+    from fedmvp.federated.wire import content_instruction, node_contents
+
+    arrays = ArrayRecord({"lora.a": Array(RNG.normal(size=(4, 3)).astype(np.float32))})
+    instruction = Instruction(round=3, run_id="r1")
+    content = node_contents(instruction, ConfigRecord({"x": 1}), lambda node: node % 3)
+    made = [content(node, arrays) for node in range(6)]
+    assert [content_instruction(c).site for c in made[:3]] == [0, 1, 2]
+    assert made[0] is made[3] and made[0] is not made[1]  # one content per site
+    assert all(c["arrays"] is made[0]["arrays"] and c[LAYOUT] is made[0][LAYOUT] for c in made)
+    np.testing.assert_array_equal(content_state(made[2])["lora.a"], arrays["lora.a"].numpy())
