@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from fedmvp.data.federation_plan import is_open
-from fedmvp.federated.ingest import SOURCE as INGESTED
 from fedmvp.federated.metrics import SITE_COUNT_KEYS, Counts, combine_counts, evaluation_sites
 from fedmvp.federated.privacy_budget import round_privacy
 from fedmvp.federated.task import Samples, TaskContext, task_context
@@ -75,6 +74,8 @@ def evaluate_global(ctx: TaskContext, global_state: dict[str, torch.Tensor] | No
 def not_evaluated(run: RunDir, round_number: int, source: str | None = None) -> str:
     """Why an open federation's round without recorded metrics cannot be evaluated here (one line);
     ``source`` "ingest": a round `fedmvp ingest` wrote, which no site ever evaluates."""
+    from fedmvp.federated.ingest import SOURCE as INGESTED  # here: a site's ClientApp imports this module
+
     how = "was written by fedmvp ingest, which evaluates nothing" if source == INGESTED else \
         "was not evaluated when it ran"
     later = "" if source == INGESTED else ", or let the sites evaluate rounds as they run (fedmvp serve --eval-every N)"
