@@ -12,12 +12,15 @@ import glob
 import os
 import struct
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from fedmvp_formats.folder_walk import image_files, regular_file_problem
 from fedmvp_formats.image_folder import IMAGE_EXTENSIONS as EXTENSIONS
+from fedmvp_formats.shown import path_shown
 
 # 100 MP is about 300 MB once decoded to RGB: bearable on a Jetson, and above most
 # camera photos (108/200 MP phone sensors need a higher `max_pixels`). Pillow's own bomb guard (Image.MAX_IMAGE_PIXELS, ~89 MP warns,
@@ -35,7 +38,7 @@ class ImageReadError(ValueError):
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         self.path = Path(path)
         self.reason = " ".join(str(reason).split())  # one line, whatever Pillow said
-        super().__init__(f"{self.path}: {self.reason}")
+        super().__init__(f"{path_shown(self.path)}: {self.reason}")  # a file name's newline or escape, escaped
 
     def __reduce__(self) -> tuple[type[ImageReadError], tuple[Path, str]]:
         # Survive pickling (e.g. when images are decoded in a worker process).
@@ -59,8 +62,9 @@ def load_image(path: str | os.PathLike[str], max_pixels: int | None = DEFAULT_MA
         raise ImageReadError(p, "no such file") from None
     except OSError as e:
         raise ImageReadError(p, f"cannot access file ({e.strerror or e})") from None
-    if p.is_dir():
-        raise ImageReadError(p, "is a directory, not an image file")
+    special = regular_file_problem(p)  # a FIFO is refused from its stat: opening it waits for a writer forever
+    if special is not None:
+        raise ImageReadError(p, special)
     if size == 0:
         raise ImageReadError(p, "empty file")
 
@@ -218,7 +222,7 @@ def iter_image_paths(
         text = os.path.expanduser(os.fspath(raw))
         p = Path(text)
         if p.is_dir():
-            found = _walk_dir(p)
+            found = _walk_dir(p, problem)
             if not found:
                 problem(text, "directory contains no image files")
             for f in found:
@@ -231,7 +235,7 @@ def iter_image_paths(
             for m in matches:
                 mp = Path(m)
                 if mp.is_dir():
-                    for f in _walk_dir(mp):
+                    for f in _walk_dir(mp, problem):
                         add(f)
                 elif mp.is_file() and is_image_path(mp):
                     add(mp)
@@ -244,12 +248,10 @@ def iter_image_paths(
     return out
 
 
-def _walk_dir(root: Path) -> list[Path]:
-    """Image files under `root`, recursive, hidden entries skipped, sorted by relative path."""
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        base = Path(dirpath)
-        found.extend(base / f for f in filenames if is_image_path(base / f))
-    found.sort(key=lambda f: f.relative_to(root).as_posix())
-    return found
+def _walk_dir(root: Path, problem: Callable[[str, str], None]) -> list[Path]:
+    """Image files under `root` by the one walking rule (``fedmvp_formats.folder_walk``: no loop, nothing
+    twice, no FIFO opened; each refusal a ``problem``), sorted by relative path."""
+    files, refusals = image_files(root)
+    for path, why in refusals:
+        problem(path, why)
+    return sorted((Path(f) for f in files), key=lambda f: f.relative_to(root).as_posix())

@@ -17,9 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from fedmvp_formats.folder_walk import FolderWalk
 from fedmvp_formats.image_folder import held_out, stable_order
+from fedmvp_formats.shown import path_shown
 
-from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, is_image_path, iter_image_paths, load_image
+from edge_client.images import DEFAULT_MAX_PIXELS, ImageReadError, is_image_path, load_image
 from edge_client.preprocess import PreprocessSpec, resize_crop_rgb
 from edge_client.train_options import TrainInputError
 
@@ -45,41 +47,39 @@ def scan_folder(root: str | os.PathLike, class_names: Sequence[str]) -> LocalDat
     a `TrainInputError` naming them. Image files directly in ``root`` are left out (reported)."""
     root = Path(root)
     if not root.is_dir():
-        raise TrainInputError(f"{root}: not a directory (expected an ImageFolder tree: {root}/<class>/<image>)")
+        raise TrainInputError(f"{path_shown(root)}: not a directory (expected an ImageFolder tree: "
+                              f"{path_shown(root)}/<class>/<image>)")
     index = {name: i for i, name in enumerate(class_names)}
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     unknown = [p.name for p in folders if p.name not in index]
     if unknown:
         shown = ", ".join(class_names[:20]) + (", ..." if len(class_names) > 20 else "")
-        raise TrainInputError(f"{root}: unknown class{'es' if len(unknown) > 1 else ''} "
+        raise TrainInputError(f"{path_shown(root)}: unknown class{'es' if len(unknown) > 1 else ''} "
                               f"{', '.join(repr(u) for u in unknown)}: not in the bundle's {len(class_names)} "
                               f"classes ({shown})")
     if not folders:
-        raise TrainInputError(f"{root}: no class folders (expected {root}/<class>/<image>)")
-    real_root = root.resolve()
-    for folder in folders:  # a link to the tree itself would label every class's images as this one
-        real = folder.resolve()
-        if real == real_root or real_root.is_relative_to(real):
-            raise TrainInputError(f"{folder}: class folder leads back to {real} (a link to the data folder or "
-                                  f"above it); its images would all be labelled {folder.name!r}")
-    skipped = [f"{p}: not in a class folder, left out" for p in sorted(root.iterdir())
+        raise TrainInputError(f"{path_shown(root)}: no class folders (expected {path_shown(root)}/<class>/<image>)")
+    skipped = [f"{path_shown(p)}: not in a class folder, left out" for p in sorted(root.iterdir())
                if p.is_file() and is_image_path(p)]
+    walk = FolderWalk(root)  # the one rule (fedmvp_formats.folder_walk): no loop, nothing twice, no FIFO opened
     files: list[Path] = []
     labels: list[int] = []
     present: list[str] = []
     for folder in folders:
-        errors: list[ImageReadError] = []
-        found = iter_image_paths([folder], errors=errors)
+        found = sorted((Path(p) for p in walk.images(folder)), key=lambda f: f.relative_to(folder).as_posix())
         if found:
             present.append(folder.name)
-            skipped.extend(f"{e.path}: {e.reason}" for e in errors)
-        else:  # said so: training silently without a class the user meant to teach is a surprise
-            skipped.append(f"{folder}: empty class folder (no images), left out")
+        elif not walk.problems:  # said so: training silently without a class the user meant to teach is a surprise
+            skipped.append(f"{path_shown(folder)}: empty class folder (no images), left out")
         files.extend(found)
         labels.extend([index[folder.name]] * len(found))
+    if walk.problems:
+        more = len(walk.problems) - 1
+        raise TrainInputError(walk.problems[0] + (f" (and {more} more problems)" if more else ""))
     if not files:
-        raise TrainInputError(f"{root}: no images, every class folder is empty ({', '.join(p.name for p in folders[:10])}); "
-                              f"put images in {root}/<class>/")
+        raise TrainInputError(f"{path_shown(root)}: no images, every class folder is empty "
+                              f"({', '.join(path_shown(p.name) for p in folders[:10])}); "
+                              f"put images in {path_shown(root)}/<class>/")
     return LocalDataset(root=root, files=files, labels=labels, classes=present, skipped=skipped)
 
 
@@ -94,7 +94,7 @@ def decode_dataset(dataset: LocalDataset, spec: PreprocessSpec, max_pixels: int 
         except ImageReadError as err:
             dataset.skipped.append(str(err))
     if not arrays:
-        raise TrainInputError(f"{dataset.root}: none of the {len(dataset.files)} images could be read")
+        raise TrainInputError(f"{path_shown(dataset.root)}: none of the {len(dataset.files)} images could be read")
     return np.stack(arrays), np.asarray(labels, dtype=np.int64)
 
 

@@ -1,11 +1,13 @@
 """Untrusted text as an error message may show it: escaped and cut short.
 
 Why here: an update file, a Flower reply and a bundle are written by someone else; what they hold
-reaches a terminal, a log or state.json only through these two functions, in every package.
+reaches a terminal, a log or state.json only through these functions, in every package; a file name
+a user's folder holds, through `path_shown`.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -29,3 +31,20 @@ def shown(value: Any, limit: int = 60) -> str:
 def name_shown(name: str) -> str:
     """A tensor or record key as a reason shows it: as is when it looks like a name, else `shown`."""
     return name if _PLAIN_NAME.fullmatch(name) else shown(name)
+
+
+def path_shown(path: str | os.PathLike) -> str:
+    """A file path as a message shows it: as is when every character is printable, else with each
+    unprintable character escaped (``\\n``, ``\\x1b``; a byte that is not UTF-8, ``\\xNN``). A newline or
+    an ANSI escape in a file name never reaches a terminal raw; the path is not cut (the user needs all
+    of it to find the file)."""
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if text.isprintable():
+        return text
+    try:  # undecodable bytes (os.fsdecode's surrogate escapes) as \xNN, as edge_client.images.printable
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        pass
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -149,7 +149,7 @@ def test_stack_samples_makes_a_batch(tmp_path):
 def test_training_reads_the_image_files_the_edge_client_reads(tmp_path):
     """One list of image extensions: the edge client's promise, and training follows it."""
     from edge_client.images import IMAGE_EXTENSIONS as EDGE
-    from fedmvp.data.layouts import IMAGE_EXTENSIONS as TRAINING
+    from fedmvp_formats.image_folder import IMAGE_EXTENSIONS as TRAINING  # the walk's (folder_walk)
 
     assert len(TRAINING) == len(set(TRAINING)) and set(TRAINING) == set(EDGE)
     for i, ext in enumerate((".jfif", ".gif", ".PNG")):

@@ -71,7 +71,7 @@ def test_federation_keys_reach_what_they_control(tmp_path, world):
 @pytest.mark.parametrize("text, problem", [
     ('[[datasets]]\nname = "x"\nlayout = "synthetic"\nroot = ""\n', "exclude each other"),
     ('[[sites]]\nname = "a"\n[[sites]]\nname = "a"\n', "used twice"),
-    ('', r"eval_fraction must be in \[0, 1\)"),
+    ('', r"eval_fraction must be in \(0, 1\)"),
 ])
 def test_preset_mistakes_are_one_line(tmp_path, text, problem):
     (tmp_path / "attributes.json").write_text(json.dumps({c: ["x"] * 10 for c in CLASSES}))

@@ -1,8 +1,8 @@
 """Image samples as torch datasets, skipping unreadable images with one warning per path.
 
 Why two checks: a client's k-shot set is small, so it is verified eagerly when the client is
-built (``ImageDataset.check`` / ``drop_unreadable``: PIL ``verify`` on every file, bad files
-dropped) and training never meets a broken file. Test sets can be large (ImageNet val: 50k), so
+built (``ImageDataset.check`` / ``drop_unreadable``: every file decoded in full, as training decodes
+it, bad files dropped) and training never meets a broken file. Test sets can be large (ImageNet val: 50k), so
 they are checked lazily: ``__getitem__`` returns ``None`` for a file that fails to load and
 ``collate_samples`` leaves it out of the batch. Either way each bad path is reported once per
 process (``UnreadableImageWarning`` naming the path) however often it is met.
@@ -16,6 +16,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from PIL import Image
+
+from fedmvp_formats.folder_walk import regular_file_problem
+from fedmvp_formats.shown import path_shown
 
 Sample = tuple[str, int]
 Transform = Callable[[Image.Image], Any]
@@ -35,27 +38,40 @@ def report_unreadable(path: str, error: BaseException | str) -> None:
             return
         _REPORTED.add(path)
     reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-    warnings.warn(f"skipping unreadable image {path}: {reason}", UnreadableImageWarning, stacklevel=3)
+    warnings.warn(f"skipping unreadable image {path_shown(path)}: {reason}", UnreadableImageWarning, stacklevel=3)
+
+
+def decode_problem(path: str) -> str | None:
+    """Why ``path`` does not decode as training decodes it (`load_rgb`, every pixel), or None.
+
+    A full decode, not PIL's ``verify``: ``verify`` reads no JPEG data, so a truncated JPEG passed a
+    check and was then dropped by training, and a site's counts disagreed with what it trained on."""
+    try:
+        load_rgb(path)
+        return None
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
+        return (str(exc).splitlines() or [""])[0] or type(exc).__name__
 
 
 def is_readable(path: str) -> bool:
-    """Whether PIL can identify and verify ``path`` (reports it once if not)."""
-    try:
-        with Image.open(path) as img:
-            img.verify()
-        return True
-    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
-        report_unreadable(path, exc)
-        return False
+    """Whether ``path`` decodes in full as training decodes it (reports it once if not)."""
+    problem = decode_problem(path)
+    if problem is not None:
+        report_unreadable(path, problem)
+    return problem is None
 
 
 def drop_unreadable(samples: Iterable[Sample]) -> list[Sample]:
-    """``samples`` without the files PIL cannot verify."""
+    """``samples`` without the files that do not decode."""
     return [s for s in samples if is_readable(s[0])]
 
 
 def load_rgb(path: str) -> Image.Image:
-    """The image at ``path`` as RGB (palette, grey and RGBA images all become 3 channels)."""
+    """The image at ``path`` as RGB (palette, grey and RGBA images all become 3 channels); a FIFO or a
+    device is refused from its ``stat``, never opened (an open would wait for a writer forever)."""
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise OSError(problem)
     with Image.open(path) as img:
         return img.convert("RGB")
 

@@ -39,7 +39,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedmvp_formats.image_folder import IMAGE_EXTENSIONS
+from fedmvp_formats.folder_walk import FolderWalk
+from fedmvp_formats.shown import path_shown
 
 
 PathLike = str | os.PathLike
@@ -74,13 +75,15 @@ class LabelledImages:
         return LabelledImages(samples, [self.class_names[y] for y in labels], self.domain)
 
 
-def images_under(folder: Path) -> list[str]:
-    """Image files below ``folder`` (recursively, like torchvision), sorted for stable order."""
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found.extend(os.path.join(dirpath, f) for f in sorted(filenames)
-                     if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."))
+def images_under(folder: Path, walk: FolderWalk | None = None) -> list[str]:
+    """Image files below ``folder`` (recursively, like torchvision), in a stable order, by the one
+    walking rule (``fedmvp_formats.folder_walk``; ``walk``: the walk of the tree ``folder`` is a class
+    of, so an image reached from two classes is caught). A refusal is a `LayoutError` (its first line)."""
+    walk = walk or FolderWalk(folder)
+    found = walk.images(folder)
+    if walk.problems:
+        more = len(walk.problems) - 1
+        raise LayoutError(walk.problems[0] + (f" (and {more} more problems)" if more else ""))
     return found
 
 
@@ -90,7 +93,8 @@ def _report_empty(root: Path, folders: list[str], samples: list[tuple[str, int]]
     present = {label for _, label in samples}
     empty = [folder for label, folder in enumerate(folders) if label not in present]
     for folder in empty:
-        log.warning("%s: class folder %r holds no images; that class is left out of this split", root, folder)
+        log.warning("%s: class folder %r holds no images; that class is left out of this split",
+                    path_shown(root), folder)
     return empty
 
 
@@ -165,8 +169,9 @@ def read_imagefolder(root: PathLike, class_names_file: PathLike | None = None,
     """
     root = Path(root)
     folders, names = imagefolder_classes(root, class_names_file)
+    walk = FolderWalk(root)
     samples = [(p, label) for label, folder in enumerate(folders)
-               for p in images_under(root / folder)]
+               for p in images_under(root / folder, walk)]
     _report_empty(root, folders, samples)
     return LabelledImages(samples, names, domain)
 
@@ -248,7 +253,8 @@ def read_domainbed(root: PathLike, domain: str) -> LabelledImages:
     if domain not in domains:
         raise LayoutError(f"{root}: no domain {domain!r} (has {', '.join(domains) or 'none'})")
     classes = domainbed_classes(root)
-    samples = [(p, label) for label, c in enumerate(classes) for p in images_under(root / domain / c)]
+    walk = FolderWalk(root / domain)
+    samples = [(p, label) for label, c in enumerate(classes) for p in images_under(root / domain / c, walk)]
     _report_empty(root / domain, classes, samples)
     return LabelledImages(samples, classes, domain)
 
@@ -283,8 +289,9 @@ def read_synthetic(root: PathLike, domain: str, split: str, only: set[str] | Non
     unknown = [c for c in present if c not in label_of]
     if unknown:
         raise LayoutError(f"{folder}: class folders not in world.json: {', '.join(unknown[:5])}")
+    walk = FolderWalk(folder)
     samples = [(p, label_of[c]) for c in sorted(present, key=label_of.__getitem__) if only is None or c in only
-               for p in images_under(folder / c)]
+               for p in images_under(folder / c, walk)]
     return LabelledImages(samples, names, domain)
 
 

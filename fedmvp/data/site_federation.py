@@ -12,8 +12,11 @@ base or new class set, so each site evaluates where its data is.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
+
+from fedmvp_formats.shown import path_shown
 
 from fedmvp.attributes.files import AttributeFileError, load_attributes
 from fedmvp.attributes.sentences import SentenceStyle
@@ -73,9 +76,11 @@ def build_sites(preset: Preset) -> Federation:
         raise PresetError(f"{preset.path}: a [federation] simulation needs [[sites]] with their data folders")
     attributes = site_attributes(preset, plan)
     clients, evaluations = [], []
+    folders: dict[str, str] = {}  # real folder -> the site that reads it
     for cp in plan.clients:
         if cp.site_data is None:
             raise PresetError(f"{preset.path}: site {cp.name!r} has no data folder (data = \"...\") to simulate")
+        _one_site_per_folder(preset, cp, folders)
         try:
             images = _site_images(preset, plan, cp.site_data, None)
         except SiteFolderError as err:
@@ -85,6 +90,19 @@ def build_sites(preset: Preset) -> Federation:
         clients.append(client)
         evaluations += sets
     return Federation(clients, evaluations, preset.train.fraction_fit, preset.protocol, preset.seed, preset)
+
+
+def _one_site_per_folder(preset: Preset, cp: ClientPlan, folders: dict[str, str]) -> None:
+    """Two sites of one simulation never read the same folder, nor one inside the other's: its images
+    would be counted (and weighted) twice (docs/security.md "A user's folder"). A deployment's sites
+    may name the same path: each reads it on its own machine."""
+    real = os.path.realpath(cp.site_data)
+    for other, name in folders.items():
+        if real == other or real.startswith(other + os.sep) or other.startswith(real + os.sep):
+            raise PresetError(f"{preset.path}: sites {name!r} and {cp.name!r} read the same images "
+                              f"({path_shown(other)} and {path_shown(real)}): each site's data folder is its "
+                              f"own, or its images are counted twice")
+    folders[real] = str(cp.name)
 
 
 def site_id(preset: Preset, name: str) -> int:

@@ -7,8 +7,10 @@ trains and evaluates on is read from its folder alone, never from a listing of t
 site's split equals a device's.
 
 Everything is checked before anything starts: a class folder not in the federation's class set, an
-empty class folder and an unreadable image are each one line naming the path (``SiteFolderError``
-holds the lines; the CLI prints them and exits 2).
+empty class folder, an image that does not decode in full (as training decodes it, so the counts a site
+reports are the images it trains on) and what the walking rule refuses (a link back into the folder, a
+file reached twice, a FIFO: ``fedmvp_formats.folder_walk``) are each one line naming the path, escaped
+(``SiteFolderError`` holds the lines; the CLI prints them and exits 2).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedmvp_formats.folder_walk import FolderWalk
 from fedmvp_formats.image_folder import held_out
+from fedmvp_formats.shown import path_shown, shown
 
-from fedmvp.data.dataset import is_readable
-from fedmvp.data.layouts import images_under
+from fedmvp.data.dataset import decode_problem
 
 Sample = tuple[str, int]
 
@@ -48,10 +51,11 @@ class SiteImages:
         return [y for y in labels if y in have]
 
 
-def _class_folders(root: Path, classes: list[str], problems: list[str]) -> dict[str, list[str]]:
-    """``{class: image paths}`` of one ``root/<class>/`` tree; problems appended, one line each."""
+def _class_folders(walk: FolderWalk, root: Path, classes: list[str], problems: list[str]) -> dict[str, list[str]]:
+    """``{class: image paths}`` of one ``root/<class>/`` tree, walked by ``walk`` (the one rule,
+    ``fedmvp_formats.folder_walk``); problems appended, one line each."""
     if not root.is_dir():
-        problems.append(f"{root}: not a directory (expected {root}/<class>/<image>)")
+        problems.append(f"{path_shown(root)}: not a directory (expected {path_shown(root)}/<class>/<image>)")
         return {}
     known = set(classes)
     found: dict[str, list[str]] = {}
@@ -60,17 +64,22 @@ def _class_folders(root: Path, classes: list[str], problems: list[str]) -> dict[
         if not entry.is_dir():
             continue
         if entry.name not in known:
-            problems.append(f"{path}: class {entry.name!r} is not in the federation's class set "
+            problems.append(f"{path_shown(path)}: class {shown(entry.name)} is not in the federation's class set "
                             f"({len(classes)} classes)")
             continue
-        images = images_under(path)
-        if not images:
-            problems.append(f"{path}: empty class folder (no images)")
+        before = len(walk.refusals)
+        images = walk.images(path)
+        if len(walk.refusals) > before:
             continue
-        problems.extend(f"{p}: unreadable image" for p in images if not is_readable(p))
+        if not images:
+            problems.append(f"{path_shown(path)}: empty class folder (no images)")
+            continue
+        # decoded as training decodes them: what is counted here is what a round trains on
+        problems.extend(f"{path_shown(p)}: unreadable image ({why})" for p in images
+                        if (why := decode_problem(p)) is not None)
         found[entry.name] = images
-    if not found and not problems:
-        problems.append(f"{root}: no class folders (expected {root}/<class>/<image>)")
+    if not found and not problems and not walk.problems:
+        problems.append(f"{path_shown(root)}: no class folders (expected {path_shown(root)}/<class>/<image>)")
     return found
 
 
@@ -84,12 +93,14 @@ def read_site_folder(root: str | os.PathLike, classes: list[str], new_classes: l
     new = set(new_classes)
     problems: list[str] = []
     split = (root / "train").is_dir() and (root / "test").is_dir()
+    walk = FolderWalk(root)
     if split:
-        train_tree = _class_folders(root / "train", classes, problems)
-        test_tree = _class_folders(root / "test", classes, problems)
+        train_tree = _class_folders(walk, root / "train", classes, problems)
+        test_tree = _class_folders(walk, root / "test", classes, problems)
     else:
-        train_tree = _class_folders(root, classes, problems)
+        train_tree = _class_folders(walk, root, classes, problems)
         test_tree = {}
+    problems = walk.problems + problems
     if problems:
         raise SiteFolderError(problems)
     train: list[Sample] = []
@@ -109,5 +120,6 @@ def read_site_folder(root: str | os.PathLike, classes: list[str], new_classes: l
         if own or held:
             counts[name] = len(own) + len(held)
     if not train:
-        raise SiteFolderError([f"{root}: no training images of a base class (new classes are only evaluated)"])
+        raise SiteFolderError([f"{path_shown(root)}: no training images of a base class "
+                               f"(new classes are only evaluated)"])
     return SiteImages(root, train, test, counts)

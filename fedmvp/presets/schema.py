@@ -141,7 +141,7 @@ class FederationSpec:
     new_classes: list[str] = _help("classes held out: never trained on anywhere, evaluated where sites hold "
                                    "them", [])
     eval_fraction: float = _help("share of each class a site keeps for evaluation (a stable split by file "
-                                 "name); a site folder with train/ and test/ uses those instead", 0.2)
+                                 "name), in (0, 1); a site folder with train/ and test/ uses those instead", 0.2)
     base_dir: Path = field(default=Path("."), repr=False, metadata={"internal": True})
 
     def attributes_path(self) -> Path:
@@ -325,8 +325,9 @@ def _check_federation(preset: Preset, err: Any) -> None:
                   "or by datasets, not both")
     if preset.protocol not in ("", "base-to-new"):
         raise err(f"[federation]: protocol {preset.protocol!r}: a federation of sites is base-to-new")
-    if not 0 <= f.eval_fraction < 1:
-        raise err(f"[federation]: eval_fraction must be in [0, 1), got {f.eval_fraction}")
+    if not 0 < f.eval_fraction < 1:  # 0 holds no base image out: Base unmeasured, HM silently New's
+        raise err(f"[federation]: eval_fraction must be in (0, 1), got {f.eval_fraction} (a site keeps that share "
+                  f"of each class to evaluate on; 0 would leave Base unmeasured)")
     twice = sorted({c for c in f.new_classes if f.new_classes.count(c) > 1})
     if twice:
         raise err(f"[federation]: new_classes names {twice[0]!r} twice")

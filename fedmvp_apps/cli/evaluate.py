@@ -19,7 +19,7 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_
 @click.option("--name", default=None,
               help="With --data: the site's name (default: the folder's name; a run whose preset lists "
                    "[[sites]]: one of them).")
-@click.option("--eval-fraction", type=FiniteFloat(0, 1, max_open=True), default=None,
+@click.option("--eval-fraction", type=FiniteFloat(0, 1, min_open=True, max_open=True), default=None,
               help="With --data: share of each class kept for evaluation (default: the preset's eval_fraction, "
                    "0.2; the site's `fedmvp join --eval-fraction`).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")

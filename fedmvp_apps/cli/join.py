@@ -28,7 +28,7 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat, site_folder_error
 @click.option("--name", default=None, help="A [federation] site's name (default: this host's name), its identity "
                                            "in every reply: one of the preset's [[sites]], or any name where the "
                                            "preset lists none (open membership: the server numbers it).")
-@click.option("--eval-fraction", type=FiniteFloat(0, 1, max_open=True), default=None,
+@click.option("--eval-fraction", type=FiniteFloat(0, 1, min_open=True, max_open=True), default=None,
               help="Share of each class kept for evaluation (default: the preset's eval_fraction, 0.2).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads torch uses for this site's training and evaluation (default: torch's own).")
