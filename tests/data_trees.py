@@ -20,6 +20,17 @@ def corrupt(path: Path) -> str:
     return str(path)
 
 
+def truncated_jpeg(path: Path) -> Path:
+    """A JPEG cut in half: PIL's verify() passes it (it reads no JPEG data); a full decode does not."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.effect_noise((64, 64), 64).convert("RGB").save(path, quality=95)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
 def imagefolder(root: Path, classes: list[str], n: int = 3) -> Path:
     for c_i, c in enumerate(classes):
         for i in range(n):

@@ -13,7 +13,7 @@ import pytest
 
 from fedmvp_formats.folder_walk import FolderWalk, image_files
 from fedmvp_formats.shown import path_shown
-from tests.data_trees import png
+from tests.data_trees import png, truncated_jpeg
 
 
 def _site(root: Path) -> Path:
@@ -24,17 +24,6 @@ def _site(root: Path) -> Path:
     for i in range(2):
         png(root / "outside" / "x" / f"e{i}.png", 100 + i)
     return root / "site"
-
-
-def truncated_jpeg(path: Path) -> Path:
-    """A JPEG cut in half: PIL's verify() passes it (it reads no JPEG data); a full decode does not."""
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.effect_noise((64, 64), 64).convert("RGB").save(path, quality=95)
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-    return path
 
 
 def _link(path: Path, target: str | Path) -> None:
