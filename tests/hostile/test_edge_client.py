@@ -152,7 +152,28 @@ def _class_link_up(root: Path) -> None:
     (root / "local" / "red_circle").symlink_to("..")
 
 
+def _hard_link_across_classes(root: Path) -> None:
+    os.link(next((root / "local" / "red_circle").iterdir()), root / "local" / "blue_square" / "same.png")
+
+
+def _file_link_to_another_class(root: Path) -> None:
+    image = next((root / "local" / "red_circle").iterdir())
+    (root / "local" / "blue_square" / "also.png").symlink_to(Path("..") / "red_circle" / image.name)
+
+
+def _fifo_in_class(root: Path) -> None:
+    os.mkfifo(root / "local" / "red_circle" / "x.jpg")
+
+
+def _escape_in_name(root: Path) -> None:
+    (root / "local" / "red_circle" / "evil\x1b[2J\nname.png").write_bytes(b"not an image")
+
+
 SETUPS: dict[str, Callable[[Path], None]] = {
+    "hard-link-across-classes": _hard_link_across_classes,
+    "file-link-to-another-class": _file_link_to_another_class,
+    "fifo-in-class-folder": _fifo_in_class,
+    "escape-in-name-skipped": _escape_in_name,
     "class-folder-links-up": _class_link_up,
     "out-is-bundle-weights": lambda root: None,
     "out-symlink-into-bundle": _link_into_bundle,
@@ -234,7 +255,14 @@ ROWS = [
     Hostile("rollback-nothing", ["rollback"], 1, "nothing to roll back", ["bundle"]),
     Hostile("image-is-a-directory", ["infer", "photo.jpg"], 1, "contains no image files", ["bundle"]),
     Hostile("unknown-class", ["train", "--data", "other"], 2, "unknown class 'zebra'", ["bundle"]),
-    Hostile("class-folder-links-up", ["train", "--data", "local"], 2, "class folder leads back to", ["bundle"]),
+    Hostile("class-folder-links-up", ["train", "--data", "local"], 2, "a link that leads back into", ["bundle"]),
+    # a user's folder: the one walking rule (fedmvp_formats.folder_walk)
+    Hostile("hard-link-across-classes", ["train", "--data", "local"], 2, "the same file as", ["bundle"]),
+    Hostile("file-link-to-another-class", ["train", "--data", "local"], 2, "a link that leads back into", ["bundle"]),
+    Hostile("fifo-in-class-folder", ["train", "--data", "local"], 2, "a FIFO (named pipe), not an image file",
+            ["bundle"]),
+    Hostile("escape-in-name-skipped", [*_TRAIN, "--data", "local", "--no-apply"], 0, "evil\\x1b[2J\\nname.png",
+            ["bundle"]),
     Hostile("data-is-a-class-folder", ["train", "--data", "local/red_circle/../red_circle"], 2,
             "no class folders", ["bundle"]),
 ]
@@ -259,6 +287,7 @@ def test_edge_client_hostile(row: Hostile, pristine_bundle: Path, tmp_path: Path
         if (tmp_path / "ro").exists():
             (tmp_path / "ro").chmod(0o700)
     assert_one_line_error(done, row.exit_code, row.fragment)
+    assert "\x1b" not in done.stdout + done.stderr  # a file name's escape sequence never reaches the terminal raw
     for path in row.unchanged:
         assert tree_digest(tmp_path / path) == before[path], f"{path} changed"
         assert before[path], f"{path}: nothing to compare (the row's setup made no such path)"
