@@ -49,7 +49,7 @@ def regular_file_problem(path: str | os.PathLike) -> str | None:
     return None if kind is None else f"{kind}, not an image file: refused without opening it"
 
 
-def _within(path: str, folder: str) -> bool:
+def within(path: str, folder: str) -> bool:
     """``path`` is ``folder`` or below it (both real paths)."""
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
@@ -101,7 +101,7 @@ class FolderWalk:
     def leads_back(self, path: str) -> str | None:
         """Where the link ``path`` leads when that is back into ``root`` (to it, above it or inside it)."""
         target = os.path.realpath(path)
-        if _within(target, self.real_root) or _within(self.real_root, target):
+        if within(target, self.real_root) or within(self.real_root, target):
             return target
         return None
 

@@ -16,6 +16,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from fedmvp_formats.folder_walk import within
 from fedmvp_formats.shown import path_shown
 
 from fedmvp.attributes.files import AttributeFileError, load_attributes
@@ -98,7 +99,7 @@ def _one_site_per_folder(preset: Preset, cp: ClientPlan, folders: dict[str, str]
     may name the same path: each reads it on its own machine."""
     real = os.path.realpath(cp.site_data)
     for other, name in folders.items():
-        if real == other or real.startswith(other + os.sep) or other.startswith(real + os.sep):
+        if within(real, other) or within(other, real):
             raise PresetError(f"{preset.path}: sites {name!r} and {cp.name!r} read the same images "
                               f"({path_shown(other)} and {path_shown(real)}): each site's data folder is its "
                               f"own, or its images are counted twice")
