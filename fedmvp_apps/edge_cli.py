@@ -3,7 +3,8 @@
 Exit codes: 0 ok; 1 some files failed (infer), training failed, nothing to roll back;
 2 bad input (unreadable or tampered bundle, unknown class, unavailable provider, bad
 options), or the bundle is locked by another command (`train`, `rollback`: one line naming it;
---wait waits instead); 130 interrupted. `infer` and `rollback` never import torch; `train` imports it
+--wait waits instead; a lock of another host is taken over only with --break-lock), or its .lock is a
+link (docs/security.md); 130 interrupted. `infer` and `rollback` never import torch; `train` imports it
 when it starts training, `info` only to report on it. `train`'s defaults and most of its
 help come from `TrainOptions`, the one place they are defined.
 """

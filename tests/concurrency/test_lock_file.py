@@ -106,6 +106,19 @@ def test_serve_refuses_another_hosts_lock_before_it_starts_anything(world, run_d
     assert done.returncode == 0 and started == [1] and not (run_dir / ".lock").exists(), done.stderr[-3000:]
 
 
+def test_join_refuses_another_hosts_bundle_lock_unless_broken(bundle):
+    """`edge-client join` recovers the bundle before its SuperNode starts (``check_node``): another host's
+    lock is refused there, in one line, or with --break-lock taken over and released."""
+    from edge_client.bundle_lock import BundleBusy
+    from edge_client.refresh import recover_refresh
+
+    (bundle / ".lock").write_text(json.dumps(ELSEWHERE))
+    with pytest.raises(BundleBusy, match="pid 4242 on build-node-7 since .*--break-lock"):
+        recover_refresh(bundle)
+    assert json.loads((bundle / ".lock").read_text()) == ELSEWHERE
+    assert recover_refresh(bundle, break_lock=True) is None and not (bundle / ".lock").exists()
+
+
 def test_wait_on_another_hosts_lock_says_so_and_goes_on_when_it_is_released(run_dir, updates, tmp_path):
     """--wait waits for the record to go (its holder releasing it), saying once whom it waits for."""
     from tests.concurrency.processes import finish, start, stderr_line
