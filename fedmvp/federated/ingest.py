@@ -121,18 +121,18 @@ class _Rejected(Exception):
 
 
 def ingest(run: RunDir | str | Path, files: Sequence[str | Path], *, max_staleness: int | None = None,
-           wait: float = 0.0) -> IngestResult:
+           wait: float = 0.0, break_lock: bool = False) -> IngestResult:
     """Check ``files`` against the run's last round R and write round R+1 from the accepted ones.
 
     ``RunError`` (nothing written): no run, no complete round, a round without LoRA, no files;
     `RunBusy` when another process holds the run's lock (``RUN/.lock``) for longer than ``wait``
     seconds (``math.inf``: as long as it takes). ``max_staleness`` overrides config.json's
-    ``server.max_staleness``."""
+    ``server.max_staleness``; ``break_lock``: take over a lock whose record names another host."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     config = run.read_config()
     if not files:
         raise RunError(f"{run.path}: no update files given")
-    with run_lock(run.path, "fedmvp ingest", wait):
+    with run_lock(run.path, "fedmvp ingest", wait, break_lock=break_lock):
         return _ingest_locked(run, config, files, max_staleness)
 
 
