@@ -138,7 +138,8 @@ class RoundRecorder:
                                   "lr": strategy.base_lr, "total_rounds": self.total,
                                   "method": self.method, "sites": summary["sites"],
                                   "replies": summary.get("replies", []), "rejected": summary["rejected"],
-                                  "metrics": row, **({"privacy": privacy} if privacy is not None else {})})
+                                  "metrics": row, **({"privacy": privacy} if privacy is not None else {}),
+                                  **({"not_private": summary["not_private"]} if "not_private" in summary else {})})
         append_metrics(self.run, row)
         if "hm" in row:
             plot(self.run)
