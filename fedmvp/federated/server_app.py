@@ -144,6 +144,8 @@ class RoundRecorder:
         if "hm" in row:
             plot(self.run)
         if self.bar is not None:
+            if "not_private" in summary:  # the log line the progress bar hides (docs/howto/privacy.md)
+                self.bar.write(f"round {round_number}: {summary['not_private']}")
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{row['train_loss']:.3f}", lora=row["lora_clients"])
             if round_number == self.total:

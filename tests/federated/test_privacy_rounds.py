@@ -61,7 +61,7 @@ def edges_in(state: dict) -> list[int]:
 
 def strategy_for(fraction: float, privacy: PrivacyRecord, total: int = 20, **server) -> FedMVPStrategy:
     return FedMVPStrategy(client_config={}, seed=0, total_rounds=total, base_lr=0.1, num_clients=1, run_id=RUN,
-                          policy=RoundPolicy(fraction, ServerSpec(min_nodes=1, node_wait=5, **server)),
+                          policy=RoundPolicy(fraction, ServerSpec(**{"min_nodes": 1, "node_wait": 5, **server})),
                           privacy=privacy)
 
 
@@ -213,3 +213,38 @@ def test_a_fast_device_is_in_a_buffered_version_at_most_once_and_epsilon_follows
         assert state["privacy"]["noise_std"] == pytest.approx(Z * 0.1 / len(set(nodes)))
     # every device in every version, with certainty: a Gaussian per version
     assert recorded[-1]["privacy"]["epsilon"] == pytest.approx(dp_epsilon([1.0] * 3), rel=1e-12)
+
+
+@pytest.mark.timeout(600)
+def test_fedmvp_train_says_which_rounds_are_not_private_and_charges_only_the_noised_ones(tmp_path, small_world):
+    """At the real command: round 1's sites train the PromptFormer (no noise: not private, no epsilon),
+    round 2's their LoRA (noised; sites are a fixed, seeded draw, so q = 1)."""
+    from tests.federated.conftest import PRESET
+    from tests.hostile.disk import run
+
+    preset = tmp_path / "private.toml"
+    preset.write_text(PRESET.format(root=small_world, sigma=1000.0).replace("rounds = 3", "rounds = 2")
+                      + "\n[privacy]\nnoise_multiplier = 1.0\n")
+    done = run("fedmvp", ["train", "--config", str(preset), "--run-dir", str(tmp_path / "run")], cwd=tmp_path,
+               timeout=540, in_process=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "round 1: not differentially private: sites 0, 1 trained the PromptFormer" in output
+    first, second = states(tmp_path / "run")
+    assert "privacy" not in first and "epsilon" not in first["metrics"] and "not_private" in first
+    assert second["privacy"]["contributor_sites"] == [0, 1] and second["privacy"]["sampling_rate"] == 1.0
+    assert second["privacy"]["epsilon"] == pytest.approx(dp_epsilon([1.0]), rel=1e-12)
+    assert "1 rounds not private" in output and f"privacy: epsilon {dp_epsilon([1.0]):.3g}" in output
+
+
+def test_a_buffered_private_run_with_fewer_devices_than_buffer_size_stops_in_one_line(tmp_path):
+    from fedmvp.federated.buffered import BufferedVersions
+
+    strategy = strategy_for(1.0, PrivacyRecord(noise_multiplier=Z, max_epsilon=None), total=2, concurrency=2,
+                            buffer_size=2, node_wait=0.5)
+    strategy.on_aggregated = recorder(tmp_path, strategy, 2)
+    with pytest.raises(RoundFailed, match=r"version 1: only 1 different devices sent an update within node_wait "
+                                          r"0.5 s; under \[privacy\] a version takes one update per device"):
+        BufferedVersions(strategy, sleep=lambda s: time.sleep(0.002)).run(BufferedGrid({7: 0}), array_record(THETA),
+                                                                          0, 2)
+    assert states(tmp_path) == []  # the lone device never made a version by itself
