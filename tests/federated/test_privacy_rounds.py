@@ -5,7 +5,8 @@ test then reads every round's state.json (the nodes its LoRA release holds, ``re
 mechanism each device actually went through with dp-accounting itself, and compares that with the
 epsilon the run recorded: one device at fraction 0.1 trains every round, so each round is a Gaussian
 with q = 1 and max_epsilon 8 stops it; a fast device in a buffered run is in a version at most once;
-a round that added no noise is charged nothing; devices are drawn from OS entropy, not the seed.
+a round that added no noise is charged nothing (and `fedmvp train` says so); devices are drawn from OS
+entropy, not the seed; a buffered private run short of devices stops in one line.
 """
 
 from __future__ import annotations
