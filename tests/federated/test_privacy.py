@@ -251,6 +251,18 @@ def test_evaluate_reports_the_rounds_epsilon(run, tmp_path):
     assert "epsilon" not in table
 
 
+def test_an_ingested_round_is_charged_and_does_not_inherit_its_base_rounds_not_private_note(run, tmp_path):
+    from fedmvp.federated.privacy_budget import round_privacy
+
+    _with_privacy(run, clip_norm=0.05, noise_multiplier=1.5, max_epsilon=None)
+    path = RunDir(run).round_path(2) / "state.json"  # round 2: its sites trained the PromptFormer
+    path.write_text(json.dumps({**json.loads(path.read_text()), "not_private": "not differentially private: ..."}))
+    ingest(run, [good_update(tmp_path / "u.st", lora_of(run), 0.05, 10, 1.0)])
+    assert "not_private" not in RunDir(run).load_checkpoint(3).state  # the update files' round was noised
+    report = round_privacy(RunDir(run), 3)
+    assert report["dp_rounds"] == 1 and report["not_private_rounds"] == 1  # round 2's PromptFormer is in it
+
+
 _LOCAL = dict(mode="local", clip_norm=0.1, noise_multiplier=1.0)
 
 
