@@ -86,6 +86,7 @@ def release(charged: dict[str, Any], step_privacy: dict[str, Any] | None, draw: 
 def _release(charged: dict[str, Any], step_privacy: dict[str, Any] | None, draw: Draw,
              contents: Sequence[tuple[int | None, str, int | None, Collection[str]]]
              ) -> tuple[dict[str, Any] | None, str | None]:
+    """(the record, None where no LoRA delta was noised; the not-private line, None where none applies)."""
     lora = [(node, role, site) for node, role, site, names in contents if _sends(names, LORA_PREFIX)]
     promptformer = sorted({site for _, role, site, names in contents
                            if role != "edge" and site is not None and _sends(names, PROMPTFORMER_PREFIX)})
