@@ -179,7 +179,7 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
     result.round = base + 1
     row = {"round": result.round, "source": SOURCE, "updates": len(accepted), "examples": result.examples,
            "train_loss": result.mean_loss, **({"epsilon": spent["epsilon"]} if spent else {})}
-    state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete", "privacy")}
+    state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete", "privacy", "not_private")}
     # Those describe a Flower round's replies: round R's sites did not train round R+1 (an open federation's
     # sites by id and name, in state.json "replies"); the round's senders are its update files ("ingest").
     state |= {key: [] for key in ("sites", "rejected", "replies") if key in state}
