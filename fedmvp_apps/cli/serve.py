@@ -56,11 +56,15 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     from fedmvp_apps.deploy.certs import CertsError
     from fedmvp_apps.deploy.superlink import ServeOptions, serve as run_serve
     from fedmvp_apps.deploy.supernode import LaunchError, LaunchInputError  # ServeError, ServeInputError too
+    from fedmvp.federated.prepare import check_startable
     from fedmvp.presets.schema import PresetError, load_preset
+    from fedmvp.runs import RunDir, RunError
 
     try:
-        load_preset(config, check_roots=False)
-    except PresetError as err:
+        preset = load_preset(config, check_roots=False)
+        if not RunDir(run_dir).exists():  # a new run: what its ServerApp would only find once started
+            check_startable(preset, simulation=False)
+    except (PresetError, RunError) as err:
         raise BadInput(str(err)) from None
     if insecure:
         click.echo("warning: --insecure: no TLS, traffic is readable and anyone who reaches the port may join; "
@@ -89,7 +93,6 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     finally:
         if bar is not None:
             bar.close()
-    from fedmvp.runs import RunDir
 
     result = {"run_dir": str(run_dir), "status": status, "rounds": RunDir(run_dir).rounds()}
     if as_json:
