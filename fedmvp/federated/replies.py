@@ -290,3 +290,37 @@ def reply_record(node: int, verdict, metrics: dict, identity: Identity, weight: 
     if verdict.clipped_from is not None:
         record["clipped_from"] = verdict.clipped_from
     return record
+
+
+# ---- left-out replies, as the operator reads them (docs/troubleshooting.md) --------------------------------
+def left_out_record(node: int | None, site: int | None, reason: str, role: str | None,
+                    site_names: dict[int, str] | None) -> dict:
+    """One left-out reply as the round's state.json lists it (``rejected``), and the printed line's source."""
+    name = site_names.get(site) if site_names and site is not None and role != schema.EDGE else None
+    return {"node": node, "site": site, **({"name": name} if name is not None else {}), "reason": reason,
+            **({"role": role} if role else {})}
+
+
+def sender(entry: dict) -> str:
+    """Who sent a left-out reply: its site (id and name) or an edge device, and its node."""
+    if entry.get("role") == schema.EDGE:
+        who = "an edge device"
+    elif entry.get("site") is not None:
+        who = f"site {entry['site']}" + (f" {shown(entry['name'])}" if "name" in entry else "")
+    else:
+        who = "an unidentified sender"
+    return who + (f" (node {entry['node']})" if entry.get("node") is not None else "")
+
+
+def left_out_line(round_number: int, entry: dict) -> str:
+    """The line `fedmvp train` and `fedmvp serve` print for a left-out reply as it happens."""
+    return f"round {round_number}: left out the reply of {sender(entry)}: {entry['reason']}"
+
+
+def round_failed(round_number: int, needed: int, tries: int, entries: list[dict]) -> str:
+    """Why a round could not close: one summary line, then each left-out sender and reason once."""
+    head = f"round {round_number}: fewer than {needed} usable replies in {tries} tries"
+    reasons = list(dict.fromkeys(f"{sender(e)}: {e['reason']}" for e in entries))
+    if not reasons:
+        return f"{head} (no reply was left out: too few came back within round_timeout)"
+    return f"{head}; left out:" + "".join(f"\n  {reason}" for reason in reasons)
