@@ -21,7 +21,7 @@ from fedmvp_formats.messages import MessageError, read_identity
 
 from fedmvp.federated.flower_log import log_left_out
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
-from fedmvp.federated.replies import name_problem, site_counts
+from fedmvp.federated.replies import name_problem, one_line, site_counts
 
 
 def combine_eval_replies(replies: Iterable[Message], *, run_id: str, round_number: int, record: dict,
@@ -35,7 +35,7 @@ def combine_eval_replies(replies: Iterable[Message], *, run_id: str, round_numbe
         node = int(msg.metadata.src_node_id)
         if msg.has_error():
             log_left_out(f"evaluation of round {round_number}: left out the reply of node {node}: it failed: "
-                         f"{msg.error.reason}")
+                         f"{one_line(msg.error.reason)}")
             continue
         metrics = dict(msg.content[schema.METRICS]) if schema.METRICS in msg.content else {}
         try:

@@ -297,19 +297,26 @@ def left_out_record(node: int | None, site: int | None, reason: str, role: str |
                     site_names: dict[int, str] | None) -> dict:
     """One left-out reply as the round's state.json lists it (``rejected``), and the printed line's source."""
     name = site_names.get(site) if site_names and site is not None and role != schema.EDGE else None
-    return {"node": node, "site": site, **({"name": name} if name is not None else {}), "reason": reason,
+    return {"node": node, "site": site, **({"name": name} if name is not None else {}), "reason": one_line(reason),
             **({"role": role} if role else {})}
+
+
+def one_line(reason: str) -> str:
+    """A reason as one printable line: a node's own error text (a traceback, an escape sequence) is shown
+    escaped, so it can neither forge a line of the operator's output nor reach a terminal raw."""
+    return reason if reason.isprintable() else shown(reason, 300)
 
 
 def sender(entry: dict) -> str:
     """Who sent a left-out reply: its site (id and name) or an edge device, and its node."""
+    node = entry.get("node")
     if entry.get("role") == schema.EDGE:
         who = "an edge device"
     elif entry.get("site") is not None:
         who = f"site {entry['site']}" + (f" {shown(entry['name'])}" if "name" in entry else "")
     else:
-        who = "an unidentified sender"
-    return who + (f" (node {entry['node']})" if entry.get("node") is not None else "")
+        return f"node {node}" if node is not None else "an unidentified sender"
+    return who + (f" (node {node})" if node is not None else "")
 
 
 def left_out_line(round_number: int, entry: dict) -> str:

@@ -50,7 +50,9 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     Only this command controls the SuperLink (its Control API takes an operator token that never
     leaves this machine; `flwr ls/run/stop` from elsewhere are refused), and with TLS only the
     SuperNodes whose keys --node-keys lists may join. Ctrl-C stops the run, then the SuperLink.
-    Offline: no runtime dependency installation, no telemetry. Exit codes: 0 the run completed,
+    Offline: no runtime dependency installation, no telemetry. A reply the server leaves out is one
+    line as it happens (round, site, node, reason); the ServerApp keeps Flower's warnings and errors in
+    RUN/flower.log, named at the end when the run added to it. Exit codes: 0 the run completed,
     1 it failed or stopped (start the same command again to resume), 2 bad arguments."""
     quiet_open_clip_logging()
     from fedmvp_apps.deploy.certs import CertsError

@@ -102,3 +102,19 @@ def test_serve_reads_the_serverapps_left_out_replies_as_they_come(tmp_path):
             pass
     assert target.read_text() == "kept\n"
     assert FlowerLogTail(planted).left_out() == []
+
+
+def test_a_nodes_own_error_text_cannot_forge_a_line_of_the_output():
+    """A failed node's error reason (Flower's, the node's text) is shown escaped: one line, in the record
+    and the printed line alike."""
+    from fedmvp.federated.replies import left_out_line, left_out_record, round_failed
+
+    entry = left_out_record(5, None, "the client failed: boom\nround 9: left out the reply of site 0: \x1b[2J", None,
+                            {0: "north"})
+    line = left_out_line(1, entry)
+    assert "\n" not in line and "\x1b" not in line and line.startswith("round 1: left out the reply of node 5: '")
+    assert entry["reason"] in line
+    named = left_out_record(7, 0, "NaN", "site", {0: "north\x1b[1m"})
+    assert left_out_line(2, named) == "round 2: left out the reply of site 0 'north\\x1b[1m' (node 7): NaN"
+    assert round_failed(2, 2, 3, [named, named]).splitlines() == [
+        "round 2: fewer than 2 usable replies in 3 tries; left out:", "  site 0 'north\\x1b[1m' (node 7): NaN"]
