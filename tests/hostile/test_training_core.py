@@ -117,6 +117,8 @@ ROWS = [
     Hostile("seed-past-64-bits", _train("seed2e19.toml", "r"), 2, "seed must be an integer from 0 to 2**63 - 1"),
     Hostile("seed-negative", _train("seed-1.toml", "r"), 2, "seed must be an integer from 0 to 2**63 - 1, got -1"),
     Hostile("world-seed-negative", _train("worldseed-1.toml", "r"), 2, "world_seed must be an integer from 0"),
+    Hostile("serve-clip-unknown", ["serve", "--config", "clip.toml", "--run-dir", "r", "--insecure", "--address",
+                                   "127.0.0.1:1"], 2, "[model]: unknown CLIP model 'no-such-clip'"),
     Hostile("unknown-table", _train("table.toml", "r"), 2, "unknown key 'optimizer'"),
     Hostile("root-is-a-file", _train("rootfile.toml", "r"), 2, "world.json does not exist"),
     Hostile("preset-is-a-directory", _train("dir.toml", "r"), 2, "dir.toml: cannot read"),
