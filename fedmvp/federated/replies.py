@@ -331,3 +331,16 @@ def round_failed(round_number: int, needed: int, tries: int, entries: list[dict]
     if not reasons:
         return f"{head} (no reply was left out: too few came back within round_timeout)"
     return f"{head}; left out:" + "".join(f"\n  {reason}" for reason in reasons)
+
+
+def too_few_nodes(present: int, needed: int, server: ServerSpec, refused: dict[int, str], silent: list[int]) -> str:
+    """Why a round could not start: too few nodes within ``node_wait``; then each node whose identity was
+    refused (it is sent no work) and how many connected nodes never said who they are."""
+    lines = [f"only {present} of the {needed} nodes a round needs connected within {server.node_wait:g} s; start "
+             f"more SuperNodes (fedmvp join) or lower min_nodes"]
+    lines += [f"  node {node} is sent no work: its identity {one_line(reason)}"
+              for node, reason in sorted(refused.items())]
+    if silent:
+        lines.append(f"  {len(silent)} connected node(s) did not say who they are within round_timeout "
+                     f"{server.round_timeout:g} s (nodes {', '.join(map(str, silent[:5]))})")
+    return "\n".join(lines)

@@ -49,7 +49,7 @@ from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.metrics import evaluation_sites, loss_summary
 from fedmvp.federated.privacy_budget import BudgetExceeded, Event, charge, sampling_rate
 from fedmvp.federated.replies import (ClassRules, ReplyRules, check_reply, left_out_line, left_out_record,
-                                     reply_fields, reply_record, round_failed)
+                                     reply_fields, reply_record, round_failed, too_few_nodes)
 from fedmvp.federated.sampling import NodeRegistry, sample_among, sample_edges, sample_sites
 from fedmvp.federated.site_registry import OpenSites
 from fedmvp.federated.wire import array_record, node_contents, numpy_state
@@ -193,9 +193,8 @@ class FedMVPStrategy(Strategy):
             if present >= needed:
                 return sites, edges
             if time.monotonic() >= deadline:
-                raise RoundFailed(f"only {present} of the {needed} nodes a round needs connected within "
-                                  f"{server.node_wait:g} s; start more SuperNodes (fedmvp join) or lower "
-                                  f"min_nodes")
+                raise RoundFailed(too_few_nodes(present, needed, server, self.registry.refused,
+                                                self.registry.unknown(connected)))
             time.sleep(1.0)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
