@@ -214,8 +214,17 @@ def check_clip(name: str, pretrained: str | None) -> None:
     """The checks ``load_clip`` makes before it builds anything (the model name, the weights file or tag):
     ClipLoadError before a run directory is written, not once the server builds round 0."""
     weights, identity = _resolve(name, pretrained or None, hashed=False)
-    tag = identity is not None and weights is None and not name.startswith(("hf-hub:", "local-dir:"))
-    if tag and not downloads_allowed() and _needs_url_download(name, str(pretrained), None):
+    if name.startswith("local-dir:"):
+        if not (Path(name[len("local-dir:"):]).expanduser() / "open_clip_config.json").is_file():
+            raise ClipLoadError(f"{name}: no open_clip_config.json in that folder")
+    elif name.startswith("hf-hub:"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not downloads_allowed() and not isinstance(try_to_load_from_cache(name[len("hf-hub:"):],
+                                                                             "open_clip_config.json"), str):
+            raise _not_cached(name, pretrained)
+    elif identity is not None and weights is None and not downloads_allowed() \
+            and _needs_url_download(name, str(pretrained), None):
         raise _not_cached(name, pretrained)
 
 

@@ -72,6 +72,7 @@ def root(tmp_path_factory) -> Path:
                "clip": good.replace('clip = "fedmvp-tiny"', 'clip = "no-such-clip"'),
                "weights": good.replace('pretrained = ""', 'pretrained = "/nonexistent/clip.safetensors"'),
                "tag": good.replace('pretrained = ""', 'pretrained = "no-such-tag"'),
+               "hub": good.replace('clip = "fedmvp-tiny"', 'clip = "hf-hub:nobody/no-such-clip"'),
                "seed2e19": good.replace("seed = 3", "seed = 20000000000000000000"),
                "seed-1": good.replace("seed = 3", "seed = -1"),
                "worldseed-1": good.replace('layout = "synthetic"', 'layout = "synthetic"\nworld_seed = -1')}
@@ -114,6 +115,7 @@ ROWS = [
     Hostile("clip-weights-missing", _train("weights.toml", "r"), 2,
             "[model]: /nonexistent/clip.safetensors: weights file not found"),
     Hostile("clip-tag-unknown", _train("tag.toml", "r"), 2, "'no-such-tag' is neither a pretrained tag"),
+    Hostile("clip-hub-not-cached", _train("hub.toml", "r"), 2, "is not in the local cache and downloads are off"),
     Hostile("seed-past-64-bits", _train("seed2e19.toml", "r"), 2, "seed must be an integer from 0 to 2**63 - 1"),
     Hostile("seed-negative", _train("seed-1.toml", "r"), 2, "seed must be an integer from 0 to 2**63 - 1, got -1"),
     Hostile("world-seed-negative", _train("worldseed-1.toml", "r"), 2, "world_seed must be an integer from 0"),
