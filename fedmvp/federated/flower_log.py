@@ -7,7 +7,7 @@ record of Flower's logger (``flwr``, Flower's ``FLOWER_LOGGER``) and Ray's at WA
 appended to RUN/flower.log, opened without following a link (docs/security.md). A left-out reply
 (``log_left_out``) is a marked record: `fedmvp train` echoes it as it happens, and `fedmvp serve`,
 whose ServerApp is another process, reads the marked lines back from the file
-(``FlowerLogTail``). docs/troubleshooting.md says how to read them.
+(``FlowerLogTail``). docs/tutorials/across-machines.md and docs/security.md say how to read them.
 """
 
 from __future__ import annotations

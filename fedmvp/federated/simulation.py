@@ -11,7 +11,7 @@ import os
 import sys
 
 from fedmvp.atomic import os_error_line
-from fedmvp.federated.flower_log import flower_log
+from fedmvp.federated.flower_log import FLOWER_LOG, flower_log
 from fedmvp.federated.prepare import simulation_problem
 from fedmvp.runs import RunDir, RunError
 from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
@@ -65,7 +65,8 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
         raise RunError(os_error_line(err) if isinstance(err, OSError) else error_lines(err)) from err
     done = run.last_round() or 0
     if done < int(config["rounds"]):
-        raise RunError(f"{run.path}: stopped after round {done} of {config['rounds']} (see the log above); "
+        raise RunError(f"{run.path}: stopped after round {done} of {config['rounds']} (see the lines above and "
+                       f"{run.path / FLOWER_LOG}); "
                        f"`fedmvp train --resume --run-dir {run.path}` continues")
     return run
 
