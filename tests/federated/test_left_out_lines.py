@@ -46,21 +46,29 @@ def test_train_says_each_left_out_reply_and_the_failed_round_names_them(tmp_path
     assert f"Flower's warnings and errors of this run: {run_dir / 'flower.log'}" in out
 
 
-def test_flower_warnings_reach_the_file_not_the_terminal(tmp_path, capfd):
+def test_flower_warnings_reach_the_file_not_the_terminal(tmp_path):
     """Inside ``flower_log`` (the simulation's): a Flower warning is in RUN/flower.log only, a left-out
     reply is also said once, an error still reaches Flower's console; after it, Flower's logger is as it was."""
-    from flwr.supercore.logger import FLOWER_LOGGER
+    import io
+
+    from flwr.supercore.logger import FLOWER_LOGGER, ConsoleHandler
 
     from fedmvp.federated.flower_log import flower_log, log_left_out
 
     before = FLOWER_LOGGER.level, FLOWER_LOGGER.propagate, [h.level for h in FLOWER_LOGGER.handlers]
+    console = io.StringIO()  # Flower's console, whatever stream it was bound to at import
+    streams = [(h, h.setStream(console)) for h in FLOWER_LOGGER.handlers if isinstance(h, ConsoleHandler)]
     said: list[str] = []
-    with flower_log(tmp_path, echo=said.append, quiet_console=True) as kept:
-        FLOWER_LOGGER.warning("a warning of Flower's")
-        log_left_out("round 2: left out the reply of site 1 (node 7): NaN")
-        FLOWER_LOGGER.error("an error of Flower's")
-        logging.getLogger("ray").warning("a warning of Ray's driver")
-    terminal = capfd.readouterr().err
+    try:
+        with flower_log(tmp_path, echo=said.append, quiet_console=True) as kept:
+            FLOWER_LOGGER.warning("a warning of Flower's")
+            log_left_out("round 2: left out the reply of site 1 (node 7): NaN")
+            FLOWER_LOGGER.error("an error of Flower's")
+            logging.getLogger("ray").warning("a warning of Ray's driver")
+    finally:
+        for handler, stream in streams:
+            handler.setStream(stream)
+    terminal = console.getvalue()
     assert "a warning of Flower's" not in terminal and "left out" not in terminal
     assert "an error of Flower's" in terminal
     assert said == ["round 2: left out the reply of site 1 (node 7): NaN"]
