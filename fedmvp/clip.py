@@ -210,6 +210,60 @@ def _create(name: str, pretrained: str | None, allow_download: bool, cache_dir: 
     return model, preprocess
 
 
+def check_clip(name: str, pretrained: str | None) -> None:
+    """The checks ``load_clip`` makes before it builds anything (the model name, the weights file or tag):
+    ClipLoadError before a run directory is written, not once the server builds round 0."""
+    weights, identity = _resolve(name, pretrained or None, hashed=False)
+    if name.startswith("local-dir:"):
+        if not (Path(name[len("local-dir:"):]).expanduser() / "open_clip_config.json").is_file():
+            raise ClipLoadError(f"{name}: no open_clip_config.json in that folder")
+    elif name.startswith("hf-hub:"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not downloads_allowed() and not isinstance(try_to_load_from_cache(name[len("hf-hub:"):],
+                                                                             "open_clip_config.json"), str):
+            raise _not_cached(name, pretrained)
+    elif identity is not None and weights is None and not downloads_allowed() \
+            and _needs_url_download(name, str(pretrained), None):
+        raise _not_cached(name, pretrained)
+
+
+def _not_cached(name: str, pretrained: str | None) -> ClipLoadError:
+    return ClipLoadError(f"{name} with pretrained '{pretrained}' is not in the local cache and downloads are off; "
+                         f"pass a weights file (--pretrained /path/to/{name}.safetensors) or allow downloads "
+                         f"(FEDMVP_ALLOW_DOWNLOAD=1)")
+
+
+def _resolve(name: str, pretrained: str | None, hashed: bool) -> tuple[Path | None, str | None]:
+    """(weights file or None, identity) of ``name``/``pretrained``, or ClipLoadError naming what is wrong;
+    ``hashed``: the identity of a weights file includes its sha256 (the text-feature cache key)."""
+    is_schema = name.startswith(("hf-hub:", "local-dir:"))
+    if not is_schema and name not in open_clip.list_models():
+        raise ClipLoadError(f"unknown CLIP model '{name}'; try fedmvp-tiny or ViT-B-16 "
+                            f"(all names: python -c 'import open_clip; print(open_clip.list_models())')")
+    if is_schema:
+        return None, name
+    if not pretrained:
+        return None, None
+    shipped = shipped_weights(name, pretrained)
+    candidate = Path(pretrained).expanduser()
+    if shipped is not None:
+        if not shipped.is_file():
+            raise ClipLoadError(f"{shipped}: shipped weights for {name}/{pretrained} are missing; "
+                                f"rebuild them with `fedmvp pretrain-tiny`")
+        # Keyed by the bytes too: rebuilt shipped weights must not reuse stale text features.
+        return shipped, f"{name}:{pretrained}:sha256:{file_sha256(shipped)}" if hashed else None
+    if candidate.suffix in WEIGHT_SUFFIXES or candidate.exists():
+        if not candidate.is_file():
+            raise ClipLoadError(f"{candidate}: weights file not found")
+        return candidate, f"{name}:sha256:{file_sha256(candidate)}" if hashed else None
+    tags = open_clip.list_pretrained_tags_by_model(name)
+    if pretrained not in tags:
+        raise ClipLoadError(f"'{pretrained}' is neither a pretrained tag of {name} "
+                            f"(tags: {', '.join(tags) or 'none'}) nor a weights file")
+    return None, f"{name}:{pretrained}"
+
+
 def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.device = "cpu",
               allow_download: bool | None = None, cache_dir: str | None = None) -> LoadedClip:
     """Build a frozen CLIP. ``pretrained``: None (random init), a tag, or a weights file path.
@@ -218,34 +272,7 @@ def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.d
     if allow_download is None:
         allow_download = downloads_allowed()
     is_schema = name.startswith(("hf-hub:", "local-dir:"))
-    if not is_schema and name not in open_clip.list_models():
-        raise ClipLoadError(f"unknown CLIP model '{name}'; try fedmvp-tiny or ViT-B-16 "
-                            f"(all names: python -c 'import open_clip; print(open_clip.list_models())')")
-    identity: str | None = None
-    weights_path: Path | None = None
-    if is_schema:
-        identity = name
-    elif pretrained:
-        shipped = shipped_weights(name, pretrained)
-        candidate = Path(pretrained).expanduser()
-        if shipped is not None:
-            if not shipped.is_file():
-                raise ClipLoadError(f"{shipped}: shipped weights for {name}/{pretrained} are missing; "
-                                    f"rebuild them with `fedmvp pretrain-tiny`")
-            # Keyed by the bytes too: rebuilt shipped weights must not reuse stale text features.
-            weights_path, identity = shipped, f"{name}:{pretrained}:sha256:{file_sha256(shipped)}"
-        elif candidate.suffix in WEIGHT_SUFFIXES or candidate.exists():
-            if not candidate.is_file():
-                raise ClipLoadError(f"{candidate}: weights file not found")
-            weights_path = candidate
-            identity = f"{name}:sha256:{file_sha256(candidate)}"
-        else:
-            tags = open_clip.list_pretrained_tags_by_model(name)
-            if pretrained not in tags:
-                raise ClipLoadError(f"'{pretrained}' is neither a pretrained tag of {name} "
-                                    f"(tags: {', '.join(tags) or 'none'}) nor a weights file")
-            identity = f"{name}:{pretrained}"
-
+    weights_path, identity = _resolve(name, pretrained, hashed=True)
     if weights_path is not None:
         state = read_state_dict(weights_path)
         # OpenAI's own archives were trained with QuickGELU; the `openai` tag switches it on by
@@ -272,10 +299,7 @@ def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.d
         except Exception as err:  # hub / url download attempted while offline
             if allow_download:
                 raise ClipLoadError(f"could not fetch {name} / {pretrained}: {err}") from err
-            raise ClipLoadError(
-                f"{name} with pretrained '{pretrained}' is not in the local cache and downloads are off; "
-                f"pass a weights file (--pretrained /path/to/{name}.safetensors) or allow downloads "
-                f"(FEDMVP_ALLOW_DOWNLOAD=1)") from err
+            raise _not_cached(name, pretrained) from err
     model = freeze(model.to(device))
     tokenizer = open_clip.get_tokenizer(name) if is_schema else build_tokenizer(name)
     return LoadedClip(model=model, preprocess=preprocess, tokenizer=tokenizer, name=name,

@@ -16,6 +16,8 @@ runs/<name>/
   metrics.jsonl / metrics.csv     one line per round (losses, Local/Base/New/HM and *_sites; ingest: updates, examples)
   zero_shot.json                  the frozen CLIP's Local/Base/New/HM on the same data
   accuracy.png                    accuracy per round
+  flower.log                      Flower's and Ray's driver's warnings and errors, each left-out reply
+                                  (appended, never through a link: fedmvp/federated/flower_log.py)
 ```
 A round directory counts only once its state.json says complete, and appears whole: both files
 are written into a hidden temp folder that is then renamed (``atomic.atomic_dir``).

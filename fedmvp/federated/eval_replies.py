@@ -12,17 +12,16 @@ inside them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from logging import WARNING
 from typing import Any
 
 from flwr.app import Message
-from flwr.supercore import log
 
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import MessageError, read_identity
 
+from fedmvp.federated.flower_log import log_left_out
 from fedmvp.federated.metrics import combine_counts, evaluation_sites
-from fedmvp.federated.replies import name_problem, site_counts
+from fedmvp.federated.replies import name_problem, one_line, site_counts
 
 
 def combine_eval_replies(replies: Iterable[Message], *, run_id: str, round_number: int, record: dict,
@@ -35,7 +34,8 @@ def combine_eval_replies(replies: Iterable[Message], *, run_id: str, round_numbe
     for msg in replies:
         node = int(msg.metadata.src_node_id)
         if msg.has_error():
-            log(WARNING, "evaluation of round %s: node %s failed: %s", round_number, node, msg.error.reason)
+            log_left_out(f"evaluation of round {round_number}: left out the reply of node {node}: it failed: "
+                         f"{one_line(msg.error.reason)}")
             continue
         metrics = dict(msg.content[schema.METRICS]) if schema.METRICS in msg.content else {}
         try:
@@ -47,7 +47,7 @@ def combine_eval_replies(replies: Iterable[Message], *, run_id: str, round_numbe
             if wrong_name is not None:
                 raise MessageError(wrong_name)
         except MessageError as err:
-            log(WARNING, "evaluation of round %s: reply of node %s left out (%s)", round_number, node, err)
+            log_left_out(f"evaluation of round {round_number}: left out the reply of node {node}: {err}")
             continue
         if identity.role == schema.EDGE:
             pair = schema.count_pair(metrics, schema.EDGE_SET)

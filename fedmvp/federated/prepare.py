@@ -44,6 +44,28 @@ def method_config(train: Any) -> FedMVPConfig:
     return FedMVPConfig(**{name: getattr(train, key) for key, name in method_keys().items()})
 
 
+def check_startable(preset: Any, simulation: bool) -> None:
+    """What a started run would otherwise find only once its directory is written (RunError naming the
+    preset, exit 2 with nothing written): the CLIP round 0 builds, and for the simulation its server mode."""
+    from fedmvp.clip import ClipLoadError, check_clip
+
+    try:
+        check_clip(preset.model.clip, preset.model.pretrained)
+    except ClipLoadError as err:
+        raise RunError(f"{preset.path}: [model]: {err}") from None
+    problem = simulation_problem(preset.server) if simulation else None
+    if problem:
+        raise RunError(f"{preset.path}: {problem}")
+
+
+def simulation_problem(server: Any) -> str | None:
+    """Why `fedmvp train` cannot run these server rules (None: it can)."""
+    if server.mode == "buffered":  # buffered versions are trained by edge devices, which a simulation lacks
+        return ("[server] mode = 'buffered' trains on edge devices (`edge-client join`); run it with `fedmvp serve`, "
+                "or use mode = 'sync' here")
+    return None
+
+
 def check_same_preset(run: RunDir, config: dict[str, Any], given: str) -> None:
     """Resuming with another preset than the run's is refused (RunError): its rounds would mix settings.
     The original path itself is fine even if edited since (``RunDir.preset_file`` then warns and uses the record)."""
@@ -126,6 +148,7 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
         # a [federation]'s class set is its attribute file (no image needed); a [[datasets]] preset's
         # phrases come with its data: without it an export migrates (docs/architecture.md)
         classes = class_set_classes(preset) if preset.federation is not None else None
+    check_startable(preset, simulation=with_data)  # with the sites' data: `fedmvp train`'s simulation
     run = RunDir(Path(run_dir) if run_dir else default_run_dir(preset.name))
     if run.exists() and run.rounds():
         raise RunError(f"{run.path}: already holds rounds {run.rounds()[0]}..{run.rounds()[-1]}; "

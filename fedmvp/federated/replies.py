@@ -290,3 +290,57 @@ def reply_record(node: int, verdict, metrics: dict, identity: Identity, weight: 
     if verdict.clipped_from is not None:
         record["clipped_from"] = verdict.clipped_from
     return record
+
+
+# ---- left-out replies, as the operator reads them (docs/troubleshooting.md) --------------------------------
+def left_out_record(node: int | None, site: int | None, reason: str, role: str | None,
+                    site_names: dict[int, str] | None) -> dict:
+    """One left-out reply as the round's state.json lists it (``rejected``), and the printed line's source."""
+    name = site_names.get(site) if site_names and site is not None and role != schema.EDGE else None
+    return {"node": node, "site": site, **({"name": name} if name is not None else {}), "reason": one_line(reason),
+            **({"role": role} if role else {})}
+
+
+def one_line(reason: str) -> str:
+    """A reason as one printable line: a node's own error text (a traceback, an escape sequence) is shown
+    escaped, so it can neither forge a line of the operator's output nor reach a terminal raw."""
+    return reason if reason.isprintable() else shown(reason, 300)
+
+
+def sender(entry: dict) -> str:
+    """Who sent a left-out reply: its site (id and name) or an edge device, and its node."""
+    node = entry.get("node")
+    if entry.get("role") == schema.EDGE:
+        who = "an edge device"
+    elif entry.get("site") is not None:
+        who = f"site {entry['site']}" + (f" {shown(entry['name'])}" if "name" in entry else "")
+    else:
+        return f"node {node}" if node is not None else "an unidentified sender"
+    return who + (f" (node {node})" if node is not None else "")
+
+
+def left_out_line(round_number: int, entry: dict) -> str:
+    """The line `fedmvp train` and `fedmvp serve` print for a left-out reply as it happens."""
+    return f"round {round_number}: left out the reply of {sender(entry)}: {entry['reason']}"
+
+
+def round_failed(round_number: int, needed: int, tries: int, entries: list[dict]) -> str:
+    """Why a round could not close: one summary line, then each left-out sender and reason once."""
+    head = f"round {round_number}: fewer than {needed} usable replies in {tries} tries"
+    reasons = list(dict.fromkeys(f"{sender(e)}: {e['reason']}" for e in entries))
+    if not reasons:
+        return f"{head} (no reply was left out: too few came back within round_timeout)"
+    return f"{head}; left out:" + "".join(f"\n  {reason}" for reason in reasons)
+
+
+def too_few_nodes(present: int, needed: int, server: ServerSpec, refused: dict[int, str], silent: list[int]) -> str:
+    """Why a round could not start: too few nodes within ``node_wait``; then each node whose identity was
+    refused (it is sent no work) and how many connected nodes never said who they are."""
+    lines = [f"only {present} of the {needed} nodes a round needs connected within {server.node_wait:g} s; start "
+             f"more SuperNodes (fedmvp join) or lower min_nodes"]
+    lines += [f"  node {node} is sent no work: its identity {one_line(reason)}"
+              for node, reason in sorted(refused.items())]
+    if silent:
+        lines.append(f"  {len(silent)} connected node(s) did not say who they are within round_timeout "
+                     f"{server.round_timeout:g} s (nodes {', '.join(map(str, silent[:5]))})")
+    return "\n".join(lines)

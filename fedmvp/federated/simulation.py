@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from fedmvp.atomic import os_error_line
+from fedmvp.federated.flower_log import FLOWER_LOG, flower_log
+from fedmvp.federated.prepare import simulation_problem
 from fedmvp.runs import RunDir, RunError
 from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
 
@@ -32,9 +35,9 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     from fedmvp.federated.server_app import ServerSettings, server_app_for
 
     config = run.read_config()
-    if run.server().mode == "buffered":  # buffered versions are trained by edge devices, which a simulation lacks
-        raise RunError(f"{run.path}: [server] mode = 'buffered' trains on edge devices (`edge-client join`); "
-                       f"run it with `fedmvp serve`, or use mode = 'sync' here")
+    problem = simulation_problem(run.server())  # a resumed run's record (a new one: prepare_run checked it)
+    if problem:
+        raise RunError(f"{run.path}: {problem}")
     cpus = cpus or max(1, min(os.cpu_count() or 1, int(config["num_clients"])))
     gpu = 0.0
     if config.get("client_device") == "cuda":
@@ -43,21 +46,40 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     failures: list[BaseException] = []
     settings = ServerSettings(run_dir=str(run.path), eval_every=eval_every, progress=progress, client_threads=threads)
     server_app = server_app_for(settings, failures)
-    # Flower logs every round at INFO and warns that run_simulation is deprecated in favour of
-    # `flwr run`; our progress bar and run directory say what happened, errors still print.
-    logging.getLogger("flwr").setLevel(logging.ERROR)
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": gpu},
-               # Ray's workers inherit this process's environment (set above) at ray.init.
-               "init_args": {"num_cpus": cpus, "log_to_driver": False, "logging_level": logging.ERROR,
+               # Ray's workers inherit this process's environment (set above) at ray.init; its driver
+               # logs warnings, which flower_log keeps in the run directory.
+               "init_args": {"num_cpus": cpus, "log_to_driver": False, "logging_level": logging.WARNING,
                              "include_dashboard": False}}
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=int(config["num_clients"]),
-                   backend_config=backend)
-    if failures:  # the server's own error, as one line (Flower would only log it, with a traceback)
+    # Flower logs every round at INFO and warns that run_simulation is deprecated in favour of `flwr run`:
+    # the terminal keeps our progress bar, each left-out reply and errors; RUN/flower.log every warning.
+    with flower_log(run.path, echo=_say, quiet_console=True) as kept:
+        try:
+            run_simulation(server_app=server_app, client_app=client_app,
+                           num_supernodes=int(config["num_clients"]), backend_config=backend)
+        finally:
+            if kept.note:
+                _say(kept.note)
+    if failures:  # the server's own error, its lines kept (Flower would only log it, with a traceback)
         err = failures[0]
-        line = os_error_line(err) if isinstance(err, OSError) else " ".join(str(err).split()) or repr(err)
-        raise RunError(line) from err
+        raise RunError(os_error_line(err) if isinstance(err, OSError) else error_lines(err)) from err
     done = run.last_round() or 0
     if done < int(config["rounds"]):
-        raise RunError(f"{run.path}: stopped after round {done} of {config['rounds']} (see the log above); "
+        raise RunError(f"{run.path}: stopped after round {done} of {config['rounds']} (see the lines above and "
+                       f"{run.path / FLOWER_LOG}); "
                        f"`fedmvp train --resume --run-dir {run.path}` continues")
     return run
+
+
+def _say(line: str) -> None:
+    """One line on stderr, above the progress bar (tqdm keeps the bar whole)."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+def error_lines(err: BaseException) -> str:
+    """An error's message with each line's spacing tidied: a failed round's summary line, then its
+    left-out senders indented (``replies.round_failed``)."""
+    lines = [" ".join(line.split()) for line in str(err).splitlines() if line.strip()]
+    return "\n  ".join(lines) or repr(err)

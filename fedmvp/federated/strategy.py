@@ -44,11 +44,13 @@ from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.aggregate import Update, apply_updates
 from fedmvp.federated.eval_replies import combine_eval_replies
+from fedmvp.federated.flower_log import log_left_out
 from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.metrics import evaluation_sites, loss_summary
 from fedmvp.federated.privacy_budget import BudgetExceeded, Event
 from fedmvp.federated.private_rounds import Draw, charge_round, draw_edges, release
-from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, reply_fields, reply_record
+from fedmvp.federated.replies import (ClassRules, ReplyRules, check_reply, left_out_line, left_out_record,
+                                     reply_fields, reply_record, round_failed, too_few_nodes)
 from fedmvp.federated.sampling import NodeRegistry, sample_among, sample_sites
 from fedmvp.federated.site_registry import OpenSites
 from fedmvp.federated.wire import array_record, node_contents, numpy_state
@@ -107,10 +109,8 @@ class FedMVPStrategy(Strategy):
         self.declared_examples = dict(declared_examples) if declared_examples is not None else \
             {site: 1 << 62 for site in range(num_clients)}
         self.site_names = dict(site_names) if site_names is not None else None
-        self.federation = federation
-        self.class_rules = class_rules
-        self.policy = policy or RoundPolicy()
-        self.round_offset = round_offset
+        self.federation, self.class_rules = federation, class_rules
+        self.policy, self.round_offset = policy or RoundPolicy(), round_offset
         self.lora_clients: set[int] = set(lora_clients)
         self.global_state: dict[str, np.ndarray] = {}
         self.on_aggregated = on_aggregated
@@ -197,9 +197,8 @@ class FedMVPStrategy(Strategy):
             if present >= needed:
                 return sites, edges
             if time.monotonic() >= deadline:
-                raise RoundFailed(f"only {present} of the {needed} nodes a round needs connected within "
-                                  f"{server.node_wait:g} s; start more SuperNodes (fedmvp join) or lower "
-                                  f"min_nodes")
+                raise RoundFailed(too_few_nodes(present, needed, server, self.registry.refused,
+                                                self.registry.unknown(connected)))
             time.sleep(1.0)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -324,9 +323,9 @@ class FedMVPStrategy(Strategy):
 
     def _reject(self, round_number: int, node: int | None, site: int | None, reason: str,
                 role: str | None = None) -> None:
-        who = "edge device" if role == "edge" else f"site {site}"
-        log(WARNING, "round %s: reply of node %s (%s) left out: %s", round_number, node, who, reason)
-        self.rejected.append({"node": node, "site": site, "reason": reason, **({"role": role} if role else {})})
+        entry = left_out_record(node, site, reason, role, self.site_names)  # state.json's and the printed line's
+        log_left_out(left_out_line(round_number, entry))
+        self.rejected.append(entry)
 
     # ---- evaluation: every site on its own data (docs/method.md §7) ------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -381,6 +380,7 @@ class FedMVPStrategy(Strategy):
             result.evaluate_metrics_serverapp[0] = res
         for server_round in range(1, num_rounds + 1):
             round_number = self.global_round(server_round)
+            left_out: list[dict] = []  # every try's left-out replies: what the failure names
             for attempt in range(self.policy.server.round_retries):
                 messages = self.configure_train(server_round, arrays, ConfigRecord(train_config or {}), grid, attempt)
                 replies = list(send_and_receive(grid, messages, timeout))
@@ -389,12 +389,13 @@ class FedMVPStrategy(Strategy):
                     result.arrays = arrays = aggregated
                     result.train_metrics_clientapp[server_round] = metrics
                     break
+                left_out += self.rejected
                 log(WARNING, "round %s: %s replies of %s nodes, %s rejected, %s usable ones needed (try %s of %s)",
                     round_number, len(replies), len(messages), len(self.rejected), self.needed_replies(round_number),
                     attempt + 1, self.policy.server.round_retries)
             else:
-                raise RoundFailed(f"round {round_number}: fewer than {self.needed_replies(round_number)} usable "
-                                  f"replies in {self.policy.server.round_retries} tries (see the log for each reply)")
+                raise RoundFailed(round_failed(round_number, self.needed_replies(round_number),
+                                               self.policy.server.round_retries, left_out))
             if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
         return result

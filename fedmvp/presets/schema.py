@@ -253,6 +253,11 @@ def _build(cls: type, table: Any, where: str, err: Any, extra: dict | None = Non
 def _check_values(preset: Preset, err: Any) -> None:
     """Range and cross-key checks that need no file system."""
     t = preset.train
+    seeds = [("top level: seed", preset.seed)] + [(f"datasets[{i}] ({d.name}): world_seed", d.world_seed)
+                                                  for i, d in enumerate(preset.datasets)]
+    for where, seed in seeds:  # what torch and numpy accept as a seed, for every use of it
+        if not 0 <= seed < 1 << 63:
+            raise err(f"{where} must be an integer from 0 to 2**63 - 1, got {seed}")
     for key, name in method_keys().items():  # the method record's ranges
         problem = field_problem(name, getattr(t, key))
         if problem:

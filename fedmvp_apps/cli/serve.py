@@ -51,18 +51,24 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     Only this command controls the SuperLink (its Control API takes an operator token that never
     leaves this machine; `flwr ls/run/stop` from elsewhere are refused), and with TLS only the
     SuperNodes whose keys --node-keys lists may join. Ctrl-C stops the run, then the SuperLink.
-    Offline: no runtime dependency installation, no telemetry. Exit codes: 0 the run completed,
+    Offline: no runtime dependency installation, no telemetry. A reply the server leaves out is one
+    line as it happens (round, site, node, reason); the ServerApp keeps Flower's warnings and errors in
+    RUN/flower.log, named at the end when the run added to it. Exit codes: 0 the run completed,
     1 it failed or stopped (start the same command again to resume), 2 bad arguments, or the run's
     lock (RUN/.lock) is held, or names a process on another host (--break-lock), or is a link."""
     quiet_open_clip_logging()
     from fedmvp_apps.deploy.certs import CertsError
     from fedmvp_apps.deploy.superlink import ServeOptions, serve as run_serve
     from fedmvp_apps.deploy.supernode import LaunchError, LaunchInputError  # ServeError, ServeInputError too
+    from fedmvp.federated.prepare import check_startable
     from fedmvp.presets.schema import PresetError, load_preset
+    from fedmvp.runs import RunDir, RunError
 
     try:
-        load_preset(config, check_roots=False)
-    except PresetError as err:
+        preset = load_preset(config, check_roots=False)
+        if not RunDir(run_dir).exists():  # a new run: what its ServerApp would only find once started
+            check_startable(preset, simulation=False)
+    except (PresetError, RunError) as err:
         raise BadInput(str(err)) from None
     check_run_lock(run_dir, break_lock)
     if insecure:
@@ -92,7 +98,6 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     finally:
         if bar is not None:
             bar.close()
-    from fedmvp.runs import RunDir
 
     result = {"run_dir": str(run_dir), "status": status, "rounds": RunDir(run_dir).rounds()}
     if as_json:

@@ -84,7 +84,9 @@ def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, ev
     fell below sigma, only the LoRA) on its own few-shot data; the server averages
     each tensor over the clients that sent it. Writes runs/<name>/ with config.json,
     round-NNNN/ checkpoints, metrics.jsonl/csv and accuracy.png, and ends with the
-    Local/Base/New/HM table of the last round (as `fedmvp demo` does). Exit codes: 0 done,
+    Local/Base/New/HM table of the last round (as `fedmvp demo` does). A reply the server
+    leaves out is one line as it happens (round, site, node, reason); Flower's and Ray's own
+    warnings and errors go to RUN/flower.log, named at the end when there are any. Exit codes: 0 done,
     1 training failed (resume with --resume), 2 bad preset or arguments, or the run in use by
     another command (RUN/.lock: one line naming it; a dead holder's lock on this host is taken over, one
     whose record names another host only with --break-lock), or RUN/.lock a link."""

@@ -284,12 +284,14 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
     Interrupted (Ctrl-C), `serve` stops its run on the SuperLink before it stops the SuperLink."""
     say = on_event or (lambda line: None)
     from fedmvp_apps.deploy.certs import read_node_keys
+    from fedmvp.federated.flower_log import FlowerLogTail
     from fedmvp.runs import RunDir
 
     keys = read_node_keys(options.node_keys) if options.node_keys else []
     server = Server(options)
     run = RunDir(options.run_dir)
     run_id = None
+    tail = FlowerLogTail(options.run_dir)  # the ServerApp's left-out replies, said as they come
     try:
         server.start()
         say(f"SuperLink listening on {options.address} ({'TLS' if server.certs else 'INSECURE, no TLS'}); "
@@ -304,6 +306,8 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
         warned = run.last_round() or 0
         while True:
             status = server.status(run_id)
+            for line in tail.left_out():
+                say(line)
             done = run.last_round() or 0
             if on_progress:
                 on_progress(done, status)
@@ -311,6 +315,8 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
                 warned = done
                 say(f"round {done}: {ANY_NODE_WARNING}")
             if status.startswith("finished"):
+                if tail.note():
+                    say(tail.note())
                 if status != "finished:completed":
                     tail = server.run_log(run_id).splitlines()[-FAILED_LOG_LINES:]
                     say(f"run {run_id} {status}; the end of its ServerApp's log (also in {server.log_path}):"

@@ -176,10 +176,18 @@ def test_the_registry_refuses_an_identity_it_cannot_use_and_checks_replies_again
 
 
 def test_too_few_connected_nodes_fail_with_a_clear_message():
+    """The failure names each node whose identity was refused, and those that never said who they are."""
+    class Silent(SiteGrid):  # node 23 is connected but never answers (a round_timeout far too short, say)
+        def send_and_receive(self, messages, timeout=None):
+            return [r for r in super().send_and_receive(messages, timeout) if r.metadata.src_node_id != 23]
+
     strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=4, run_id=RUN,
-                              policy=RoundPolicy(server=ServerSpec(min_nodes=3, node_wait=0.01)))
-    with pytest.raises(RoundFailed, match="only 1 of the 3 nodes a round needs connected"):
-        strategy.configure_train(1, ArrayRecord(), ConfigRecord(), SiteGrid({21: 2}))
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=3, node_wait=0.01, round_timeout=0.05)))
+    with pytest.raises(RoundFailed, match="only 1 of the 3 nodes a round needs connected") as failed:
+        strategy.configure_train(1, ArrayRecord(), ConfigRecord(), Silent({21: 2, 22: 7, 23: 1}))
+    assert str(failed.value).splitlines()[1:] == [
+        "  node 22 is sent no work: its identity names site 7, not one of the run's 4",
+        "  1 connected node(s) did not say who they are within round_timeout 0.05 s (nodes 23)"]
 
 
 def test_bad_replies_are_left_out_and_recorded_and_the_round_goes_on():

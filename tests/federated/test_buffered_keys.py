@@ -24,6 +24,10 @@ def test_a_simulation_refuses_buffered_mode_in_one_line(tmp_path, preset_file):
     from fedmvp.runs import RunError
 
     preset_file.write_text(preset_file.read_text() + "\n[server]\nmode = \"buffered\"\n")
-    run = prepare_run(str(preset_file), str(tmp_path / "run"), 1, resume=False, device="cpu")
+    with pytest.raises(RunError, match="mode = 'buffered' trains on edge devices"):  # before the run is written
+        prepare_run(str(preset_file), str(tmp_path / "run"), 1, resume=False, device="cpu")
+    assert not (tmp_path / "run").exists()
+    # a deployment's run (`fedmvp serve` writes it without the sites' data), then `fedmvp train --resume` on it
+    run = prepare_run(str(preset_file), str(tmp_path / "run"), 1, resume=False, device="cpu", with_data=False)
     with pytest.raises(RunError, match="mode = 'buffered' trains on edge devices"):
         simulate(run)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -95,6 +96,10 @@ def test_a_site_lying_about_its_packed_tensors_is_refused_for_each_lie(tmp_path,
     result = json.loads(procs.log("serve")[procs.log("serve").index("{\n"):])
     assert result["status"] == "finished:completed" and result["rounds"] == [1, 2, 3]
     run = tmp_path / "runs" / "hostile"
+    for number, lie in LIES.items():  # `serve` said each left-out reply as the ServerApp logged it
+        assert re.search(rf"^serve: round {number}: left out the reply of site 1 \(node \d+\): .*{re.escape(lie)}",
+                         procs.log("serve"), re.M), procs.log("serve")[-3000:]
+    assert " LEFT-OUT flwr: round 1: left out the reply of site 1 " in (run / "flower.log").read_text()
     for number, lie in LIES.items():
         state = json.loads((run / f"round-{number:04d}" / "state.json").read_text())
         refused = [r for r in state["rejected"] if r["site"] == 1]

@@ -201,10 +201,12 @@ def test_federated_evaluation_equals_the_central_one(finished_run):
 def test_a_site_sending_nan_is_left_out_and_the_rest_is_averaged_exactly(world6, tmp_path):
     """End to end on Flower, three sites: site 1's replies are all NaN (tests/federated/nan_client.py,
     which also records every reply). The server rejects them and records why; each round's global
-    tensors are the example-weighted mean of the accepted replies (sites 0 and 2)."""
+    tensors are the example-weighted mean of the accepted replies (sites 0 and 2). Each left-out reply is
+    said on stderr as it happens, in the words of its state.json record."""
     import numpy as np
     from safetensors import safe_open
 
+    from fedmvp.federated.replies import left_out_line
     from tests.federated.conftest import three_site_preset
 
     preset = three_site_preset(tmp_path, world6)
@@ -219,11 +221,12 @@ def test_a_site_sending_nan_is_left_out_and_the_rest_is_averaged_exactly(world6,
                           text=True, timeout=280,
                           env={**os.environ, "FEDMVP_TEST_REPLIES": str(replies)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    previous = None
+    previous, recorded = None, []
     for number in (1, 2):
         state = json.loads((run_dir / f"round-{number:04d}" / "state.json").read_text())
         assert state["sites"] == [0, 2]
         assert [(r["site"], "NaN" in r["reason"]) for r in state["rejected"]] == [(1, True)]
+        recorded += [left_out_line(number, r) for r in state["rejected"]]
         checkpoint = run_dir / f"round-{number:04d}" / "global.safetensors"
         tensors = {k: v.numpy() for k, v in load_file(str(checkpoint)).items()}
         sums: dict = {}
@@ -242,6 +245,9 @@ def test_a_site_sending_nan_is_left_out_and_the_rest_is_averaged_exactly(world6,
             elif previous is not None:  # a tensor nobody sent keeps its global value
                 assert np.array_equal(value, previous[key]), key
         previous = tensors
+    # each left-out reply was said as it happened, in the words of its state.json record
+    assert [line for line in done.stderr.splitlines() if " left out the reply of " in line] == recorded
+    assert all(line.startswith("round ") and "site 1 (node " in line for line in recorded), recorded
 
 
 @pytest.mark.timeout(300)

@@ -66,7 +66,16 @@ def root(tmp_path_factory) -> Path:
                "alphainf": good.replace("alpha = 5.0", "alpha = inf"),
                "duplicate": good.replace("shots = 2", "shots = 2\nshots = 3"),
                "table": good + "\n[optimizer]\nname = 'adam'\n",
-               "rootfile": good.replace(f'root = "{world}"', f'root = "{world / "world.json"}"')}
+               "rootfile": good.replace(f'root = "{world}"', f'root = "{world / "world.json"}"'),
+               # values found only once the run started (exit 1, a run directory left behind)
+               "buffered": good + "\n[server]\nmode = 'buffered'\n",
+               "clip": good.replace('clip = "fedmvp-tiny"', 'clip = "no-such-clip"'),
+               "weights": good.replace('pretrained = ""', 'pretrained = "/nonexistent/clip.safetensors"'),
+               "tag": good.replace('pretrained = ""', 'pretrained = "no-such-tag"'),
+               "hub": good.replace('clip = "fedmvp-tiny"', 'clip = "hf-hub:nobody/no-such-clip"'),
+               "seed2e19": good.replace("seed = 3", "seed = 20000000000000000000"),
+               "seed-1": good.replace("seed = 3", "seed = -1"),
+               "worldseed-1": good.replace('layout = "synthetic"', 'layout = "synthetic"\nworld_seed = -1')}
     for name, text in presets.items():
         (base / f"{name}.toml").write_text(text)
     (base / "dir.toml").mkdir()
@@ -100,6 +109,18 @@ ROWS = [
     Hostile("lr-nan", _train("lrnan.toml", "r"), 2, "lr must be a finite number, got nan"),
     Hostile("alpha-inf", _train("alphainf.toml", "r"), 2, "alpha must be a finite number, got inf"),
     Hostile("duplicate-key", _train("duplicate.toml", "r"), 2, "invalid TOML"),
+    Hostile("mode-buffered-in-a-simulation", _train("buffered.toml", "r"), 2,
+            "mode = 'buffered' trains on edge devices"),
+    Hostile("clip-unknown", _train("clip.toml", "r"), 2, "[model]: unknown CLIP model 'no-such-clip'"),
+    Hostile("clip-weights-missing", _train("weights.toml", "r"), 2,
+            "[model]: /nonexistent/clip.safetensors: weights file not found"),
+    Hostile("clip-tag-unknown", _train("tag.toml", "r"), 2, "'no-such-tag' is neither a pretrained tag"),
+    Hostile("clip-hub-not-cached", _train("hub.toml", "r"), 2, "is not in the local cache and downloads are off"),
+    Hostile("seed-past-64-bits", _train("seed2e19.toml", "r"), 2, "seed must be an integer from 0 to 2**63 - 1"),
+    Hostile("seed-negative", _train("seed-1.toml", "r"), 2, "seed must be an integer from 0 to 2**63 - 1, got -1"),
+    Hostile("world-seed-negative", _train("worldseed-1.toml", "r"), 2, "world_seed must be an integer from 0"),
+    Hostile("serve-clip-unknown", ["serve", "--config", "clip.toml", "--run-dir", "r", "--insecure", "--address",
+                                   "127.0.0.1:1"], 2, "[model]: unknown CLIP model 'no-such-clip'"),
     Hostile("unknown-table", _train("table.toml", "r"), 2, "unknown key 'optimizer'"),
     Hostile("root-is-a-file", _train("rootfile.toml", "r"), 2, "world.json does not exist"),
     Hostile("preset-is-a-directory", _train("dir.toml", "r"), 2, "dir.toml: cannot read"),
