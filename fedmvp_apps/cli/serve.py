@@ -49,11 +49,13 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     progress and exit with the run, stopping the SuperLink. Sites join with `fedmvp join`.
     Only this command controls the SuperLink (its Control API takes an operator token that never
     leaves this machine; `flwr ls/run/stop` from elsewhere are refused), and with TLS only the
-    SuperNodes whose keys --node-keys lists may join. Ctrl-C stops the run, then the SuperLink.
+    SuperNodes whose keys --node-keys lists may join. Ctrl-C or SIGTERM stops the run, then the
+    SuperLink, within 15 s, with one line.
     Offline: no runtime dependency installation, no telemetry. Exit codes: 0 the run completed,
     1 it failed or stopped (start the same command again to resume), 2 bad arguments."""
     quiet_open_clip_logging()
     from fedmvp_apps.deploy.certs import CertsError
+    from fedmvp_apps.deploy.stopping import Interrupted
     from fedmvp_apps.deploy.superlink import ServeOptions, serve as run_serve
     from fedmvp_apps.deploy.supernode import LaunchError, LaunchInputError  # ServeError, ServeInputError too
     from fedmvp.presets.schema import PresetError, load_preset
@@ -62,6 +64,7 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
         load_preset(config, check_roots=False)
     except PresetError as err:
         raise BadInput(str(err)) from None
+    check_resume(config, run_dir, rounds)
     if insecure:
         click.echo("warning: --insecure: no TLS, traffic is readable and anyone who reaches the port may join; "
                    "use it only for a trial", err=True)
@@ -86,6 +89,9 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
         raise BadInput(str(err)) from None
     except LaunchError as err:
         raise click.ClickException(str(err)) from None
+    except Interrupted as err:
+        click.echo(f"serve: {err}", err=True)
+        sys.exit(1)
     finally:
         if bar is not None:
             bar.close()
@@ -99,3 +105,23 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
                    f"  (fedmvp evaluate --run {run_dir})")
     if status != "finished:completed":
         sys.exit(1)
+
+
+def check_resume(config: str, run_dir: Path, rounds: int | None) -> None:
+    """An existing run resumes with its own record: another preset or another --rounds is refused here, in
+    one line, before anything starts (the ServerApp would refuse it too, as a traceback after the start).
+    The same preset by another path (a copy, a link, a relative path) is the same preset: it resumes."""
+    from fedmvp.federated.prepare import check_same_preset
+    from fedmvp.runs import RunDir, RunError
+
+    run = RunDir(run_dir)
+    if not run.exists():
+        return
+    try:
+        recorded = run.read_config()
+        check_same_preset(run, recorded, config)
+    except RunError as err:
+        raise BadInput(str(err)) from None
+    if rounds is not None and rounds != int(recorded.get("rounds", 0)):
+        raise BadInput(f"{run_dir}: was started with {recorded.get('rounds')} rounds, not --rounds {rounds}; a "
+                       f"resumed run keeps its rounds: drop --rounds (or give another --run-dir)")
