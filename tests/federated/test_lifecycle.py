@@ -8,7 +8,8 @@ environment (the ServerApp's Runtime API token, the operator token, either Super
 once: that resumes), at each stage of a run: training, starting, evaluating, between rounds, and
 while it waits on a round whose nodes were stopped; the site and the device are stopped mid-round,
 then a new join of each while starting. Each, by Ctrl-C (SIGINT) or SIGTERM, exits within
-``BOUND`` seconds with its one line, and leaves no process of its own behind.
+``BOUND`` seconds with its one line, and leaves no process of its own behind. Beneath them, the
+bound holds even where the orderly stop blocks (a watchdog), and a running command ends at once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fedmvp_apps.deploy.stopping import STOP_BOUND, alive, descendants
+from fedmvp_apps.deploy.stopping import STOP_BOUND, alive, descendants, kill_pids
 from tests.federated.processes import ENV, FEDMVP, Processes
 from tests.federated.test_edge_join import local_folder, prepare_run
 
@@ -170,3 +171,49 @@ def test_no_secret_is_shown_and_every_command_stops_within_its_bound_at_every_st
     serve_logs = "".join(procs.log(n) for n in ("serve", "serve-2", "serve-3", "serve-4", "serve-5"))
     assert "Traceback" not in serve_logs and "Aborted!" not in serve_logs, serve_logs[-3000:]
     assert "not the preset" not in procs.log("serve-3")
+
+
+BLOCKED = '''
+import subprocess, sys, time
+from fedmvp_apps.deploy.stopping import Stopper, run_interruptible
+
+with Stopper("blocked: stopped") as stopper:
+    subprocess.Popen(["sleep", "120"], stderr=subprocess.DEVNULL)  # a child it never stops itself
+    if sys.argv[1] == "block":
+        time.sleep(120)  # whatever blocks the orderly stop: a wait without a bound, a held lock
+    else:
+        try:
+            run_interruptible(["sleep", "120"], stopper, timeout=120)
+        except Exception as err:
+            print(f"stopped in order: {type(err).__name__}", file=sys.stderr, flush=True)
+'''
+
+
+@pytest.mark.parametrize("how", ["block", "order"])
+def test_a_stop_is_bounded_whatever_blocks_and_kills_every_descendant(tmp_path, how):
+    """The guarantee under the commands' stops: SIGTERM ends the process within STOP_BOUND seconds even
+    when its main thread never looks at the event again (the watchdog kills its descendants and exits
+    with its line); where it does look, a running command is ended at once."""
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED)
+    proc = subprocess.Popen([sys.executable, str(script), how], env=ENV, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(descendants(proc.pid)) < (1 if how == "block" else 2):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    family = descendants(proc.pid)
+    started = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=BOUND + 5)
+    took = time.monotonic() - started
+    assert took < BOUND
+    if how == "block":
+        assert took > BOUND - 2 and proc.returncode == 1 and "blocked: stopped (the orderly stop overran" in err, err
+    else:
+        assert took < 3 and "stopped in order: Interrupted" in err, err
+    time.sleep(0.3)
+    if how == "block":
+        assert not alive(family)
+    else:
+        kill_pids(family)
