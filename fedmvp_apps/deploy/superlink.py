@@ -288,11 +288,13 @@ class Server:
     def stop_run(self, run_id: int) -> bool:
         """Ask the SuperLink to stop run ``run_id`` (the operator's `flwr stop`, in this process where it
         can: a stop is on the clock); True if it did."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False  # the SuperLink is gone (a Ctrl-C in its terminal reaches it too): nobody to ask
         if self.client() is not None:
             try:
                 return self.client().stop(run_id)
-            except Exception:  # noqa: BLE001 - a refused or broken call: `flwr stop` says it this time
-                pass
+            except Exception:  # noqa: BLE001 - a SuperLink shutting down: no second try within the bound
+                return False
         try:
             done = run_interruptible([executable("flwr"), "stop", str(run_id), CONNECTION, "--format", "json"], None,
                                      self.stopper.left() if self.stopper else 30, env=self.env(), cwd=self.home)
