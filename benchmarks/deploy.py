@@ -78,9 +78,9 @@ class Deployment:
                 proc.wait()
 
 
-ROLES = {"fedmvp_apps.deploy.superlink_process": "SuperLink", "flwr-serverapp": "ServerApp",
+ROLES = {"fedmvp_apps.deploy.superlink_process": "SuperLink", "fedmvp_apps.deploy.serverapp_process": "ServerApp",
          "fedmvp_apps.deploy.supernode_process": "SuperNodes", "fedmvp_apps.deploy.warm_executor": "site executors (training)",
-         "flower-superexec": "SuperExec", "flwr": "flwr commands", "fedmvp_apps.cli": "serve and join"}
+         "fedmvp_apps.deploy.superexec_process": "SuperExec", "flwr": "flwr commands", "fedmvp_apps.cli": "serve and join"}
 
 
 def program(argv: list[str]) -> str:

@@ -149,4 +149,4 @@ def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None
                err=True)
     if insecure:
         click.echo("warning: --insecure: no TLS; use it only for a trial", err=True)
-    become_supernode(args)
+    become_supernode(args, "edge-client join")

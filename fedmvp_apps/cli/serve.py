@@ -50,7 +50,8 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     progress and exit with the run, stopping the SuperLink. Sites join with `fedmvp join`.
     Only this command controls the SuperLink (its Control API takes an operator token that never
     leaves this machine; `flwr ls/run/stop` from elsewhere are refused), and with TLS only the
-    SuperNodes whose keys --node-keys lists may join. Ctrl-C stops the run, then the SuperLink.
+    SuperNodes whose keys --node-keys lists may join. Ctrl-C or SIGTERM stops the run, then the
+    SuperLink, within 15 s, with one line.
     Offline: no runtime dependency installation, no telemetry. A reply the server leaves out is one
     line as it happens (round, site, node, reason); the ServerApp keeps Flower's warnings and errors in
     RUN/flower.log, named at the end when the run added to it. Exit codes: 0 the run completed,
@@ -58,6 +59,7 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     lock (RUN/.lock) is held, or names a process on another host (--break-lock), or is a link."""
     quiet_open_clip_logging()
     from fedmvp_apps.deploy.certs import CertsError
+    from fedmvp_apps.deploy.stopping import Interrupted
     from fedmvp_apps.deploy.superlink import ServeOptions, serve as run_serve
     from fedmvp_apps.deploy.supernode import LaunchError, LaunchInputError  # ServeError, ServeInputError too
     from fedmvp.federated.prepare import check_startable
@@ -71,6 +73,7 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     except (PresetError, RunError) as err:
         raise BadInput(str(err)) from None
     check_run_lock(run_dir, break_lock)
+    check_resume(config, run_dir, rounds)
     if insecure:
         click.echo("warning: --insecure: no TLS, traffic is readable and anyone who reaches the port may join; "
                    "use it only for a trial", err=True)
@@ -95,6 +98,9 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
         raise BadInput(str(err)) from None
     except LaunchError as err:
         raise click.ClickException(str(err)) from None
+    except Interrupted as err:
+        click.echo(f"serve: {err}", err=True)
+        sys.exit(1)
     finally:
         if bar is not None:
             bar.close()
@@ -121,3 +127,23 @@ def check_run_lock(run_dir: Path, break_lock: bool) -> None:
             pass
     except RunError as err:
         raise BadInput(str(err)) from None
+
+
+def check_resume(config: str, run_dir: Path, rounds: int | None) -> None:
+    """An existing run resumes with its own record: another preset or another --rounds is refused here, in
+    one line, before anything starts (the ServerApp would refuse it too, as a traceback after the start).
+    The same preset by another path (a copy, a link, a relative path) is the same preset: it resumes."""
+    from fedmvp.federated.prepare import check_same_preset
+    from fedmvp.runs import RunDir, RunError
+
+    run = RunDir(run_dir)
+    if not run.exists():
+        return
+    try:
+        recorded = run.read_config()
+        check_same_preset(run, recorded, config)
+    except RunError as err:
+        raise BadInput(str(err)) from None
+    if rounds is not None and rounds != int(recorded.get("rounds", 0)):
+        raise BadInput(f"{run_dir}: was started with {recorded.get('rounds')} rounds, not --rounds {rounds}; a "
+                       f"resumed run keeps its rounds: drop --rounds (or give another --run-dir)")

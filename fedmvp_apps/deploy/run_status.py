@@ -6,12 +6,17 @@ half a core for the whole run, taken from the ServerApp, the SuperLink and (in a
 machine) the sites. Measured on 2 cores, that was a quarter of a deployed round (docs/benchmarks.md,
 the deploy section). Here the same ``ListRuns`` request goes through Flower's own Control API client
 (``ControlHttpClient``, what ``flwr ls`` builds), with the operator token as its bearer
-(`control_auth`: the SuperLink admits nobody else), on one connection kept for the run.
+(`control_auth`: the SuperLink admits nobody else), on one connection kept for the run. The same
+client stops the run when `serve` is interrupted: within the stop's bound, where a `flwr stop`
+interpreter took seconds of it. Each call waits at most ``CALL_SECONDS``.
 """
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
+
+CALL_SECONDS = 5.0  # one Control API call; the SuperLink answers on the same machine in milliseconds
 
 
 class OperatorBearer:
@@ -34,9 +39,11 @@ class RunStatusClient:
         from flwr.supercore.control import ControlHttpClient
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
-        self.client = ControlHttpClient.from_server_address(
-            server_address=address, insecure=root_certificates is None,
-            root_certificates=root_certificates.read_bytes() if root_certificates else None,
+        # What ControlHttpClient.from_server_address builds, with a bound on each call (its default: 30 s).
+        self.client = ControlHttpClient(
+            f"{'https' if root_certificates else 'http'}://{address}",
+            verify=ssl.create_default_context(cafile=str(root_certificates)) if root_certificates else False,
+            timeout=CALL_SECONDS,
             interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI"), OperatorBearer(token)])
 
     def status(self, run_id: int) -> str:
@@ -45,6 +52,12 @@ class RunStatusClient:
         runs = self.client.ListRuns(ListRunsRequest(run_id=run_id)).run_dict  # an unknown id: an error
         status = runs[run_id].status
         return status.status if not status.sub_status else f"{status.status}:{status.sub_status}"
+
+    def stop(self, run_id: int) -> bool:
+        """Stop run ``run_id`` (what `flwr stop` asks); True if the SuperLink did."""
+        from flwr.proto.control_pb2 import StopRunRequest  # pylint: disable=no-name-in-module
+
+        return bool(self.client.StopRun(StopRunRequest(run_id=run_id)).success)
 
     def close(self) -> None:
         self.client.close()

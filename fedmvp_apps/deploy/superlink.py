@@ -7,7 +7,10 @@ token, docs/security.md), with TLS from a certificate folder (``fedmvp certs``) 
 ``--node-keys`` file are admitted, unless ``--allow-any-node`` says otherwise. The ServerApp runs
 under a SuperExec that `serve` starts itself and that signs its Runtime API calls with a shared
 secret (Flower's ``--isolation process`` + ``--superexec-auth-secret-file``), so nobody else who
-reaches the port can claim the run's ServerApp task. Offline (no runtime dependency installation,
+reaches the port can claim the run's ServerApp task; that SuperExec
+(`fedmvp_apps.deploy.superexec_process`) hands the ServerApp its Runtime API token on a pipe, never
+on a command line. Ctrl-C or SIGTERM stops the run, then every process `serve` started, within
+`fedmvp_apps.deploy.stopping.STOP_BOUND` seconds. Offline (no runtime dependency installation,
 no telemetry). The run is submitted with ``flwr run`` from the app folder of
 `fedmvp_apps.deploy.flower_app` (the one definition of the Flower app: it names the installed
 Flower apps, the FAB carries no code), and its ``run-dir`` is absolute: the ServerApp
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,11 +30,14 @@ from pathlib import Path
 from typing import Callable
 
 from fedmvp_apps.deploy.flower_app import write_app_dir
-from fedmvp_apps.deploy.supernode import QUIET_ENV, LaunchError, LaunchInputError, executable, split_address
+from fedmvp_apps.deploy.stopping import Interrupted, Stopper, run_interruptible, stop_processes
+from fedmvp_apps.deploy.supernode import QUIET_ENV, LaunchError, LaunchInputError, check_free, executable, \
+    split_address
 
 CONNECTION = "fedmvp-serve"
 CERT_FILES = ("ca.crt", "server.pem", "server.key")
 FAILED_LOG_LINES = 15  # of a failed run's ServerApp log, printed by `serve`
+SUPEREXEC_MODULE = "fedmvp_apps.deploy.superexec_process"  # flower-superexec, the ServerApp's token on a pipe
 ANY_NODE_WARNING = ("warning: --allow-any-node: any SuperNode that trusts the CA may join and have its replies "
                     "averaged; give --node-keys to admit only your sites")
 
@@ -86,8 +91,9 @@ def _toml_string(value: str) -> str:
 class Server:
     """One SuperLink process and the `flwr` CLI pointed at it (its own FLWR_HOME)."""
 
-    def __init__(self, options: ServeOptions):
+    def __init__(self, options: ServeOptions, stopper: Stopper | None = None):
         self.options = options
+        self.stopper = stopper
         run_dir = options.run_dir.resolve()
         self.home = run_dir.parent / f".{run_dir.name}.flwr"
         self.log_path = run_dir.parent / f"{run_dir.name}.superlink.log"
@@ -106,6 +112,9 @@ class Server:
         self.operator_token = ""
         self.status_client = None  # run_status.RunStatusClient once asked; False: this Flower has none
         self.link = f"{'127.0.0.1' if self.host in ('0.0.0.0', '::', '') else self.host}:{self.port}"
+        # Flower 1.42's SuperLink opens this one port (Fleet, Control and Runtime APIs alike): taken, it would
+        # die at start while `serve` connected to whoever holds it (docs/tutorials/across-machines.md, "Checked before anything starts").
+        check_free(self.host, self.port, "--address")
 
     def env(self) -> dict[str, str]:
         return {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home)}
@@ -134,10 +143,12 @@ class Server:
         (self.home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
                                                f'address = "{self.link}"\n{tls}\n')
         with open(self.log_path, "ab") as log:  # in our process group: Ctrl-C or a kill of the group ends it too
+            self.log_start = log.tell()
             self.proc = subprocess.Popen(args, env={**self.env(), TOKEN_FILE_ENV: str(token_file)}, stdout=log,
                                          stderr=subprocess.STDOUT)
         self._wait_listening()
-        superexec = [executable("flower-superexec"), "--runtime-api-address", self.link,
+        executable("flower-superexec")  # Flower is installed here (else one line: what to install)
+        superexec = [sys.executable, "-m", SUPEREXEC_MODULE, "--runtime-api-address", self.link,
                      "--superexec-auth-secret-file", str(secret_file), "--parent-pid", str(self.proc.pid)]
         superexec += ["--root-certificates", str(self.certs["ca.crt"])] if self.certs else ["--insecure"]
         with open(self.log_path, "ab") as log:
@@ -154,19 +165,42 @@ class Server:
         deadline = time.monotonic() + self.options.start_timeout
         while True:
             if self.proc.poll() is not None:
-                raise ServeError(f"the SuperLink exited at start (code {self.proc.returncode}); see {self.log_path}")
+                self.startup_failure()
             with socket.socket() as sock:
                 sock.settimeout(0.5)
                 if sock.connect_ex((host, port)) == 0:
-                    return
+                    break
             if time.monotonic() > deadline:
                 raise ServeError(f"the SuperLink did not listen on {self.link} within "
                                  f"{self.options.start_timeout:g} s; see {self.log_path}")
-            time.sleep(0.3)
+            self.sleep(0.3)
+        self.sleep(0.3)  # someone else's listener answers too: the SuperLink must still be running after it
+        if self.proc.poll() is not None:
+            self.startup_failure()
+
+    def startup_failure(self) -> None:
+        """The SuperLink exited at start: why, in one line (the port taken since `check_free`: exit 2)."""
+        assert self.proc is not None
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(getattr(self, "log_start", 0))
+                said = log.read().decode("utf-8", "replace")
+        except OSError:
+            said = ""
+        if "already in use" in said.lower():
+            raise ServeInputError(f"--address {self.options.address}: {self.link} is already in use (another "
+                                  f"SuperLink or program listens there); stop it or give another --address")
+        raise ServeError(f"the SuperLink exited at start (code {self.proc.returncode}); see {self.log_path}")
+
+    def sleep(self, seconds: float) -> None:
+        if self.stopper is not None:
+            self.stopper.sleep(seconds)
+        else:
+            time.sleep(seconds)
 
     def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([executable("flwr"), *args], env=self.env(), capture_output=True, text=True,
-                              timeout=timeout, cwd=self.home)
+        """One `flwr` command; a stop (Ctrl-C) ends it at once (`stopping.Interrupted`)."""
+        return run_interruptible([executable("flwr"), *args], self.stopper, timeout, env=self.env(), cwd=self.home)
 
     def register_nodes(self, keys: list[str]) -> None:
         """Admit exactly these SuperNodes (their public keys): register the new ones, unregister those
@@ -198,7 +232,9 @@ class Server:
 
     def submit(self) -> int:
         o = self.options
-        config = {"run-dir": str(o.run_dir.resolve()), "preset": o.preset, "rounds": o.rounds or 0,
+        # A preset file by its absolute path: the ServerApp does not resolve it against this command's folder.
+        preset = str(Path(o.preset).resolve()) if Path(o.preset).suffix == ".toml" else o.preset
+        config = {"run-dir": str(o.run_dir.resolve()), "preset": preset, "rounds": o.rounds or 0,
                   "eval-every": o.eval_every, "min-nodes": o.min_nodes or 0,
                   "round-timeout": float(o.round_timeout or 0.0), "fraction": float(o.fraction or 0.0),
                   "mode": o.mode or ""}
@@ -213,15 +249,7 @@ class Server:
     def status(self, run_id: int) -> str:
         """Flower's status text of the run ("running", "finished:completed"): asked in this process
         (`run_status`), through `flwr ls` where this Flower lacks the client that needs."""
-        if self.status_client is None:
-            try:
-                from fedmvp_apps.deploy.run_status import RunStatusClient
-
-                self.status_client = RunStatusClient(self.link, self.operator_token,
-                                                     self.certs["ca.crt"] if self.certs else None)
-            except ImportError:
-                self.status_client = False
-        if self.status_client:
+        if self.client() is not None:
             try:
                 return self.status_client.status(run_id)
             except Exception:  # noqa: BLE001 - a refused or broken look: `flwr ls` says it this time
@@ -231,6 +259,18 @@ class Server:
             return str(json.loads(listed.stdout)["runs"][0]["status"])
         except (ValueError, KeyError, IndexError, TypeError):
             return "unknown"
+
+    def client(self):
+        """The in-process Control API client (`run_status`); None where this Flower lacks it."""
+        if self.status_client is None:
+            try:
+                from fedmvp_apps.deploy.run_status import RunStatusClient
+
+                self.status_client = RunStatusClient(self.link, self.operator_token,
+                                                     self.certs["ca.crt"] if self.certs else None)
+            except ImportError:
+                self.status_client = False
+        return self.status_client or None
 
     def run_log(self, run_id: int) -> str:
         """The ServerApp's own output (`flwr log --show`), kept by the SuperLink, not in any file of ours;
@@ -246,9 +286,18 @@ class Server:
         return text
 
     def stop_run(self, run_id: int) -> bool:
-        """Ask the SuperLink to stop run ``run_id`` (the operator's `flwr stop`); True if it did."""
+        """Ask the SuperLink to stop run ``run_id`` (the operator's `flwr stop`, in this process where it
+        can: a stop is on the clock); True if it did."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False  # the SuperLink is gone (a Ctrl-C in its terminal reaches it too): nobody to ask
+        if self.client() is not None:
+            try:
+                return self.client().stop(run_id)
+            except Exception:  # noqa: BLE001 - a SuperLink shutting down: no second try within the bound
+                return False
         try:
-            done = self.flwr("stop", str(run_id), CONNECTION, "--format", "json", timeout=30)
+            done = run_interruptible([executable("flwr"), "stop", str(run_id), CONNECTION, "--format", "json"], None,
+                                     self.stopper.left() if self.stopper else 30, env=self.env(), cwd=self.home)
         except subprocess.TimeoutExpired:
             return False
         try:  # `flwr --format json` exits 0 on a refusal too: its JSON says whether it worked
@@ -257,22 +306,13 @@ class Server:
             return False
 
     def stop(self) -> None:
-        """SIGTERM (each stops its own app processes), then SIGKILL: the SuperExec first, then the SuperLink."""
+        """SIGTERM the SuperExec, the SuperLink and the ServerApp together; past the stop's deadline,
+        SIGKILL what is left (`stopping.stop_processes`)."""
         if self.status_client:
             self.status_client.close()
             self.status_client = None
-        for proc in (self.superexec, self.proc):
-            if proc is None or proc.poll() is not None:
-                continue
-            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-                try:
-                    proc.send_signal(sig)
-                    proc.wait(timeout=wait)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        procs = [proc for proc in (self.superexec, self.proc) if proc is not None]
+        stop_processes(procs, within=self.stopper.left() if self.stopper is not None else 10.0)
 
 
 def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None = None,
@@ -281,55 +321,67 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
 
     ``on_event`` hears each milestone as one line (listening, SuperNode keys admitted, run submitted):
     sites should join once the keys are admitted, as Flower refuses a node it does not know yet.
-    Interrupted (Ctrl-C), `serve` stops its run on the SuperLink before it stops the SuperLink."""
+    Interrupted (Ctrl-C, SIGTERM: `stopping.Stopper`), `serve` stops its run on the SuperLink, then every
+    process it started, and raises `stopping.Interrupted` with the one line to print, all within
+    `stopping.STOP_BOUND` seconds of the signal."""
     say = on_event or (lambda line: None)
     from fedmvp_apps.deploy.certs import read_node_keys
-    from fedmvp.federated.flower_log import FlowerLogTail
     from fedmvp.runs import RunDir
 
     keys = read_node_keys(options.node_keys) if options.node_keys else []
-    server = Server(options)
-    run = RunDir(options.run_dir)
-    run_id = None
-    tail = FlowerLogTail(options.run_dir)  # the ServerApp's left-out replies, said as they come
-    try:
-        server.start()
-        say(f"SuperLink listening on {options.address} ({'TLS' if server.certs else 'INSECURE, no TLS'}); "
-            f"Control API: this command only; log: {server.log_path}")
-        if options.allow_any_node:
-            say(ANY_NODE_WARNING)
-        if keys:
-            server.register_nodes(keys)
-            say(f"{len(keys)} SuperNode keys admitted: sites may join now")
-        run_id = server.submit()
-        say(f"run {run_id} submitted: {options.preset} -> {options.run_dir}")
-        warned = run.last_round() or 0
-        while True:
-            status = server.status(run_id)
-            for line in tail.left_out():
-                say(line)
-            done = run.last_round() or 0
-            if on_progress:
-                on_progress(done, status)
-            if options.allow_any_node and done > warned:
-                warned = done
-                say(f"round {done}: {ANY_NODE_WARNING}")
-            if status.startswith("finished"):
-                if tail.note():
-                    say(tail.note())
-                if status != "finished:completed":
-                    tail = server.run_log(run_id).splitlines()[-FAILED_LOG_LINES:]
-                    say(f"run {run_id} {status}; the end of its ServerApp's log (also in {server.log_path}):"
-                        + "".join(f"\n  {line}" for line in tail) if tail else
-                        f"run {run_id} {status}; its ServerApp left no log (flwr log)")
-                return status
-            if server.proc is not None and server.proc.poll() is not None:
-                raise ServeError(f"the SuperLink stopped during the run; see {server.log_path}")
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        if run_id is not None:
-            say(f"interrupted: run {run_id} {'stopped' if server.stop_run(run_id) else 'could not be stopped'}; "
-                "the same command resumes it")
-        raise
-    finally:
-        server.stop()
+    with Stopper("serve: interrupted; the same command resumes the run") as stopper:
+        server = Server(options, stopper)
+        run = RunDir(options.run_dir)
+        run_id = None
+        try:
+            server.start()
+            say(f"SuperLink listening on {options.address} ({'TLS' if server.certs else 'INSECURE, no TLS'}); "
+                f"Control API: this command only; log: {server.log_path}")
+            if options.allow_any_node:
+                say(ANY_NODE_WARNING)
+            if keys:
+                server.register_nodes(keys)
+                say(f"{len(keys)} SuperNode keys admitted: sites may join now")
+            run_id = server.submit()
+            say(f"run {run_id} submitted: {options.preset} -> {options.run_dir}")
+            return _watch(server, run, run_id, options, on_progress, say)
+        except Interrupted:
+            if run_id is None:
+                raise Interrupted(f"interrupted ({stopper.name}) before the run was submitted; the same command "
+                                  f"starts it") from None
+            stopped = server.stop_run(run_id)
+            raise Interrupted(f"interrupted: run {run_id} {'stopped' if stopped else 'could not be stopped'} "
+                              f"({stopper.name}); the same command resumes it") from None
+        finally:
+            server.stop()
+
+
+def _watch(server: Server, run, run_id: int, options: ServeOptions, on_progress, say) -> str:
+    """Look at the run once a second until it ends; its final status. The ServerApp's left-out replies
+    (RUN/flower.log) are said as they come."""
+    from fedmvp.federated.flower_log import FlowerLogTail
+
+    flower_log = FlowerLogTail(options.run_dir)
+    warned = run.last_round() or 0
+    while True:
+        status = server.status(run_id)
+        for line in flower_log.left_out():
+            say(line)
+        done = run.last_round() or 0
+        if on_progress:
+            on_progress(done, status)
+        if options.allow_any_node and done > warned:
+            warned = done
+            say(f"round {done}: {ANY_NODE_WARNING}")
+        if status.startswith("finished"):
+            if flower_log.note():
+                say(flower_log.note())
+            if status != "finished:completed":
+                tail = server.run_log(run_id).splitlines()[-FAILED_LOG_LINES:]
+                say(f"run {run_id} {status}; the end of its ServerApp's log (also in {server.log_path}):"
+                    + "".join(f"\n  {line}" for line in tail) if tail else
+                    f"run {run_id} {status}; its ServerApp left no log (flwr log)")
+            return status
+        if server.proc is not None and server.proc.poll() is not None:
+            raise ServeError(f"the SuperLink stopped during the run; see {server.log_path}")
+        server.sleep(1.0)

@@ -6,14 +6,18 @@ the same quiet environment and a free local port for the SuperNode's own Runtime
 config differs (a site's ``partition-id``, an edge device's ``role='edge'``, built by each command).
 The SuperNode runs in ``--isolation process``: it starts no ClientApp process per message; the
 join's one warm executor (``warm_executor.py``) runs every message in one long-lived process, so a
-site loads CLIP and its data once (issue 24). The join supervises the two: Ctrl-C, the SuperNode
-ending or the executor dying stops both (an executor's death: one line, a non-zero exit).
+site loads CLIP and its data once. The join supervises the two: Ctrl-C or SIGTERM (one line, within
+`fedmvp_apps.deploy.stopping.STOP_BOUND` seconds), the SuperNode ending or the executor dying stops
+both (an executor's death: one line, a non-zero exit). No secret is on a command line or in an
+environment: the SuperExec secret is a 0600 file named by path, and the executor receives each
+task's token from the SuperNode's Runtime API, in its own memory (docs/security.md).
 This module imports neither ``fedmvp`` nor torch: an edge install (docs/architecture.md) has no
 training core.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -22,17 +26,17 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import NoReturn
 
+from fedmvp_apps.deploy.stopping import Interrupted, Stopper, stop_processes
 from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
 
 # Every deployed Flower process (SuperLink, SuperExec, SuperNodes): Flower quiet, and no model hub
 # download behind the operator's back (CLIP loads offline first, docs/architecture.md).
 QUIET_ENV = {**FLOWER_QUIET_ENV, "HF_HUB_OFFLINE": "1"}
 RUNTIME_HOST = "127.0.0.1"  # the SuperNode's Runtime API: only this machine's executor reaches it
-STOP_SECONDS = 15  # a stopped process's grace before it is killed
+STOP_SECONDS = 10  # a stopped process's grace before it is killed (within stopping.STOP_BOUND)
 EXECUTOR_MODULE = "fedmvp_apps.deploy.warm_executor"
 SUPERNODE_MODULE = "fedmvp_apps.deploy.supernode_process"  # flower-supernode, its loop's waits shortened
 
@@ -69,6 +73,26 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def check_free(host: str, port: int, flag: str) -> None:
+    """Refuse (one line) a port that something listens on already: the Flower process given it would die at
+    start with the reason only in its log. SO_REUSEADDR as the listener sets it, so a port whose last
+    connections are still closing (TIME_WAIT, a restart) is not taken for one in use."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise LaunchInputError(f"{flag} {host}:{port}: cannot listen there ({err.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise LaunchInputError(f"{flag} {host}:{port}: already in use (another SuperLink, SuperNode or "
+                                       f"program listens there); stop it or choose another port") from None
+            raise LaunchInputError(f"{flag} {host}:{port}: cannot listen there ({err.strerror})") from None
+
+
 def supernode_command(superlink: str, node_config: str, root_certificates: Path | None = None,
                       auth_key: Path | None = None, insecure: bool = False, port: int | None = None,
                       install: str = "fedmvp[train]") -> list[str]:
@@ -82,6 +106,8 @@ def supernode_command(superlink: str, node_config: str, root_certificates: Path 
     if auth_key is not None and insecure:
         raise LaunchInputError("--auth-key needs TLS: drop --insecure and give --root-certificates")
     executable("flower-supernode", install)  # Flower is installed here (else one line: what to install)
+    if port is not None:
+        check_free(RUNTIME_HOST, port, "--port")
     args = [sys.executable, "-m", SUPERNODE_MODULE, "--superlink", superlink, "--node-config", node_config,
             "--isolation", "process", "--host", RUNTIME_HOST, "--port", str(port or free_port())]
     args += ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
@@ -90,13 +116,14 @@ def supernode_command(superlink: str, node_config: str, root_certificates: Path 
     return args
 
 
-def become_supernode(args: list[str]) -> NoReturn:
+def become_supernode(args: list[str], command: str = "join") -> NoReturn:
     """Run this node until it ends: the SuperNode ``args`` and the warm executor of its ClientApp
     messages, both children of this process, stopped together; exits with the SuperNode's code
-    (1 where the executor died)."""
+    (1 where the executor died). ``command`` names this command in its stop line."""
     env = {**os.environ, **QUIET_ENV}
     runtime = f"{RUNTIME_HOST}:{args[args.index('--port') + 1]}"
-    with tempfile.TemporaryDirectory(prefix="fedmvp-node-") as private:
+    with Stopper(f"{command}: stopped; the SuperNode and its executor were killed") as stopper, \
+            tempfile.TemporaryDirectory(prefix="fedmvp-node-") as private:
         secret = Path(private) / "superexec.secret"  # only this join's executor may claim the node's tasks
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
@@ -106,43 +133,30 @@ def become_supernode(args: list[str]) -> NoReturn:
         executor = subprocess.Popen([sys.executable, "-m", EXECUTOR_MODULE, "--runtime-api-address", runtime,
                                      "--secret-file", str(secret), "--parent-pid", str(os.getpid())], env=env,
                                     preexec_fn=_die_with_parent)
-        code = supervise(supernode, executor)
+        code = supervise(supernode, executor, stopper, command)
     sys.exit(code)
 
 
-def supervise(supernode: subprocess.Popen, executor: subprocess.Popen) -> int:
-    """Wait until one of the two ends (or this process is told to stop), then stop the other."""
-    def stop_both(signum: int, _frame) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, stop_both)
+def supervise(supernode: subprocess.Popen, executor: subprocess.Popen, stopper: Stopper,
+              command: str = "join") -> int:
+    """Wait until one of the two ends or ``stopper`` hears Ctrl-C or SIGTERM, then stop the other, or
+    both: within the stop's bound (`stopping.STOP_BOUND`), with one line."""
     try:
         while True:
             if supernode.poll() is not None:
-                _stop(executor)
+                stop_processes([executor], STOP_SECONDS)
                 return supernode.returncode
             if executor.poll() is not None:
-                print(f"error: the ClientApp executor (pid {executor.pid}) exited with code {executor.returncode}; "
-                      f"stopping the SuperNode", file=sys.stderr, flush=True)
-                _stop(supernode)
+                print(f"error: the ClientApp executor (pid {executor.pid}) exited with code "
+                      f"{executor.returncode}; stopping the SuperNode", file=sys.stderr, flush=True)
+                stop_processes([supernode], STOP_SECONDS)
                 return executor.returncode or 1
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        _stop(executor)
-        _stop(supernode)
+            stopper.sleep(0.2)
+    except Interrupted:
+        stop_processes([executor, supernode], stopper.left())
+        print(f"{command}: stopped ({stopper.name}); this node left the federation (the same command joins "
+              f"again)", file=sys.stderr, flush=True)
         return supernode.returncode if supernode.returncode and supernode.returncode > 0 else 0
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _die_with_parent() -> None:

@@ -15,6 +15,10 @@ small HTTPS request per node each time: 2 a second). Its pulls of a message's ob
 them still on their way to the SuperLink and back off from 1 s, get a short backoff
 (``OBJECT_BACKOFF``). Then it runs Flower's command unchanged.
 
+Its reconnection to a SuperLink that went away waits at most ``RECONNECT_SECONDS`` between tries
+(Flower: up to 20 s), so a `fedmvp serve` stopped and started again has its nodes back within
+seconds (``cap_reconnect``).
+
 One fix besides (``release_ended_runs``): a message whose run ends while its objects are pulled
 raised Flower's ``RunNotRunningException``, a ``BaseException``, past the loop's ``except Exception``
 that deletes the message and fails its task; the task was left pending with a message whose
@@ -40,6 +44,7 @@ OBJECT_BACKOFF = (0.02, 0.5)  # Flower: 1 s, doubling to 10 s, while a message's
 IDLE_PULL_SECONDS = 0.5  # Flower: 3 s between two empty pulls from the SuperLink
 FIRST_PULL_SECONDS = 0.05  # right after a reply: the next message is on its way
 LOCAL_POLL_SECONDS = 0.05  # Flower: 0.5 s between two looks at the node's own state (a reply, an object)
+RECONNECT_SECONDS = 4.0  # Flower: MAX_RETRY_DELAY, 20 s, between two tries to reach the SuperLink
 FLOWER_WAITS = ("time.sleep(3)", "time.sleep(0.5)")  # in flwr 1.42's start_client_internal
 
 
@@ -123,11 +128,27 @@ def release_ended_runs(loop: ModuleType) -> bool:
     return True
 
 
+def cap_reconnect() -> bool:
+    """Cap the wait between two tries to reach the SuperLink (Flower's HTTP retry policy reads
+    ``MAX_RETRY_DELAY`` from its module when it builds one); False where this Flower has no such policy."""
+    import importlib
+
+    try:
+        retry = importlib.import_module("flwr.supercore.retry.http_retry")
+    except ImportError:
+        return False
+    if not isinstance(getattr(retry, "MAX_RETRY_DELAY", None), (int, float)):
+        return False
+    retry.MAX_RETRY_DELAY = min(retry.MAX_RETRY_DELAY, RECONNECT_SECONDS)
+    return True
+
+
 def main() -> None:
     import importlib
 
     loop = importlib.import_module("flwr.supernode.start_client_internal")
     release_ended_runs(loop)
+    cap_reconnect()
     if not pace(loop):
         print("fedmvp supernode: warning: this Flower's SuperNode loop is not flwr 1.42's; it runs with "
               "Flower's own waits (3 s between pulls)", file=sys.stderr, flush=True)

@@ -1,0 +1,189 @@
+"""How `fedmvp serve`, `fedmvp join` and `edge-client join` stop: within ``STOP_BOUND`` seconds of
+Ctrl-C or SIGTERM, with one line, and no process of theirs left running (docs/tutorials/across-machines.md,
+"Stopping").
+
+A signal only sets an event (`Stopper`): raising KeyboardInterrupt wherever the main thread happens
+to be can leave a library's lock held, or a wait on a child unbounded, so a stop that follows can
+hang (a `fedmvp serve` once printed nothing after its SuperLink shut down and outlived its 90 s).
+The command's own loop sees the event at its next look and stops in order: every wait of that
+order has a deadline counted from the signal (`Stopper.left`). Should the order still not end in
+time, a watchdog thread started by the signal kills every descendant, prints the line and ends
+the process: the bound holds whatever blocks. Descendants are found through ``/proc`` (Linux), so
+a grandchild (the ServerApp a SuperExec started) is not left behind either. Imports neither
+``fedmvp`` nor torch (an edge device runs it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+STOP_BOUND = 15.0  # seconds from the signal to the command's exit, whatever blocks
+ORDERLY = 11.0  # the orderly stop's share; then SIGKILL, and the watchdog at STOP_BOUND - 1
+NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+
+class Interrupted(Exception):
+    """The command was told to stop (SIGINT or SIGTERM); ``str`` is the one line it prints."""
+
+
+class Stopper:
+    """SIGINT and SIGTERM set ``event``; ``check`` and ``sleep`` turn it into `Interrupted` where the
+    command can stop in order. ``last_words`` is what the watchdog prints if the order overruns."""
+
+    def __init__(self, last_words: str = "stopped") -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self.at = 0.0
+        self.last_words = last_words
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "Stopper":
+        for sig in NAMES:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def name(self) -> str:
+        return NAMES.get(self.signum, "a signal") if self.signum is not None else "nothing"
+
+    def _handle(self, signum: int, _frame) -> None:
+        if self.event.is_set():  # a second Ctrl-C: the stop under way already has its bound
+            return
+        self.signum, self.at = signum, time.monotonic()
+        self.event.set()
+        threading.Thread(target=self._watchdog, daemon=True, name="stop-watchdog").start()
+
+    def _watchdog(self) -> None:
+        time.sleep(max(0.0, STOP_BOUND - 1.0 - (time.monotonic() - self.at)))
+        kill_tree(os.getpid())
+        try:
+            print(f"{self.last_words} (the orderly stop overran {STOP_BOUND - 1:g} s: killed)", file=sys.stderr,
+                  flush=True)
+        finally:
+            os._exit(1)
+
+    def left(self, share: float = ORDERLY) -> float:
+        """Seconds left of the orderly stop (``share`` seconds after the signal); before any signal, ``share``."""
+        if not self.event.is_set():
+            return share
+        return max(0.0, share - (time.monotonic() - self.at))
+
+    def check(self) -> None:
+        if self.event.is_set():
+            raise Interrupted(self.name)
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``, or until told to stop (then `Interrupted`)."""
+        self.event.wait(seconds)
+        self.check()
+
+
+def run_interruptible(args: list[str], stopper: Stopper | None, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """``subprocess.run(args, capture_output=True, text=True, timeout=timeout)`` that a stop ends at
+    once (the child killed, `Interrupted` raised) instead of at its timeout."""
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen) as proc:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                out, err = proc.communicate(timeout=0.2)
+                return subprocess.CompletedProcess(args, proc.returncode, out, err)
+            except subprocess.TimeoutExpired:
+                if (stopper is not None and stopper.event.is_set()) or time.monotonic() > deadline:
+                    proc.kill()
+                    proc.communicate()
+                    if stopper is not None:
+                        stopper.check()
+                    raise subprocess.TimeoutExpired(args, timeout) from None
+
+
+def _table() -> dict[int, tuple[int, str]]:
+    """Every running process's parent and start time (``/proc/PID/stat`` fields 4 and 22; a zombie has
+    ended and is left out); {} without ``/proc``."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z":
+                table[int(entry.name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every living descendant of ``pid`` with its start time (so a pid reused later is not mistaken for it)."""
+    table = _table()
+    found: dict[int, str] = {}
+    frontier = {pid}
+    while frontier:
+        children = {child for child, (parent, _) in table.items() if parent in frontier and child not in found}
+        found.update({child: table[child][1] for child in children})
+        frontier = children
+    return found
+
+
+def signal_pids(pids: dict[int, str], sig: int) -> None:
+    """Send ``sig`` to each of ``pids`` that is still the process it was (same start time)."""
+    table = _table()
+    for pid, started in pids.items():
+        if pid in table and table[pid][1] == started:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def kill_pids(pids: dict[int, str]) -> None:
+    signal_pids(pids, signal.SIGKILL)
+
+
+def alive(pids: dict[int, str]) -> bool:
+    """Whether any of ``pids`` still runs as the process it was (same start time)."""
+    table = _table()
+    return any(pid in table and table[pid][1] == started for pid, started in pids.items())
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL every descendant of ``pid`` (not ``pid`` itself)."""
+    kill_pids(descendants(pid))
+
+
+def stop_processes(procs: list[subprocess.Popen], within: float) -> None:
+    """SIGTERM each of ``procs`` and whatever they started at once (a ServerApp stops in about 4 s,
+    Flower's force-exit bound, whether its SuperLink still runs or not), wait for them together up to
+    ``within`` seconds, then SIGKILL what is left (a grandchild would otherwise outlive its parent)."""
+    family: dict[int, str] = {}
+    for proc in procs:
+        if proc.poll() is None:
+            family.update(descendants(proc.pid))
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    signal_pids(family, signal.SIGTERM)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and (any(proc.poll() is None for proc in procs) or alive(family)):
+        time.sleep(0.05 if any(proc.poll() is None for proc in procs) else 0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            family.update(descendants(proc.pid))
+            proc.kill()
+    kill_pids(family)
+    for proc in procs:
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:  # not reaped in time (a process stuck in the kernel): leave it
+            pass
