@@ -58,9 +58,12 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     from fedmvp_apps.deploy.supernode import LaunchError, LaunchInputError  # ServeError, ServeInputError too
     from fedmvp.presets.schema import PresetError, load_preset
 
-    try:
-        load_preset(config, check_roots=False)
-    except PresetError as err:
+    from fedmvp.clip import ClipLoadError
+    from fedmvp.vocabulary_check import check_preset, write_record
+
+    try:  # the backbone loads offline and tells the classes apart by text (one warning line if not)
+        vocabulary = check_preset(load_preset(config, check_roots=False))
+    except (PresetError, ClipLoadError) as err:
         raise BadInput(str(err)) from None
     if insecure:
         click.echo("warning: --insecure: no TLS, traffic is readable and anyone who reaches the port may join; "
@@ -91,7 +94,9 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
             bar.close()
     from fedmvp.runs import RunDir
 
-    result = {"run_dir": str(run_dir), "status": status, "rounds": RunDir(run_dir).rounds()}
+    write_record(run_dir, vocabulary)
+    result = {"run_dir": str(run_dir), "status": status, "rounds": RunDir(run_dir).rounds(),
+              "vocabulary": vocabulary and vocabulary.record()}
     if as_json:
         emit_json(result)
     else:
