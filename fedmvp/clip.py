@@ -160,12 +160,13 @@ def _offline(allow_download: bool):
 
 
 @contextlib.contextmanager
-def _random_init_is_expected():
+def _random_init_is_expected(dropped: str = "initialized randomly"):
     """Drop open_clip's "No pretrained weights loaded ... initialized randomly" while the
-    architecture is built only to receive a weights file: users read it as a failed load."""
+    architecture is built only to receive a weights file: users read it as a failed load.
+    (``dropped``: "Failed to download" while downloads are off: ``offline_hint`` says it in one line.)"""
 
     def keep(record: logging.LogRecord) -> bool:
-        return "initialized randomly" not in record.getMessage()
+        return dropped not in record.getMessage()
 
     root = logging.getLogger()
     root.addFilter(keep)
@@ -198,8 +199,9 @@ def freeze(model: nn.Module) -> nn.Module:
 
 def _create(name: str, pretrained: str | None, allow_download: bool, cache_dir: str | None,
             quick_gelu: bool = False):
+    quiet = contextlib.nullcontext() if allow_download else _random_init_is_expected("Failed to download")
     try:
-        with _offline(allow_download):
+        with _offline(allow_download), quiet:
             model, _, preprocess = open_clip.create_model_and_transforms(
                 name, pretrained=pretrained, cache_dir=cache_dir, force_quick_gelu=quick_gelu)
     except RuntimeError as err:
@@ -229,9 +231,7 @@ def check_clip(name: str, pretrained: str | None) -> None:
 
 
 def _not_cached(name: str, pretrained: str | None) -> ClipLoadError:
-    return ClipLoadError(f"{name} with pretrained '{pretrained}' is not in the local cache and downloads are off; "
-                         f"pass a weights file (--pretrained /path/to/{name}.safetensors) or allow downloads "
-                         f"(FEDMVP_ALLOW_DOWNLOAD=1)")
+    return ClipLoadError(offline_hint(name, pretrained))
 
 
 def _resolve(name: str, pretrained: str | None, hashed: bool) -> tuple[Path | None, str | None]:
@@ -304,6 +304,15 @@ def load_clip(name: str, pretrained: str | None = None, *, device: str | torch.d
     tokenizer = open_clip.get_tokenizer(name) if is_schema else build_tokenizer(name)
     return LoadedClip(model=model, preprocess=preprocess, tokenizer=tokenizer, name=name,
                       pretrained=pretrained, identity=identity)
+
+
+def offline_hint(name: str, pretrained: str | None) -> str:
+    """The line for weights that only a download would bring: what to set instead. The preset's key, not a
+    flag: `fedmvp train`, `serve` and `join` read the backbone from the preset alone (docs/howto/weights.md)."""
+    return (f"{name} with pretrained '{pretrained}' is not in the local cache and downloads are off; "
+            f"set the preset's [model] pretrained to a weights file (pretrained = \"/path/to/{name}.safetensors\") "
+            f"or allow downloads "
+            f"(FEDMVP_ALLOW_DOWNLOAD=1); see docs/howto/weights.md")
 
 
 def downloads_allowed() -> bool:

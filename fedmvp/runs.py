@@ -15,6 +15,7 @@ runs/<name>/
                                   (a `fedmvp ingest` round adds source: ingest and its files' records)
   metrics.jsonl / metrics.csv     one line per round (losses, Local/Base/New/HM and *_sites; ingest: updates, examples)
   zero_shot.json                  the frozen CLIP's Local/Base/New/HM on the same data
+  vocabulary.json                 can the backbone tell the classes apart by text (vocabulary_check.py)
   accuracy.png                    accuracy per round
   flower.log                      Flower's and Ray's driver's warnings and errors, each left-out reply
                                   (appended, never through a link: fedmvp/federated/flower_log.py)

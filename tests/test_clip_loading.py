@@ -138,7 +138,7 @@ def local_hub(monkeypatch):
 
 def test_download_needed_offline_says_what_to_pass_and_never_asks_the_hub(local_hub, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty hub cache
-    with pytest.raises(ClipLoadError, match=r"downloads are off; pass a weights file"):
+    with pytest.raises(ClipLoadError, match=r"downloads are off; set the preset.s \[model\] pretrained to a weights file"):
         load_clip("ViT-B-32", "openai", cache_dir=str(tmp_path))
     assert local_hub == []  # huggingface_hub was imported before: the env alone would not stop it
     with pytest.raises(ClipLoadError, match="could not fetch ViT-B-32 / openai"):

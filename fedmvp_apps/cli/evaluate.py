@@ -17,8 +17,8 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_
               help="A [federation] run: evaluate on this site's folder DIR/<class>/<image> (or DIR/train + "
                    "DIR/test), its held-out share as `fedmvp join --data` splits it.")
 @click.option("--name", default=None,
-              help="With --data: the site's name (default: the folder's name; a run whose preset lists "
-                   "[[sites]]: one of them).")
+              help="With --data: the site's name (default: as `fedmvp join` names a site, this host's name; a run "
+                   "whose preset lists [[sites]]: one of them, the folder's name or this host's).")
 @click.option("--eval-fraction", type=FiniteFloat(0, 1, min_open=True, max_open=True), default=None,
               help="With --data: share of each class kept for evaluation (default: the preset's eval_fraction, "
                    "0.2; the site's `fedmvp join --eval-fraction`).")
@@ -50,4 +50,9 @@ def evaluate(run_dir: str, round_number: int | None, data: Path | None, name: st
         raise site_folder_error(err) from None
     except (RunError, PresetError) as err:
         raise BadInput(str(err)) from err
-    emit_json(result) if as_json else click.echo(format_table(result))
+    from fedmvp.vocabulary_check import read_record, recorded_warning
+
+    vocabulary = read_record(run_dir)  # measured when the run started (fedmvp.vocabulary_check)
+    if recorded_warning(vocabulary):
+        click.echo(f"warning: {recorded_warning(vocabulary)}", err=True)
+    emit_json({**result, "vocabulary": vocabulary}) if as_json else click.echo(format_table(result))

@@ -46,12 +46,15 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
 
     Runs until stopped (Ctrl-C). Images stay on this machine: only trained tensors and
     evaluation counts are sent. Exit codes: Flower's; 2 for bad arguments or a bad site folder."""
+    from fedmvp.clip import ClipLoadError
     from fedmvp.presets.schema import PresetError, load_preset
+    from fedmvp.vocabulary_check import check_preset
     from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
     from fedmvp_formats.messages import THREADS
 
     try:
         preset = load_preset(config, check_roots=False)
+        check_preset(preset)  # the backbone loads offline and tells the classes apart (one warning line if not)
         if preset.federation is not None:
             node_config = named_site_node_config(config, data, name or socket.gethostname(), eval_fraction)
         else:
@@ -64,7 +67,7 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
         if threads is not None:  # the node config's threads: the site's ClientApp sets torch's (client_app._threads)
             node_config += f" {THREADS}={threads}"
         args = supernode_command(superlink, node_config, root_certificates, auth_key, insecure, port)
-    except (PresetError, LaunchError) as err:
+    except (PresetError, LaunchError, ClipLoadError) as err:
         raise BadInput(str(err)) from None
     if insecure:
         click.echo("warning: --insecure: no TLS; use it only for a trial", err=True)

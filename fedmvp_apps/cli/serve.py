@@ -66,11 +66,15 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     from fedmvp.presets.schema import PresetError, load_preset
     from fedmvp.runs import RunDir, RunError
 
+    from fedmvp.clip import ClipLoadError
+    from fedmvp.vocabulary_check import check_preset, write_record
+
     try:
         preset = load_preset(config, check_roots=False)
         if not RunDir(run_dir).exists():  # a new run: what its ServerApp would only find once started
             check_startable(preset, simulation=False)
-    except (PresetError, RunError) as err:
+        vocabulary = check_preset(preset)  # the backbone tells the classes apart by text (one warning line if not)
+    except (PresetError, RunError, ClipLoadError) as err:
         raise BadInput(str(err)) from None
     check_run_lock(run_dir, break_lock)
     check_resume(config, run_dir, rounds)
@@ -105,7 +109,9 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
         if bar is not None:
             bar.close()
 
-    result = {"run_dir": str(run_dir), "status": status, "rounds": RunDir(run_dir).rounds()}
+    write_record(run_dir, vocabulary)
+    result = {"run_dir": str(run_dir), "status": status, "rounds": RunDir(run_dir).rounds(),
+              "vocabulary": vocabulary and vocabulary.record()}
     if as_json:
         emit_json(result)
     else:

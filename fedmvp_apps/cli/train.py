@@ -10,6 +10,7 @@ from fedmvp.atomic import os_error_line
 from fedmvp_apps.cli.common import BadInput, break_lock_option, echo_run_table, emit_json, quiet_open_clip_logging
 
 if TYPE_CHECKING:
+    from fedmvp.clip import LoadedClip
     from fedmvp.runs import RunDir
 
 
@@ -27,7 +28,9 @@ def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume
 
     try:
         with lock_existing(run_dir, command, break_lock):
+            clip = None if resume else _backbone(config)  # before the run directory is written
             run = _prepare(config, rounds, run_dir, resume, device)
+            check_vocabulary(run, clip)
             with run_lock(run.path, command, can_wait=False, break_lock=break_lock):
                 return _simulate(run, eval_every, progress)
     except RunLockError as err:
@@ -48,6 +51,34 @@ def _prepare(config: str, rounds: int | None, run_dir: str | None, resume: bool,
         raise BadInput(str(err)) from err
     except OSError as err:  # a missing file, a read-only or full disk (the run directory is probed first)
         raise BadInput(os_error_line(err)) from err
+
+
+def _backbone(config: str) -> LoadedClip:
+    """The preset's frozen CLIP, loaded before anything is written: weights that cannot load offline are
+    bad input (one line, exit 2), not a simulation that fails."""
+    from fedmvp.clip import ClipLoadError
+    from fedmvp.presets.schema import PresetError, load_preset
+    from fedmvp.vocabulary_check import load_backbone
+
+    try:
+        preset = load_preset(config, check_roots=False)
+        return load_backbone(preset.model.clip, preset.model.pretrained, preset.seed)
+    except (PresetError, ClipLoadError) as err:
+        raise BadInput(str(err)) from None
+
+
+def check_vocabulary(run: RunDir, clip: LoadedClip | None = None) -> None:
+    """Before any round: can the backbone tell the run's classes apart by text? One warning line if not,
+    the figures in RUN/vocabulary.json (``fedmvp.vocabulary_check``). ``clip``: the run's backbone, if
+    already loaded (a resumed run's is loaded here, from its record)."""
+    from fedmvp.clip import ClipLoadError
+    from fedmvp.vocabulary_check import check_run, load_backbone
+
+    try:
+        clip = clip or load_backbone(*run.clip_spec(), run.seed)
+    except ClipLoadError as err:
+        raise BadInput(str(err)) from None
+    check_run(run.path, run.class_set(), clip)
 
 
 def _simulate(run: RunDir, eval_every: int, progress: bool) -> RunDir:
@@ -97,7 +128,9 @@ def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, ev
         run = train_or_resume(config, rounds, run_dir, resume, eval_every, device, break_lock=break_lock)
         if as_json:
             from fedmvp.run_metrics import read_metrics
-            emit_json({"run_dir": str(run.path), "final": (read_metrics(run) or [{}])[-1]})
+            from fedmvp.vocabulary_check import read_record
+            emit_json({"run_dir": str(run.path), "final": (read_metrics(run) or [{}])[-1],
+                       "vocabulary": read_record(run.path)})
             return
         from fedmvp.federated.evaluation import evaluate_run
         result = evaluate_run(run)

@@ -148,7 +148,7 @@ def test_data_evaluates_a_round_on_one_sites_folder_as_that_site_does(served):
     from fedmvp.runs import RunDir
 
     preset = preset_of(served)
-    per_site = {site: evaluated(served, "--round", 2, "--data", site_folder(preset, name))
+    per_site = {site: evaluated(served, "--round", 2, "--data", site_folder(preset, name), "--name", name)
                 for site, name in enumerate(SITES)}
     record = plan_record(RunDir(served).preset(), list(SITES))
     combined = combine_counts(record, {site: _site_counts(per_site[site], name) for site, name in enumerate(SITES)})
@@ -197,7 +197,7 @@ def test_eval_fraction_changes_the_held_out_share(served):
     assert half["site"]["eval_fraction"] == 0.5
     assert (default["site"]["images"]["local"], half["site"]["images"]["local"]) == (2, 4)
     assert half["counts"] != default["counts"]
-    table = cli(evaluate, "--run", served, "--round", 1, "--data", folder, "--eval-fraction", 0.5)
+    table = cli(evaluate, "--run", served, "--round", 1, "--data", folder, "--eval-fraction", 0.5, "--name", "a")
     assert table.exit_code == 0, table.output
     assert f"on site a's folder {folder}" in table.output and "held-out images: local 4, base 4, new 4" in table.output
     named = evaluated(served, "--round", 1, "--data", folder, "--name", "st-marys")  # a label in an open run
