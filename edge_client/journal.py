@@ -39,6 +39,8 @@ def start_scratch(root: Path) -> None:
 def clean_scratch(root: Path) -> None:
     """Remove every scratch directory and the journal's temp files (none of it is part of a bundle)."""
     for name in REFRESH_SCRATCH:
+        if (root / name).is_symlink():  # planted: the link goes, what it points at stays (never written)
+            (root / name).unlink()
         shutil.rmtree(root / name, ignore_errors=True)
     for temp in root.glob(f".{REFRESH_JOURNAL}.*{TEMP_SUFFIX}"):
         temp.unlink(missing_ok=True)

@@ -45,8 +45,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,8 @@ import numpy as np
 from fedmvp_formats.atomic import copy_file, temp_is_removable, write_bytes
 from fedmvp_formats.bundle_manifest import PERSONALISED
 from fedmvp_formats.files import sha256_file
+from fedmvp_formats.holder_lock import flock_dir
+from fedmvp_formats.nofollow import UnsafePath, refuse_linked_dir
 
 from edge_client.bundle import Bundle, BundleError
 from edge_client.bundle_files import plain_name
@@ -114,27 +116,26 @@ class ActiveLora:
                    if self.personalised else {})}
 
 
-@contextmanager
-def personalisation_lock(bundle_dir: str | os.PathLike) -> Iterator[None]:
-    """Hold the bundle's personalisation lock (blocking) for one read-modify-write of its state.
+def personalisation_lock(bundle_dir: str | os.PathLike) -> contextlib.AbstractContextManager:
+    """Hold the bundle's personalisation lock (blocking) for one read-modify-write of its state: an flock
+    of the bundle directory itself (``fedmvp_formats.holder_lock.flock_dir``), which writes nothing.
 
     Standard library only; where ``fcntl`` is missing (Windows) changes are not serialised."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
-    fd = os.open(Path(bundle_dir), os.O_RDONLY)  # a directory can be flocked like a file
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+    return flock_dir(bundle_dir)
 
 
 def state_dir(bundle: Bundle) -> Path:
     """Where the personalisation lives (beside the hashed files, never among them)."""
     return Path(bundle.path) / PERSONALISED
+
+
+def _writable_state_dir(bundle: Bundle) -> Path:
+    """`state_dir`, checked again under the lock before anything is written or deleted there: a link
+    planted since the bundle was opened (a train lasts minutes) would take the writes outside the bundle."""
+    try:
+        return refuse_linked_dir(state_dir(bundle))
+    except UnsafePath as err:
+        raise PersonalisationError(str(err)) from None
 
 
 def _empty_state(bundle: Bundle) -> dict[str, Any]:
@@ -275,9 +276,10 @@ def _apply(bundle: Bundle, update: Update, store: Callable[[Path], Path], source
             raise PersonalisationError(f"{update.path or 'the trained LoRA'}: trained on bundle "
                                        f"{update.bundle_id[:12]}, which was refreshed meanwhile (now "
                                        f"{bundle.id[:12]}); not applied")
+        directory = _writable_state_dir(bundle)
         state = read_state(bundle) or _empty_state(bundle)
         name = f"lora-{state['next']:04d}.safetensors"
-        target = store(state_dir(bundle) / name)
+        target = store(directory / name)
         entry = {"file": name, "sha256": sha256_file(target), "bytes": target.stat().st_size, "applied": utc_now(),
                  "update": {**({"source": source} if source else {}),
                             **{k: update.metadata[k] for k in _UPDATE_KEYS if k in update.metadata}}}
@@ -313,8 +315,11 @@ def _rollback_locked(bundle: Bundle, to_bundle: bool) -> None:
             raise _nothing(bundle)
         aside = directory.with_name(f".{PERSONALISED}.removed-{os.getpid()}-{os.urandom(4).hex()}")
         os.replace(directory, aside)  # the commit point: one rename
+        if aside.is_symlink():
+            aside.unlink()  # a link planted as personalised/: it goes, what it points at stays
         shutil.rmtree(aside, ignore_errors=True)
         return
+    _writable_state_dir(bundle)
     state = read_state(bundle)
     if state is None or state.get("active") is None:
         raise _nothing(bundle)

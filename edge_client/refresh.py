@@ -88,16 +88,19 @@ def derive_text(features: np.ndarray, tensors: Mapping[str, np.ndarray], eps: fl
     return {name: np.ascontiguousarray(array, dtype=np.float32) for name, array in out.items()}
 
 
-def recover_refresh(bundle_dir: str | Path) -> str | None:
+def recover_refresh(bundle_dir: str | Path, break_lock: bool = False) -> str | None:
     """Complete a refresh or rollback a crash interrupted ("refresh" / "restore"); None if there was none.
 
     Call it when the device starts: afterwards the bundle verifies as either the old or the new one.
     A bundle whose lock is held is left alone (None): its holder is alive and finishes its own change
-    (recovering under it would delete the files it is staging)."""
+    (recovering under it would delete the files it is staging). A lock whose record names another host
+    raises `BundleBusy` (that holder cannot be checked from here) unless ``break_lock``."""
     try:
-        with bundle_lock(bundle_dir):
+        with bundle_lock(bundle_dir, break_lock=break_lock):
             return journal.recover(Path(bundle_dir))
-    except BundleBusy:
+    except BundleBusy as busy:
+        if busy.elsewhere:
+            raise
         return None
 
 
@@ -173,10 +176,10 @@ def _replace(name: str) -> list[tuple[str, str]]:
     return [(name, f"{REFRESH_PREVIOUS}/{name}"), (f"{REFRESH_NEW}/{name}", name)]
 
 
-def restore_previous(bundle_dir: str | Path, wait: float = 0.0) -> Bundle:
+def restore_previous(bundle_dir: str | Path, wait: float = 0.0, break_lock: bool = False) -> Bundle:
     """Undo the last refresh: the previous files and personalisation come back, the refreshed ones go.
     Under the bundle's lock (``wait``: seconds to wait for another holder, else `BundleBusy`)."""
-    with bundle_lock(bundle_dir, wait):
+    with bundle_lock(bundle_dir, wait, break_lock=break_lock):
         return _restore_locked(Path(bundle_dir))
 
 

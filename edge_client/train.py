@@ -136,7 +136,8 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
                 options: TrainOptions | None = None, *, progress: bool = False,
                 on_step: Callable[[int, float], None] | None = None,
                 start_lora: Mapping[str, np.ndarray] | None = None, allow_run_dir: bool = False,
-                wait: float = 0.0, privacy: PrivacyRecord | None | str = "bundle", **overrides: Any) -> TrainResult:
+                wait: float = 0.0, privacy: PrivacyRecord | None | str = "bundle", break_lock: bool = False,
+                **overrides: Any) -> TrainResult:
     """Train the bundle's LoRA on ``data`` (ImageFolder of bundle classes); the result holds the trained
     tensors (`TrainResult.tensors`) and, where ``options.out`` names one, the update file written.
 
@@ -149,7 +150,8 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
     no update file. The update file may not land inside a bundle or (unless ``allow_run_dir``) a run
     directory, nor replace a file; ``options.apply`` makes the result the device's active LoRA.
     The bundle's lock is held throughout (``edge_client.bundle_lock``): the LoRA it starts from is
-    still the active one when the result is applied; ``wait``: seconds to wait for another holder.
+    still the active one when the result is applied; ``wait``: seconds to wait for another holder;
+    ``break_lock``: take over a lock whose record names another host (docs/security.md).
     ``privacy``: the ``[privacy]`` settings the result obeys (``"bundle"``: the manifest's, `Bundle.privacy`;
     None: none): its delta against ``start_lora`` (else the bundle's LoRA, what the server subtracts) is
     clipped to ``clip_norm`` and, in local mode, noised before anything is written (docs/howto/privacy.md).
@@ -158,7 +160,8 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
     """
     began = time.perf_counter()
     options = dataclasses.replace(options or TrainOptions(), **overrides)  # checks them (TrainInputError)
-    with bundle_lock(bundle.path if isinstance(bundle, Bundle) else Bundle.resolve_dir(bundle), wait):
+    with bundle_lock(bundle.path if isinstance(bundle, Bundle) else Bundle.resolve_dir(bundle), wait,
+                     break_lock=break_lock):
         return _train_locked(data, Bundle.open(bundle, verify=True), options, began, progress, on_step, start_lora,
                              allow_run_dir, privacy)
 

@@ -46,7 +46,7 @@ from export.run_inputs import export_images, find_run, images_folder, load_check
 from fedmvp.clip import LoadedClip
 from fedmvp.federated.privacy_budget import round_privacy
 from fedmvp.model import FedMVP
-from fedmvp.runs import warn
+from fedmvp.runs import RunError, warn
 
 # 256: with 64 images "99% top-1 agreement" means all of them, and one near-tie decides; 256 lets the
 # fp16/int8 criterion mean what it says. The same count of training images calibrates int8.
@@ -362,6 +362,10 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     run_dir = find_run(run, Path(runs_root))
     config = read_config(run_dir)
     checkpoint = load_checkpoint(run_dir, round_number)
+    try:  # [privacy]: what the round has spent, read before anything is built or written
+        privacy = round_privacy(run_dir, checkpoint.round)
+    except RunError as err:
+        raise ExportError(str(err)) from None
     target = Path(out) if out is not None else default_out(run_dir.path, checkpoint.round, precision)
     check_out(target, force, discard_device_state)
     folder = images_folder(images)
@@ -382,7 +386,7 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     return write_bundle(model, clip, classes, target, images=chosen.parity, precision=precision, force=force,
                         source=source, image_note=chosen.note, calibration=chosen.calibration, training=training,
                         progress=progress, discard_device_state=discard_device_state,
-                        privacy=round_privacy(run_dir, checkpoint.round), labels=chosen.labels,
+                        privacy=privacy, labels=chosen.labels,
                         max_accuracy_drop=DEFAULT_MAX_ACCURACY_DROP if max_accuracy_drop is None else max_accuracy_drop,
                         ship_images=ship_images, int8_scheme=int8_scheme or "auto",
                         real_calibration=chosen.calibration_real)

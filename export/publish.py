@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from fedmvp_formats.atomic import replace_dir
 from fedmvp_formats.bundle_manifest import MANIFEST, PERSONALISED, PREVIOUS, REFRESH_JOURNAL, REFRESH_SCRATCH
 
+from edge_client.bundle import BundleError
 from edge_client.bundle_lock import LOCK, BundleBusy, bundle_lock
 from export.errors import ExportError
 
@@ -64,12 +65,16 @@ def _refusal(out: Path, force: bool, discard_device_state: bool) -> list[str]:
 def _bundle_locked(out: Path) -> Iterator[None]:
     """Hold an existing ``out``'s bundle lock: no `edge-client train`, refresh or rollback is changing
     it (one that is makes the export fail with one line naming it, and ``out`` stays as it was)."""
-    try:
-        with bundle_lock(out, command="fedmvp-export --force"):
-            yield
-    except BundleBusy as busy:
-        raise ExportError(f"{busy.holder}; {out} was not replaced (run fedmvp-export --force again when it "
-                          f"ends)") from None
+    with ExitStack() as held:
+        try:
+            held.enter_context(bundle_lock(out, command="fedmvp-export --force"))
+        except BundleBusy as busy:
+            again = (f"if that process is gone, remove {out / LOCK}, then run fedmvp-export --force again"
+                     if busy.elsewhere else "run fedmvp-export --force again when it ends")
+            raise ExportError(f"{busy.holder}; {out} was not replaced ({again})") from None
+        except BundleError as err:  # its .lock is a link or not a file: nothing is written through it
+            raise ExportError(str(err)) from None
+        yield
 
 
 def publish(tmp: Path, out: Path, force: bool, discard_device_state: bool = False) -> list[str]:

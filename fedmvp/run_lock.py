@@ -17,58 +17,55 @@ itself. Only the process counts, not its children: the fd is close-on-exec, and 
 inherits the registry but not the ownership (it compares its pid), so it neither shares nor
 releases the lock.
 
-``fcntl.flock`` on ``RUN/.lock``, which holds the holder's record (pid, host, since, command)
-and exists only while held: it is removed, still locked, before it is released, so a run
-directory an ingest refused is byte for byte what it was. A waiter that locked a file meanwhile
-removed locks the new one. A holder killed with SIGKILL loses its flock in the kernel; its
-record stays, and the next holder warns that it takes the lock over. The record is written in
-place, not through ``atomic`` (a renamed file would be another lock). POSIX only; elsewhere
-nothing is locked.
+The lock file itself is the project's one (``fedmvp_formats.holder_lock``): ``RUN/.lock`` holds the
+holder's record (pid, host, since, command) and exists only while held, so a run directory an ingest
+refused is byte for byte what it was. It is never written through a link: a ``.lock`` that is a symbolic
+link or not a regular file is refused (one line, `RunError`, exit 2). A record of a holder killed on this
+host is taken over with a warning; one naming another host is refused (`RunBusy`) unless the operator
+passes ``break_lock`` (``--break-lock``): ``flock`` is local to each host on many shared file systems.
+POSIX only; elsewhere nothing is locked.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import socket
-import sys
-import time
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-from fedmvp.runs import RunError, warn
+from fedmvp_formats.holder_lock import BREAK_HINT, LockBusy, acquire, release
+from fedmvp_formats.nofollow import UnsafePath
+
+from fedmvp.runs import RunError
 
 LOCK_NAME = ".lock"
 _HELD: dict[str, int] = {}  # lock path (resolved) -> pid of the process that holds it (see "re-entrant")
 
 
-class RunBusy(RunError):
+class RunLockError(RunError):
+    """The run's lock cannot be taken (held, held on another host, or its file is a link): nothing was
+    written; the message is one line naming ``RUN/.lock``."""
+
+
+class RunBusy(RunLockError):
     """Another process holds the run's lock; the message names it (pid, host, since, command)."""
 
 
-def holder_line(record: dict[str, Any] | None) -> str:
-    """Who holds (or held) a lock, for one line of text."""
-    if not record:
-        return "another process (no readable record of it)"
-    return "pid {pid} on {host} since {since} ({command})".format(**{
-        key: record.get(key, "?") for key in ("pid", "host", "since", "command")})
-
-
-def run_lock(run_dir: str | os.PathLike, command: str, wait: float = 0.0, can_wait: bool = True) -> "RunLock":
+def run_lock(run_dir: str | os.PathLike, command: str, wait: float = 0.0, can_wait: bool = True,
+             break_lock: bool = False) -> "RunLock":
     """``with run_lock(run, "fedmvp ingest", wait=30):`` holds ``RUN/.lock`` as ``command`` for the
     block; ``wait``: seconds to wait for another holder (0 refuses at once with `RunBusy`,
-    ``math.inf`` waits as long as it takes); ``can_wait``: whether the refusal may suggest --wait."""
-    return RunLock(run_dir, command, wait, can_wait)
+    ``math.inf`` waits as long as it takes); ``can_wait``: whether the refusal may suggest --wait;
+    ``break_lock``: take over a lock whose record names another host (the operator said it is gone)."""
+    return RunLock(run_dir, command, wait, can_wait, break_lock)
 
 
 class RunLock:
     """The run's lock as a context manager (`run_lock`)."""
 
-    def __init__(self, run_dir: str | os.PathLike, command: str, wait: float = 0.0, can_wait: bool = True) -> None:
+    def __init__(self, run_dir: str | os.PathLike, command: str, wait: float = 0.0, can_wait: bool = True,
+                 break_lock: bool = False) -> None:
         self.path = Path(run_dir) / LOCK_NAME
-        self.command, self.wait, self.can_wait = command, wait, can_wait
+        self.command, self.wait, self.can_wait, self.break_lock = command, wait, can_wait, break_lock
         self.fd: int | None = None
         self.key = os.path.realpath(self.path)
         self.nested = False
@@ -78,30 +75,13 @@ class RunLock:
             self.nested = True  # this process holds it already (the simulated ServerApp): one writer
             return self
         try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX
-            return self
-        give_up = time.monotonic() + self.wait
-        announced = False
-        while self.fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                self._refuse_or_pause(give_up, announce=not announced)
-                announced = True
-                continue
-            if self._names(fd):
-                self.fd = fd
-            else:
-                os.close(fd)  # the holder removed it as we locked it: lock the current one
-        _HELD[self.key] = os.getpid()
-        try:
-            self._take_over()
-        except BaseException:
-            self.__exit__()
-            raise
+            self.fd = acquire(self.path, self.command, self.wait, "run", self.break_lock)
+        except UnsafePath as err:
+            raise RunLockError(str(err)) from None
+        except LockBusy as busy:
+            raise RunBusy(self._refusal(busy)) from None
+        if self.fd is not None:
+            _HELD[self.key] = os.getpid()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -111,59 +91,24 @@ class RunLock:
         if self.fd is not None:
             if _HELD.get(self.key) == os.getpid():  # not in a forked child: its copy of the fd releases nothing
                 del _HELD[self.key]
-                self.path.unlink(missing_ok=True)  # nothing renames a run directory while it is locked
-            os.close(self.fd)
+                release(self.fd, self.path)  # nothing renames a run directory while it is locked
+            else:
+                os.close(self.fd)
             self.fd = None
 
-    def _refuse_or_pause(self, give_up: float, announce: bool) -> None:
-        """`RunBusy` once the wait is over, else a pause (saying once whom it waits for)."""
-        busy = f"{self.path}: run in use by {holder_line(self._holder())}"
-        if time.monotonic() >= give_up:
-            again = "try again when it ends" + (", or pass --wait" if self.can_wait else "")
-            raise RunBusy(f"{busy}; nothing was written ({again})")
-        if announce:
-            print(f"waiting: {busy}", file=sys.stderr, flush=True)
-        time.sleep(0.1)
-
-    def _names(self, fd: int) -> bool:
-        """Whether the lock path is still the file ``fd`` has open."""
-        try:
-            return os.path.samestat(os.stat(self.path), os.fstat(fd))
-        except FileNotFoundError:
-            return False
-
-    def _holder(self) -> dict[str, Any] | None:
-        """The holder's record, read again for a moment when it has only just locked."""
-        for _ in range(20):
-            try:
-                record = json.loads(self.path.read_text(encoding="utf-8"))
-                if isinstance(record, dict):
-                    return record
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.02)
-        return None
-
-    def _take_over(self) -> None:
-        """Warn about a dead holder's record, then write this process's."""
-        fd = self.fd
-        old = os.pread(fd, 4096, 0)
-        if old.strip():
-            try:
-                record = json.loads(old)
-            except ValueError:
-                record = None
-            warn(f"{self.path}: taking over the lock of {holder_line(record)}: that process is gone")
-        mine = {"pid": os.getpid(), "host": socket.gethostname(),
-                "since": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "command": self.command}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(mine).encode("utf-8"), 0)
+    def _refusal(self, busy: LockBusy) -> str:
+        """The one line of `RunBusy`: who holds the run, and what the operator can do."""
+        wait = ", or pass --wait" if self.can_wait else ""
+        if busy.elsewhere:
+            return f"{busy.line}; nothing was written ({BREAK_HINT}{wait})"
+        return f"{busy.line}; nothing was written (try again when it ends{wait})"
 
 
-def lock_existing(run_dir: str | os.PathLike | None, command: str) -> contextlib.AbstractContextManager:
+def lock_existing(run_dir: str | os.PathLike | None, command: str, break_lock: bool = False
+                  ) -> contextlib.AbstractContextManager:
     """``run_lock`` when ``run_dir`` is an existing directory, else nothing: a writer that may create
     the run (fresh `fedmvp train`, a deployed ServerApp's first start) locks it early when it can, before
     it reads or writes config.json, and later again (re-entrant) once the directory exists."""
     if run_dir and Path(run_dir).is_dir():
-        return run_lock(run_dir, command, can_wait=False)
+        return run_lock(run_dir, command, can_wait=False, break_lock=break_lock)
     return contextlib.nullcontext()

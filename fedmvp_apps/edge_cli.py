@@ -3,7 +3,8 @@
 Exit codes: 0 ok; 1 some files failed (infer), training failed, nothing to roll back;
 2 bad input (unreadable or tampered bundle, unknown class, unavailable provider, bad
 options), or the bundle is locked by another command (`train`, `rollback`: one line naming it;
---wait waits instead); 130 interrupted. `infer` and `rollback` never import torch; `train` imports it
+--wait waits instead; a lock of another host is taken over only with --break-lock), or its .lock is a
+link (docs/security.md); 130 interrupted. `infer` and `rollback` never import torch; `train` imports it
 when it starts training, `info` only to report on it. `train`'s defaults and most of its
 help come from `TrainOptions`, the one place they are defined.
 """
@@ -25,6 +26,9 @@ EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 _BUNDLE_HELP = "Bundle directory (default: $FEDMVP_BUNDLE, then ./bundle)."
 _WAIT_HELP = ("When another command holds the bundle's lock (BUNDLE/.lock: a train, a refresh, a rollback), "
               "wait for it to finish instead of exiting 2.")
+_BREAK_HELP = ("Take over the bundle's lock (BUNDLE/.lock) when its record names a process on ANOTHER host that "
+               "you know is gone (a bundle on a shared file system: flock cannot see other hosts' processes). "
+               "Without it such a lock is refused (exit 2, one line naming host, pid and since).")
 
 
 def _bundle_option(f: Any) -> Any:
@@ -47,6 +51,8 @@ def _provider_options(f: Any) -> Any:
 
 
 def _wait_option(f: Any) -> Any:
+    """--wait, and --break-lock (both about the bundle's lock)."""
+    f = click.option("--break-lock", is_flag=True, help=_BREAK_HELP)(f)
     return click.option("--wait", is_flag=True, help=_WAIT_HELP)(f)
 
 
@@ -187,7 +193,7 @@ def _train_option(*decls: str, name: str, **kwargs: Any) -> Any:
 @_json_option
 def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, max_memory_gb: float | None,
           out: Path, lr: float, optimizer: str, alpha: float | None, device: str, seed: int, from_bundle: bool,
-          no_apply: bool, threads: int | None, wait: bool, as_json: bool) -> None:
+          no_apply: bool, threads: int | None, wait: bool, break_lock: bool, as_json: bool) -> None:
     """Train only the LoRA tensors on local labelled images (needs torch: fedmvp[edge-train]).
 
     Loss: cross-entropy over the bundle's classes + alpha * (1 - cos(prompted, frozen CLIP
@@ -207,7 +213,8 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
         options = TrainOptions(epochs=epochs, batch_size=batch_size, max_memory_gb=max_memory_gb, out=out, lr=lr,
                                optimizer=optimizer.lower(), alpha=alpha, device=device.lower(), seed=seed,
                                apply=not no_apply, start="bundle" if from_bundle else "active", threads=threads)
-        result = train_local(data, bundle, options, progress=not as_json, wait=_patience(wait))
+        result = train_local(data, bundle, options, progress=not as_json, wait=_patience(wait),
+                             break_lock=break_lock)
     except KeyboardInterrupt:
         _fail(as_json, EXIT_INTERRUPTED, "interrupted: nothing was written, the bundle is unchanged")
     except (TrainInputError, BundleError, UpdateError) as err:
@@ -244,7 +251,8 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
                    "on them come back (kept in BUNDLE/previous/).")
 @_wait_option
 @_json_option
-def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, wait: bool, as_json: bool) -> None:
+def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, wait: bool, break_lock: bool,
+             as_json: bool) -> None:
     """Undo the last `edge-client train` personalisation: infer runs the previous LoRA again."""
     from edge_client.bundle import Bundle, BundleError
     from edge_client.bundle_lock import bundle_lock
@@ -254,10 +262,10 @@ def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, wait: bool, as
     if refresh:
         if to_bundle:
             _fail(as_json, EXIT_INPUT, "--refresh and --all cannot be combined")
-        _rollback_refresh(Bundle.resolve_dir(bundle), as_json, _patience(wait))
+        _rollback_refresh(Bundle.resolve_dir(bundle), as_json, _patience(wait), break_lock)
         return
     try:
-        with bundle_lock(Bundle.resolve_dir(bundle), _patience(wait)):
+        with bundle_lock(Bundle.resolve_dir(bundle), _patience(wait), break_lock=break_lock):
             verified = Bundle.open(bundle, verify=True)
             active = do_rollback(verified, to_bundle=to_bundle)
     except NothingToRollBack as err:
@@ -273,13 +281,13 @@ def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, wait: bool, as
         click.echo(f"rolled back: {verified.path} now runs the {active.describe()}")
 
 
-def _rollback_refresh(path: Path, as_json: bool, wait: float) -> None:
+def _rollback_refresh(path: Path, as_json: bool, wait: float, break_lock: bool) -> None:
     """`rollback --refresh`: the bundle as it was before its last refresh."""
     from edge_client.bundle import BundleError
     from edge_client.refresh import NoPreviousBundle, restore_previous
 
     try:
-        restored = restore_previous(path, wait)
+        restored = restore_previous(path, wait, break_lock)
     except NoPreviousBundle as err:
         _fail(as_json, EXIT_FAILED, str(err))
     except BundleError as err:

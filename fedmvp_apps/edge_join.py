@@ -26,12 +26,13 @@ from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernod
 EDGE_JOIN_INSTALL = "fedmvp[edge-join]"
 
 
-def check_node(node) -> dict:
-    """Open what the node will use each round, so a bad path fails now, not in round 1."""
+def check_node(node, break_lock: bool = False) -> dict:
+    """Open what the node will use each round, so a bad path fails now, not in round 1 (a bundle lock whose
+    record names another host too, unless ``break_lock`` takes it over)."""
     from edge_client.bundle import Bundle
     from edge_client.refresh import recover_refresh
 
-    recover_refresh(node.bundle)
+    recover_refresh(node.bundle, break_lock)
     bundle = Bundle.open(node.bundle, verify=True)
     bundle.require_trainable()
     if node.device == "cuda":
@@ -112,11 +113,14 @@ def _option(*decls: str, name: str, **kwargs):
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for training and inference.")
 @click.option("--port", type=click.IntRange(1, 65535), default=None,
               help="Local port of the SuperNode's own API (default: a free one).")
+@click.option("--break-lock", is_flag=True,
+              help="Take over the bundle's lock (BUNDLE/.lock) when its record names a process on ANOTHER host "
+                   "that you know is gone; without it such a lock is refused before the node starts (exit 2).")
 @runtime_options
 def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None, eval_fraction: float,
          root_certificates: Path | None, auth_key: Path | None, insecure: bool, device: str,
          max_memory_gb: float | None, epochs: int, lr: float, optimizer: str, out: Path | None, personalise: bool,
-         threads: int | None, port: int | None, runtime: str, precision: str) -> None:
+         threads: int | None, port: int | None, break_lock: bool, runtime: str, precision: str) -> None:
     """Join a federation as an edge device: each round it is asked, train the global LoRA on DATA.
 
     Runs a Flower SuperNode until stopped (Ctrl-C). Only LoRA tensors, the number of images
@@ -133,7 +137,7 @@ def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None
                               max_memory_gb=max_memory_gb, epochs=epochs, lr=lr, optimizer=optimizer.lower(),
                               threads=threads, runtime=runtime.lower(), precision=precision.lower())
         node.options(1)  # the training options are valid (TrainInputError otherwise)
-        summary = check_node(node)
+        summary = check_node(node, break_lock)
         args = supernode_command(superlink, node.to_node_config(), root_certificates, auth_key, insecure, port,
                                  install=EDGE_JOIN_INSTALL)
     except (TrainInputError, BundleError, LaunchError, ProviderError) as err:

@@ -6,6 +6,11 @@ written. So: write a temp file in the target's folder (same file system, so the 
 fsync it, give it the mode of the file it replaces (else what ``open(path, "w")`` would give: 0o666
 less the umask, not ``mkstemp``'s 0o600) unless the caller names one, ``os.replace`` it over the
 target and fsync the folder so the rename itself survives a power cut. Standard library only.
+
+Never through a link (docs/security.md, "Links planted in a run or a bundle"): the temp file is created
+with ``O_EXCL | O_NOFOLLOW`` (``mkstemp``) and written, fsynced and chmodded through the descriptor that
+created it, and it must still be that file when it is renamed; the rename replaces a link at the target
+(the link goes, what it pointed at is untouched), whose target's mode is not copied.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from fedmvp_formats.nofollow import UnsafePath, open_nofollow
 
 TEMP_SUFFIX = ".tmp"  # temp files are ".<name>.<pid>.<random>.tmp" next to the target
 
@@ -71,26 +79,50 @@ def new_file_mode() -> int:
     return 0o666 & ~umask()
 
 
-def _temp_beside(path: Path) -> Path:
-    """A new empty temp file beside ``path`` (its folder is created), named for `temp_is_removable`."""
+def _temp_beside(path: Path) -> tuple[int, Path]:
+    """A new empty temp file beside ``path`` (its folder is created), named for `temp_is_removable`, and
+    its descriptor: ``mkstemp`` opens with ``O_EXCL | O_NOFOLLOW``, so a link planted at the name is
+    never followed (another random name is taken)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=path.parent)
-    os.close(fd)
-    return Path(tmp)
+    return fd, Path(tmp)
 
 
-def _commit(tmp: Path, path: Path, mode: int | None) -> None:
-    """fsync ``tmp``, give it its mode, rename it over ``path``, fsync the folder; ``tmp`` goes on error."""
+def _mode_of(path: Path) -> int:
+    """The mode a replacement of ``path`` gets: that of the regular file it replaces (not a link's target's)."""
     try:
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode if mode is not None else
-                 path.stat().st_mode & 0o777 if path.exists() else new_file_mode())
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return new_file_mode()
+    return info.st_mode & 0o777 if stat.S_ISREG(info.st_mode) else new_file_mode()
+
+
+def _commit(fd: int, tmp: Path, path: Path, mode: int | None) -> None:
+    """fsync the temp file ``fd``, give it its mode, rename it over ``path``, fsync the folder; ``tmp``
+    goes on error. A temp name that no longer names ``fd``'s file (replaced meanwhile) is refused."""
+    try:
+        os.fsync(fd)
+        os.fchmod(fd, mode if mode is not None else _mode_of(path))
+        here, held = os.lstat(tmp), os.fstat(fd)
+        if (here.st_dev, here.st_ino) != (held.st_dev, held.st_ino):
+            raise UnsafePath(tmp, "replaced while it was written (not the temp file this process created)")
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp, fd)
         raise
+    os.close(fd)
     fsync_dir(path.parent)
+
+
+def _discard(tmp: Path, fd: int) -> None:
+    """Remove a temp file (only while its name is still the file this process created) and close it."""
+    try:
+        if os.path.samestat(os.lstat(tmp), os.fstat(fd)):
+            tmp.unlink()
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextmanager
@@ -98,20 +130,30 @@ def atomic_path(path: PathLike, mode: int | None = None) -> Iterator[Path]:
     """Yield a temp path beside ``path`` for a writer that wants a file name (a library's ``save``);
     on success it replaces ``path``, on error it is removed."""
     path = Path(path)
-    tmp = _temp_beside(path)
+    fd, tmp = _temp_beside(path)
+    os.close(fd)  # the library opens the name itself (some write a new file and rename it there)
     try:
         yield tmp
+        fd = open_nofollow(tmp, os.O_RDONLY)  # what it left: a regular file, not a link
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _commit(tmp, path, mode)
+    _commit(fd, tmp, path, mode)
 
 
 @contextmanager
 def replacing(path: PathLike, mode: int | None = None) -> Iterator[BinaryIO]:
-    """A binary handle on a temp file that replaces ``path`` when the block ends without error."""
-    with atomic_path(path, mode) as tmp, open(tmp, "wb") as handle:
-        yield handle
+    """A binary handle on a temp file that replaces ``path`` when the block ends without error (written
+    through the descriptor that created it, never reopened by name)."""
+    path = Path(path)
+    fd, tmp = _temp_beside(path)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as handle:
+            yield handle
+    except BaseException:
+        _discard(tmp, fd)
+        raise
+    _commit(fd, tmp, path, mode)
 
 
 def write_bytes(path: PathLike, data: bytes, mode: int | None = None) -> Path:
@@ -176,7 +218,7 @@ def replace_dir(source: PathLike, target: PathLike) -> Path:
     the old folder, the new one, or (for an instant) none: never part of one."""
     source, target = Path(source), Path(target)
     fsync_dir(source)
-    if not target.exists():
+    if not target.exists() and not target.is_symlink():
         return move(source, target)
     old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
     os.replace(target, old)
@@ -185,6 +227,8 @@ def replace_dir(source: PathLike, target: PathLike) -> Path:
     except BaseException:
         os.replace(old, target)
         raise
+    if old.is_symlink():
+        old.unlink()  # a link at the target: the link goes, never what it points at
     shutil.rmtree(old, ignore_errors=True)
     return target
 

@@ -29,6 +29,12 @@ import numpy as np
 CENTRAL, LOCAL = "central", "local"
 MODES = (CENTRAL, LOCAL)
 RECORD = "privacy"  # the config.json key, the message record's name and the manifest's section
+# The ranges a run can account and apply (docs/howto/privacy.md): past them dp-accounting overflows
+# (z = 1e300) or the noise z C leaves float32 (clip_norm = 1e300), so a preset is refused before anything
+# is written. z below 1e-6 adds no noise worth the name; above 1e4 the noise swamps any LoRA.
+NOISE_MULTIPLIER_RANGE = (1e-6, 1e4)
+CLIP_NORM_MAX = 1e3
+TARGET_DELTA_MIN = 1e-30
 
 
 class PrivacyError(ValueError):
@@ -57,10 +63,15 @@ class PrivacyRecord:
         """The first value out of range, one message (None: every value in range)."""
         if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
             return f"clip_norm must be a finite number > 0, got {self.clip_norm}"
+        if self.clip_norm > CLIP_NORM_MAX:
+            return f"clip_norm must be at most {CLIP_NORM_MAX:g}, got {self.clip_norm:g}"
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
             return f"noise_multiplier must be a finite number > 0, got {self.noise_multiplier}"
-        if not 0 < self.target_delta < 1:
-            return f"target_delta must be in (0, 1), got {self.target_delta}"
+        low, high = NOISE_MULTIPLIER_RANGE
+        if not low <= self.noise_multiplier <= high:
+            return f"noise_multiplier must be in [{low:g}, {high:g}], got {self.noise_multiplier:g}"
+        if not TARGET_DELTA_MIN <= self.target_delta < 1:
+            return f"target_delta must be in [{TARGET_DELTA_MIN:g}, 1), got {self.target_delta}"
         if self.mode not in MODES:
             return f"mode must be 'central' or 'local', got {self.mode!r}"
         if self.max_epsilon is not None and not (math.isfinite(self.max_epsilon) and self.max_epsilon > 0):

@@ -12,7 +12,10 @@ version is written by the server's one update rule (``aggregate.apply_updates``,
 with ``t`` the versions written since the device's base (its staleness), ``a`` the
 ``staleness_exponent`` and ``n_i`` its examples; ``[privacy]`` central mode clips and noises the LoRA's
 step there, each version charged to the budget with q = 1 (devices are not sampled by the server,
-as for `fedmvp ingest`). A reply staler than ``max_staleness`` is left out.
+as for `fedmvp ingest`). Under ``[privacy]`` a version holds at most one update per device: the noise
+z C / m is calibrated to one device's share C / m, so a fast device that replied again waits, its
+update buffered, until the version is written, and is sent no work meanwhile (docs/howto/privacy.md).
+A reply staler than ``max_staleness`` is left out.
 A device that never answers (killed, offline) is forgotten after ``round_timeout``: its message
 changes nothing. Each version is a checkpoint like a round (atomic, resumable, recorded with every
 reply's base, t, s(t) and weight); a resumed server starts from the last one, and devices that were
@@ -41,6 +44,7 @@ from fedmvp_formats.promptformer import promptformer_digest
 from fedmvp.federated.aggregate import Update, apply_updates
 from fedmvp.federated.grid_poll import SeparatePulls
 from fedmvp.federated.privacy_budget import BudgetExceeded, charge
+from fedmvp.federated.private_rounds import BUFFERED, Draw, release
 from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
 from fedmvp.federated.strategy import RoundFailed, cosine_lr
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
@@ -81,6 +85,7 @@ class BufferedVersions:
         self.bases: dict[int, dict[str, np.ndarray]] = {}  # version -> its LoRA (kept while a delta needs it)
         self.buffer: list[Contribution] = []
         self.rejected: list[dict] = []
+        self.population = 0  # edge devices connected at the last send (recorded with a private version)
 
     # ---- one version's LoRA and who may be sent it ------------------------------------------------------
     def _lora(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -91,10 +96,11 @@ class BufferedVersions:
         strategy = self.strategy
         connected = sorted(grid.get_node_ids())
         strategy._learn(grid, connected, version + 1)  # new nodes asked who they are (an open site numbered)
-        busy = {p.node for p in self.pending.values()}
+        busy = {p.node for p in self.pending.values()} | self._waiting()
         free = sorted((n for n in strategy.registry.edges(connected) if n not in busy),
                       key=lambda n: (self.served.get(n, 0), n))
         room = max(0, self.server.concurrency - len(self.pending))
+        self.population = len(strategy.registry.edges(connected))
         if not free or not room:
             return
         digest = promptformer_digest(state)
@@ -112,6 +118,10 @@ class BufferedVersions:
                 self.pending[message_id] = Pending(node, version, now)
                 self.served[node] = self.served.get(node, 0) + 1
         self.bases.setdefault(version, self._lora(state))
+
+    def _waiting(self) -> set[int]:
+        """[privacy]: the devices whose update waits in the buffer (one per device a version; none without)."""
+        return {c.node for c in self.buffer} if self.strategy.privacy is not None else set()
 
     # ---- what comes back -----------------------------------------------------------------------------
     def _receive(self, grid: Grid, state: dict[str, np.ndarray], version: int) -> int:
@@ -151,6 +161,16 @@ class BufferedVersions:
         self.buffer.append(Contribution(node, sent.base, version - sent.base, int(metrics[schema.NUM_EXAMPLES]),
                                         verdict.arrays, float(metrics.get(schema.TRAIN_LOSS, float("nan"))),
                                         str(identity.bundle_id or "")))
+
+    def _split(self) -> tuple[list[Contribution], list[Contribution]]:
+        """(the next version's ``buffer_size`` updates, the ones that stay buffered): the oldest first, and
+        under [privacy] at most one per device (a second waits for the version after)."""
+        taken: list[Contribution] = []
+        rest: list[Contribution] = []
+        for c in self.buffer:
+            one_each = self.strategy.privacy is None or all(t.node != c.node for t in taken)
+            (taken if len(taken) < self.server.buffer_size and one_each else rest).append(c)
+        return taken, rest
 
     def _charge(self, version: int) -> dict | None:
         """The version's privacy record (None: no [privacy]); past ``max_epsilon`` the run stops."""
@@ -193,7 +213,10 @@ class BufferedVersions:
                        if not self._too_stale(c.node, c.base, version)]
         if len(self.buffer) < self.server.buffer_size:
             return state
-        taken, self.buffer = self.buffer[:self.server.buffer_size], self.buffer[self.server.buffer_size:]
+        taken, rest = self._split()
+        if len(taken) < self.server.buffer_size:  # [privacy]: too few different devices yet
+            return state
+        self.buffer = rest
         # Arrival order must not change a bit: the deltas are summed by base version, bundle and node.
         taken.sort(key=lambda c: (c.base, c.bundle_id, c.node))
         charged = self._charge(version + 1)
@@ -212,9 +235,9 @@ class BufferedVersions:
                    "clients": len(taken), "lora-clients": len(strategy.lora_clients), "lora-uploads": len(taken),
                    "edges": len(taken), "sites": [], "replies": replies, "rejected": list(self.rejected),
                    "mode": "buffered"}
-        if charged is not None:
-            summary["privacy"] = {**charged, **(step.privacy or {})}
-            strategy.privacy_events.append((float(charged["sampling_rate"]), strategy.privacy.noise_multiplier))
+        if charged is not None:  # who was in it recorded: at most one update per device (``_split``)
+            summary |= release(charged, step.privacy, Draw(BUFFERED, self.population), strategy.privacy_events,
+                               version + 1, [(c.node, schema.EDGE, None, list(c.arrays)) for c in taken])
         self.rejected = []
         strategy.global_state = new
         if strategy.on_aggregated:
@@ -249,6 +272,11 @@ class BufferedVersions:
             self.bases = {v: lora for v, lora in self.bases.items() if v in held}  # a base while a delta needs it
             if self.pending or arrived:
                 idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > self.server.node_wait and self._waiting():  # [privacy]
+                raise RoundFailed(f"version {version + 1}: only {len({c.node for c in self.buffer})} different "
+                                  f"devices sent an update within node_wait {self.server.node_wait:g} s; under "
+                                  f"[privacy] a version takes one update per device, buffer_size "
+                                  f"{self.server.buffer_size} of them: connect more devices or lower buffer_size")
             elif time.monotonic() - idle_since > self.server.node_wait:
                 raise RoundFailed(f"version {version + 1}: no edge device connected within node_wait "
                                   f"{self.server.node_wait:g} s (a buffered run trains on edge devices: "

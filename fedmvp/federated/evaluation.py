@@ -111,6 +111,7 @@ def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
     (``populations.compare_populations``)."""
     config = run.read_config()
     checkpoint = run.load_checkpoint(round_number)
+    privacy = round_privacy(run, checkpoint.round)  # [privacy]: what its weights spent; a bad record before any work
     zero_shot = run.read_json("zero_shot.json")
     tuned = checkpoint.state.get("metrics", {})
     if zero_shot is None or tuned.get("hm") is None:
@@ -128,7 +129,6 @@ def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
                 tuned = counted(record, federation_counts(ctx, checkpoint.tensors))
     result = {"run": str(run.path), "round": checkpoint.round,  # a key not recorded: None
               **compare_populations(current_record(run), zero_shot, tuned, ROW_KEYS)}
-    privacy = round_privacy(run, checkpoint.round)  # [privacy]: what this round's weights have spent
     return result if privacy is None else {**result, "privacy": privacy}
 
 
@@ -152,7 +152,19 @@ def format_table(result: dict) -> str:
         lines.append(f"held-out images: {images}")
     privacy = result.get("privacy")
     if privacy is not None:
-        lines.append(f"privacy: epsilon {privacy['epsilon']:.3g} at delta {privacy['delta']:g} over "
-                     f"{privacy['dp_rounds']} rounds ({privacy['mode']}, noise_multiplier {privacy['noise_multiplier']:g}, "
-                     f"clip_norm {privacy['clip_norm']:g})")
+        lines.append(privacy_line(privacy))
     return "\n".join(lines)
+
+
+def privacy_line(privacy: dict) -> str:
+    """The ``privacy:`` line: epsilon over the rounds that added noise, or plainly that none did, and how
+    many rounds were not private (docs/howto/privacy.md); a key an older record lacks is not shown."""
+    settings = f"({privacy.get('mode')}, noise_multiplier {privacy.get('noise_multiplier')}, clip_norm " \
+               f"{privacy.get('clip_norm')})"
+    if privacy.get("epsilon") is None:
+        line = f"privacy: not differentially private: no round up to this one added noise {settings}"
+    else:
+        line = (f"privacy: epsilon {privacy['epsilon']:.3g} at delta {privacy.get('delta')} over "
+                f"{privacy.get('dp_rounds')} rounds {settings}")
+    unnoised = privacy.get("not_private_rounds") or 0
+    return line + (f"; {unnoised} rounds not private (their sites trained the PromptFormer)" if unnoised else "")

@@ -31,6 +31,7 @@ def evaluate_folder(run: RunDir, round_number: int | None, data: str | Path, nam
     held-out share and images per set). `SiteFolderError` for a folder a join would refuse."""
     config = run.read_config()
     checkpoint = run.load_checkpoint(round_number)
+    privacy = round_privacy(run, checkpoint.round)  # a bad [privacy] record refused before any work
     preset = run.preset()
     if preset.federation is None:
         raise RunError(f"{run.path}: --data needs a run of a [federation] preset; this run's sites are the "
@@ -52,7 +53,6 @@ def evaluate_folder(run: RunDir, round_number: int | None, data: str | Path, nam
     images = {kind: pair[1] for kind, pair in counts["tuned"].items()}
     result |= {"site": {"name": site_name, "data": str(folder), "eval_fraction": fraction, "images": images},
                "counts": counts}
-    privacy = round_privacy(run, checkpoint.round)
     return result if privacy is None else {**result, "privacy": privacy}
 
 

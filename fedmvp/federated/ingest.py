@@ -123,18 +123,18 @@ class _Rejected(Exception):
 
 
 def ingest(run: RunDir | str | Path, files: Sequence[str | Path], *, max_staleness: int | None = None,
-           wait: float = 0.0) -> IngestResult:
+           wait: float = 0.0, break_lock: bool = False) -> IngestResult:
     """Check ``files`` against the run's last round R and write round R+1 from the accepted ones.
 
     ``RunError`` (nothing written): no run, no complete round, a round without LoRA, no files;
     `RunBusy` when another process holds the run's lock (``RUN/.lock``) for longer than ``wait``
     seconds (``math.inf``: as long as it takes). ``max_staleness`` overrides config.json's
-    ``server.max_staleness``."""
+    ``server.max_staleness``; ``break_lock``: take over a lock whose record names another host."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     config = run.read_config()
     if not files:
         raise RunError(f"{run.path}: no update files given")
-    with run_lock(run.path, "fedmvp ingest", wait):
+    with run_lock(run.path, "fedmvp ingest", wait, break_lock=break_lock):
         return _ingest_locked(run, config, files, max_staleness)
 
 
@@ -182,7 +182,7 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
     result.round = base + 1
     row = {"round": result.round, "source": SOURCE, "updates": len(accepted), "examples": result.examples,
            "train_loss": result.mean_loss, **({"epsilon": spent["epsilon"]} if spent else {})}
-    state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete", "privacy")}
+    state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete", "privacy", "not_private")}
     # Those describe a Flower round's replies: round R's sites did not train round R+1 (an open federation's
     # sites by id and name, in state.json "replies"); the round's senders are its update files ("ingest").
     state |= {key: [] for key in ("sites", "rejected", "replies") if key in state}

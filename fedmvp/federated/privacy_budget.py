@@ -1,13 +1,15 @@
 """The privacy budget: epsilon of a run's rounds so far, by Google's dp-accounting (RDP), never a formula of ours.
 
-Each round that applied ``[privacy]`` records its event in its state.json ``privacy`` (``round_record``):
-the noise multiplier z and the sampling rate q it ran with. Central mode: q is the share of the
-population the round asked (``[train] fraction_fit`` online; 1 for `fedmvp ingest`, whose senders
-are not sampled by the server), each round a Poisson-subsampled Gaussian mechanism. Local mode:
-each device's own release is a Gaussian mechanism (q = 1), and the epsilon reported is a device's
-that sent an update in every round so far (the most any device can have spent). Epsilon at
-``target_delta`` composes every recorded round plus the one about to be written; a round that would
-take it past ``max_epsilon`` is refused (`BudgetExceeded`, one line) before anything is written or sent.
+Each round whose release added noise under ``[privacy]`` records its event in its state.json ``privacy``
+(``round_record``): the noise multiplier z and the sampling rate q it was charged. Central mode online,
+q = ``[train] fraction_fit`` only for a round whose devices were drawn by Poisson sampling from OS
+entropy, else 1 (``private_rounds``); `fedmvp ingest` and buffered versions: q = 1 (the server samples
+no one). Local mode: each device's own release is a Gaussian mechanism (q = 1), and the epsilon
+reported is a device's that sent an update in every round so far (the most any device can have
+spent). Epsilon at ``target_delta`` composes every recorded round plus the one about to be written; a
+round that would take it past ``max_epsilon`` is refused (`BudgetExceeded`, one line) before anything is
+written or sent. A record of an older fedmvp without ``sampling_rate`` is charged q = 1, one without
+``noise_multiplier`` the run's (never less than was spent); a value that is not a number is one line.
 docs/howto/privacy.md.
 """
 
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from fedmvp_formats.privacy import RECORD, PrivacyRecord
+from fedmvp_formats.shown import shown
 
 from fedmvp.runs import RunDir, RunError
 
@@ -72,25 +75,41 @@ def epsilon(events: Sequence[Event], delta: float) -> float:
         return float(accountant.get_epsilon(delta))
 
 
-def sampling_rate(settings: PrivacyRecord, fraction: float) -> float:
-    """q of a round: the share asked in central mode; 1 in local mode (a device's own release)."""
-    return 1.0 if settings.mode == "local" else float(fraction)
-
-
 def run_events(run: RunDir, through: int | None = None) -> list[Event]:
     """Every recorded round's event (rounds up to ``through``), in order, from their state.json."""
-    events = []
+    return [event for event, _ in _recorded(run, through) if event is not None]
+
+
+def _recorded(run: RunDir, through: int | None) -> Iterator[tuple[Event | None, bool]]:
+    """Per round up to ``through``: (its event, None where it records none; whether it records
+    ``not_private``). A missing ``sampling_rate`` is q = 1, a missing ``noise_multiplier`` the run's."""
+    settings = None
     for number in run.rounds():
         if through is not None and number > through:
             break
         path = run.round_path(number) / "state.json"
         try:
-            record = json.loads(path.read_text()).get(RECORD)
-        except (OSError, ValueError) as err:
+            state = json.loads(path.read_text())
+            record = state.get(RECORD)
+        except (OSError, ValueError, AttributeError) as err:
             raise RunError(f"{path}: unreadable ({err})") from None
+        event = None
         if isinstance(record, dict):
-            events.append((float(record["sampling_rate"]), float(record["noise_multiplier"])))
-    return events
+            if "noise_multiplier" not in record and settings is None:
+                settings = run.privacy()
+                if settings is None:
+                    raise RunError(f"{path}: privacy noise_multiplier is missing and the run records no [privacy]")
+            z = record.get("noise_multiplier", settings.noise_multiplier if settings else None)
+            event = (_number(record.get("sampling_rate", 1.0), "sampling_rate", path), _number(z, "noise_multiplier", path))
+        yield event, "not_private" in state
+
+
+def _number(value: Any, key: str, path: Any) -> float:
+    """A recorded q in (0, 1] or z > 0 as a float; `RunError` (one line) for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value <= 1 if key == "sampling_rate" else 0 < value < float("inf")):
+        raise RunError(f"{path}: privacy {key} {shown(value)} is not a usable number")
+    return float(value)
 
 
 def charge(settings: PrivacyRecord, before: Iterable[Event], q: float, round_number: int) -> dict[str, Any]:
@@ -105,7 +124,7 @@ def charge(settings: PrivacyRecord, before: Iterable[Event], q: float, round_num
     return round_record(settings, q, spent, len(events))
 
 
-def round_record(settings: PrivacyRecord, q: float, spent: float, rounds: int) -> dict[str, Any]:
+def round_record(settings: PrivacyRecord, q: float | None, spent: float | None, rounds: int) -> dict[str, Any]:
     """What a round's state.json keeps of its privacy: the settings, q, epsilon and how many rounds it covers."""
     return {**settings.record(), "sampling_rate": q, "epsilon": spent, "delta": settings.target_delta,
             "dp_rounds": rounds}
@@ -113,11 +132,15 @@ def round_record(settings: PrivacyRecord, q: float, spent: float, rounds: int) -
 
 def round_privacy(run: RunDir, round_number: int) -> dict[str, Any] | None:
     """What a round's weights have spent, as `fedmvp evaluate` reports it and the exported bundle's manifest
-    records it: the run's settings, epsilon at ``target_delta`` over the DP rounds up to ``round_number``,
-    and how many they are (None: the run has no ``[privacy]``)."""
+    records it: the run's settings, epsilon at ``target_delta`` over the DP rounds up to ``round_number``
+    (None where none added noise yet: no epsilon is claimed for weights nothing protected), how many they
+    are, and how many rounds were not private (``not_private_rounds``: their sites trained the
+    PromptFormer). None: the run has no ``[privacy]``."""
     settings = run.privacy()
     if settings is None:
         return None
-    events = run_events(run, round_number)
-    return round_record(settings, events[-1][0] if events else 0.0, epsilon(events, settings.target_delta),
-                        len(events))
+    recorded = list(_recorded(run, round_number))
+    events = [event for event, _ in recorded if event is not None]
+    spent = epsilon(events, settings.target_delta) if events else None
+    return {**round_record(settings, events[-1][0] if events else None, spent, len(events)),
+            "not_private_rounds": sum(not_private for _, not_private in recorded)}

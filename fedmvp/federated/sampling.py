@@ -9,11 +9,18 @@ answers with the identity its own node config gives it (simulation: Flower's ``p
 deployment: ``fedmvp join --site/--name``; in an open federation, no [[sites]], the server numbers each
 new name, ``site_registry``). Edge devices (``edge-client join``) answer ``role
 edge``: they serve no site and are sampled among themselves with the same fraction.
+
+Under ``[privacy]`` the edge devices are drawn otherwise (``poisson_edges``): each connected device is
+included independently with probability ``fraction``, from OS entropy (``random.SystemRandom``), so no
+participant can predict a draw and the accountant's Poisson-subsampled Gaussian holds
+(docs/howto/privacy.md). A population too small for that (``poisson_fits``) is drawn as before and
+charged q = 1.
 """
 
 from __future__ import annotations
 
 import random
+import secrets
 from collections.abc import Iterable, Sequence
 from logging import WARNING
 
@@ -59,6 +66,25 @@ def sample_edges(seed: int, fraction: float, edges: Iterable[int], round_number:
         return edges
     rng = random.Random(derived_seed(seed, "edges", round_number, attempt))
     return sorted(rng.sample(edges, count))
+
+
+# Poisson sampling is used (and its rate charged) only where a round expects at least this many devices:
+# below it, most draws would come up short and be drawn again, which no longer is Poisson sampling
+# (one device at fraction 0.1 would train every round). docs/howto/privacy.md.
+POISSON_MIN_EXPECTED = 5.0
+
+
+def poisson_fits(fraction: float, population: int) -> bool:
+    """Whether ``population`` devices at rate ``fraction`` are drawn by Poisson sampling (and charged
+    ``fraction``): a rate below 1 and at least ``POISSON_MIN_EXPECTED`` devices expected per draw."""
+    return fraction < 1.0 and fraction * population >= POISSON_MIN_EXPECTED
+
+
+def poisson_edges(fraction: float, edges: Iterable[int], rng: random.Random | None = None) -> list[int]:
+    """Each of ``edges`` independently with probability ``fraction``, drawn from OS entropy (``rng``:
+    default ``secrets.SystemRandom``, never the run's public seed): possibly none."""
+    rng = rng if rng is not None else secrets.SystemRandom()
+    return sorted(e for e in sorted(edges) if rng.random() < fraction)
 
 
 class NodeRegistry:

@@ -138,11 +138,14 @@ class RoundRecorder:
                                   "lr": strategy.base_lr, "total_rounds": self.total,
                                   "method": self.method, "sites": summary["sites"],
                                   "replies": summary.get("replies", []), "rejected": summary["rejected"],
-                                  "metrics": row, **({"privacy": privacy} if privacy is not None else {})})
+                                  "metrics": row, **({"privacy": privacy} if privacy is not None else {}),
+                                  **({"not_private": summary["not_private"]} if "not_private" in summary else {})})
         append_metrics(self.run, row)
         if "hm" in row:
             plot(self.run)
         if self.bar is not None:
+            if "not_private" in summary:  # the log line the progress bar hides (docs/howto/privacy.md)
+                self.bar.write(f"round {round_number}: {summary['not_private']}")
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{row['train_loss']:.3f}", lora=row["lora_clients"])
             if round_number == self.total:

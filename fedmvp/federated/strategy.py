@@ -46,9 +46,10 @@ from fedmvp.federated.aggregate import Update, apply_updates
 from fedmvp.federated.eval_replies import combine_eval_replies
 from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.metrics import evaluation_sites, loss_summary
-from fedmvp.federated.privacy_budget import BudgetExceeded, Event, charge, sampling_rate
+from fedmvp.federated.privacy_budget import BudgetExceeded, Event
+from fedmvp.federated.private_rounds import Draw, charge_round, draw_edges, release
 from fedmvp.federated.replies import ClassRules, ReplyRules, check_reply, reply_fields, reply_record
-from fedmvp.federated.sampling import NodeRegistry, sample_among, sample_edges, sample_sites
+from fedmvp.federated.sampling import NodeRegistry, sample_among, sample_sites
 from fedmvp.federated.site_registry import OpenSites
 from fedmvp.federated.wire import array_record, node_contents, numpy_state
 from fedmvp.presets.server import ServerSpec
@@ -125,6 +126,7 @@ class FedMVPStrategy(Strategy):
         self.privacy = privacy
         self.privacy_events: list[Event] = list(privacy_events)
         self.charged: dict[str, Any] | None = None  # the round's privacy record once it is charged
+        self.draw = Draw()  # how the round's edge devices were drawn ([privacy]: what q it is charged)
 
     @property
     def fraction(self) -> float:
@@ -175,7 +177,7 @@ class FedMVPStrategy(Strategy):
         """The nodes of the round's sites and its edge devices, once enough of them are connected (up to
         ``node_wait``); nodes not met yet are asked who they are first."""
         server = self.policy.server
-        deadline = time.monotonic() + server.node_wait
+        deadline, tries = time.monotonic() + server.node_wait, 0
         while True:
             connected = sorted(grid.get_node_ids())
             self._learn(grid, connected, round_number)
@@ -183,7 +185,9 @@ class FedMVPStrategy(Strategy):
                 self.live_sites = self.registry.sites(connected)
             selected = self.selected_clients(round_number)
             sites = self.registry.nodes_of(selected, connected)
-            edges = sample_edges(self.seed, self.fraction, self.registry.edges(connected), round_number, attempt)
+            edges, self.draw = draw_edges(self.privacy, self.fraction, self.registry.edges(connected), self.seed,
+                                          round_number, attempt, tries)  # [privacy]: Poisson, OS entropy
+            tries += 1
             self.asked_edges = len(edges)
             needed = self.needed_replies(round_number)  # the one rule: min_nodes, at most the nodes asked
             present = len({self.registry.site_of(node) for node in sites}) + len(edges)
@@ -204,10 +208,10 @@ class FedMVPStrategy(Strategy):
         only to an edge device that holds the global PromptFormer. ``attempt``: the round's try (a retry
         samples edge devices anew; the sites of a round are always the same)."""
         round_number = self.global_round(server_round)
-        self.charge_privacy(round_number)  # a round past max_epsilon is refused before any node works
         self.global_state = numpy_state(arrays)
         digest = promptformer_digest(self.global_state)
         sites, edges = self._targets(grid, round_number, attempt)
+        self.charge_privacy(round_number)  # its q known from the draw; past max_epsilon refused before any work
         instruction = self._instruction(round_number, promptformer_digest=digest,
                                         lr=cosine_lr(self.base_lr, round_number, self.total_rounds),
                                         lora_clients=tuple(sorted(self.lora_clients)),
@@ -219,10 +223,10 @@ class FedMVPStrategy(Strategy):
                         message_type=MessageType.TRAIN, dst_node_id=node) for node in sorted(sites + edges)]
 
     def charge_privacy(self, round_number: int) -> None:
-        """``self.charged``: the round's privacy record; past ``max_epsilon`` the run stops (`RoundFailed`)."""
+        """``self.charged``: the round's record at the rate its draw earns; past max_epsilon: `RoundFailed`."""
         try:
-            self.charged = None if self.privacy is None else charge(
-                self.privacy, self.privacy_events, sampling_rate(self.privacy, self.fraction), round_number)
+            self.charged = charge_round(self.privacy, self.privacy_events, self.fraction, self.draw,
+                                        set(self.selected_clients(round_number)) & self.lora_clients, round_number)
         except BudgetExceeded as err:
             raise RoundFailed(str(err)) from None
 
@@ -309,9 +313,9 @@ class FedMVPStrategy(Strategy):
                     "sites": [v.site for _, v, _, _ in contents if v.role == "site"],
                     "replies": [reply_record(node, v, m, i, w) for (node, v, m, i), w in zip(contents, step.weights)],
                     "rejected": list(self.rejected)}
-        if self.charged is not None:
-            summary["privacy"] = {**self.charged, **(step.privacy or {})}
-            self.privacy_events.append((float(self.charged["sampling_rate"]), self.privacy.noise_multiplier))
+        if self.charged is not None:  # charged only where noise was added (private_rounds.release)
+            summary |= release(self.charged, step.privacy, self.draw, self.privacy_events, round_number,
+                               [(node, v.role, v.site, list(v.arrays)) for node, v, _, _ in contents])
             self.charged = None
         if self.on_aggregated:
             self.on_aggregated(round_number, self.global_state, summary)

@@ -34,6 +34,16 @@ class BadInput(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
+def break_lock_option(f: Any) -> Any:
+    """``--break-lock``: the operator's word that the holder a run's lock names on another host is gone
+    (docs/security.md, "A lock held on another host")."""
+    return click.option("--break-lock", is_flag=True,
+                        help="Take over the run's lock (RUN/.lock) when its record names a process on ANOTHER "
+                             "host that you know is gone. flock cannot see other hosts' processes on a shared "
+                             "file system, so without this flag such a lock is refused (exit 2, one line naming "
+                             "host, pid and since). A dead holder on this host is taken over without it.")(f)
+
+
 def site_folder_error(err: Exception) -> BadInput:
     """A site folder's problems (``fedmvp.data.site_folder.SiteFolderError``), one line each: how `fedmvp
     join --data` and `fedmvp evaluate --data` refuse a folder."""

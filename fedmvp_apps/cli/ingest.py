@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from fedmvp_apps.cli.common import EXIT_FAILED, BadInput, FiniteFloat, emit_json
+from fedmvp_apps.cli.common import EXIT_FAILED, BadInput, FiniteFloat, break_lock_option, emit_json
 
 
 @click.command()
@@ -21,9 +21,10 @@ from fedmvp_apps.cli.common import EXIT_FAILED, BadInput, FiniteFloat, emit_json
                    "wait for it and then build on the round it wrote, instead of exiting 2.")
 @click.option("--wait-timeout", type=FiniteFloat(min=0), default=None, metavar="SECONDS",
               help="Wait at most this long for the run's lock, then exit 2 (implies --wait).")
+@break_lock_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, wait: bool,
-           wait_timeout: float | None, as_json: bool) -> None:
+           wait_timeout: float | None, break_lock: bool, as_json: bool) -> None:
     """Average edge update files into the run's next round.
 
     For devices that trained with `edge-client train --data local/` and sync their update
@@ -49,7 +50,7 @@ def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, wa
         raise BadInput(f"{run_dir}: no update files given (UPDATE...: the files `edge-client train` wrote)")
     try:
         patience = wait_timeout if wait_timeout is not None else math.inf if wait else 0.0
-        result = ingest_files(run_dir, updates, max_staleness=max_staleness, wait=patience)
+        result = ingest_files(run_dir, updates, max_staleness=max_staleness, wait=patience, break_lock=break_lock)
     except RunError as err:
         raise BadInput(str(err)) from None
     except OSError as err:

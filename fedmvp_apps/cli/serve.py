@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fedmvp_apps.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, FiniteFloat, break_lock_option, emit_json, quiet_open_clip_logging
 
 
 @click.command()
@@ -41,17 +41,19 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat, emit_json, quiet_open_
                    "every round). Anyone holding ca.crt could then join and have replies averaged.")
 @click.option("--address", default="0.0.0.0:9092", show_default=True,
               help="HOST:PORT the SuperLink listens on (SuperNodes and the CLI connect to this one port).")
+@break_lock_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None, fraction: float | None,
           round_timeout: float | None, mode: str | None, eval_every: int, certs: Path, insecure: bool, node_keys: Path | None,
-          allow_any_node: bool, address: str, as_json: bool) -> None:
+          allow_any_node: bool, address: str, break_lock: bool, as_json: bool) -> None:
     """Start a Flower SuperLink (TLS by default), submit the FedMVP run of PRESET to it, show
     progress and exit with the run, stopping the SuperLink. Sites join with `fedmvp join`.
     Only this command controls the SuperLink (its Control API takes an operator token that never
     leaves this machine; `flwr ls/run/stop` from elsewhere are refused), and with TLS only the
     SuperNodes whose keys --node-keys lists may join. Ctrl-C stops the run, then the SuperLink.
     Offline: no runtime dependency installation, no telemetry. Exit codes: 0 the run completed,
-    1 it failed or stopped (start the same command again to resume), 2 bad arguments."""
+    1 it failed or stopped (start the same command again to resume), 2 bad arguments, or the run's
+    lock (RUN/.lock) is held, or names a process on another host (--break-lock), or is a link."""
     quiet_open_clip_logging()
     from fedmvp_apps.deploy.certs import CertsError
     from fedmvp_apps.deploy.superlink import ServeOptions, serve as run_serve
@@ -62,6 +64,7 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
         load_preset(config, check_roots=False)
     except PresetError as err:
         raise BadInput(str(err)) from None
+    check_run_lock(run_dir, break_lock)
     if insecure:
         click.echo("warning: --insecure: no TLS, traffic is readable and anyone who reaches the port may join; "
                    "use it only for a trial", err=True)
@@ -99,3 +102,17 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
                    f"  (fedmvp evaluate --run {run_dir})")
     if status != "finished:completed":
         sys.exit(1)
+
+
+def check_run_lock(run_dir: Path, break_lock: bool) -> None:
+    """Refuse now (exit 2) a run whose lock another command holds, or whose record names another host, or
+    that is a link: the ServerApp, which takes the lock in a process of its own, would fail in round 1.
+    With ``break_lock`` a record of another host is taken over here (and the lock released for it)."""
+    from fedmvp.run_lock import lock_existing
+    from fedmvp.runs import RunError
+
+    try:
+        with lock_existing(run_dir, "fedmvp serve", break_lock):
+            pass
+    except RunError as err:
+        raise BadInput(str(err)) from None

@@ -7,28 +7,30 @@ from typing import TYPE_CHECKING
 import click
 
 from fedmvp.atomic import os_error_line
-from fedmvp_apps.cli.common import BadInput, echo_run_table, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, break_lock_option, echo_run_table, emit_json, quiet_open_clip_logging
 
 if TYPE_CHECKING:
     from fedmvp.runs import RunDir
 
 
 def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume: bool, eval_every: int,
-                    device: str, progress: bool = True, command: str = "fedmvp train") -> RunDir:
+                    device: str, progress: bool = True, command: str = "fedmvp train",
+                    break_lock: bool = False) -> RunDir:
     """Shared by `train` and `demo`: validate, then simulate. Bad input raises BadInput.
 
     The run's lock (``RUN/.lock``, as ``command``) is held from before config.json is read or written
     (as soon as the run directory exists) until the simulation ended: an ingest or a second --resume
     meanwhile is refused with one line naming this process (exit 2). The ServerApp, which Flower's
-    simulation runs in a thread of this process, takes it again re-entrantly."""
-    from fedmvp.run_lock import RunBusy, lock_existing, run_lock
+    simulation runs in a thread of this process, takes it again re-entrantly. ``break_lock``: take over a
+    lock whose record names another host (docs/security.md)."""
+    from fedmvp.run_lock import RunLockError, lock_existing, run_lock
 
     try:
-        with lock_existing(run_dir, command):
+        with lock_existing(run_dir, command, break_lock):
             run = _prepare(config, rounds, run_dir, resume, device)
-            with run_lock(run.path, command, can_wait=False):
+            with run_lock(run.path, command, can_wait=False, break_lock=break_lock):
                 return _simulate(run, eval_every, progress)
-    except RunBusy as err:
+    except RunLockError as err:
         raise BadInput(str(err)) from None
 
 
@@ -72,9 +74,10 @@ def _simulate(run: RunDir, eval_every: int, progress: bool) -> RunDir:
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Evaluate Local/Base/New/HM every N rounds (0: only after the last round).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@break_lock_option
 @click.option("--json", "as_json", is_flag=True, help="Print the final metrics as JSON.")
 def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, eval_every: int, device: str,
-          as_json: bool) -> None:
+          break_lock: bool, as_json: bool) -> None:
     """Train FedMVP across the preset's clients, one checkpoint per round.
 
     Each round every selected client trains the PromptFormer (or, once its mean loss
@@ -83,12 +86,13 @@ def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, ev
     round-NNNN/ checkpoints, metrics.jsonl/csv and accuracy.png, and ends with the
     Local/Base/New/HM table of the last round (as `fedmvp demo` does). Exit codes: 0 done,
     1 training failed (resume with --resume), 2 bad preset or arguments, or the run in use by
-    another command (RUN/.lock: one line naming it; a dead holder's lock is taken over)."""
+    another command (RUN/.lock: one line naming it; a dead holder's lock on this host is taken over, one
+    whose record names another host only with --break-lock), or RUN/.lock a link."""
     quiet_open_clip_logging()
     from fedmvp.runs import RunError
 
     try:
-        run = train_or_resume(config, rounds, run_dir, resume, eval_every, device)
+        run = train_or_resume(config, rounds, run_dir, resume, eval_every, device, break_lock=break_lock)
         if as_json:
             from fedmvp.federated.metrics import population, recorded_counts
             from fedmvp.run_metrics import read_metrics

@@ -182,7 +182,9 @@ def test_a_record_out_of_range_is_refused_naming_where():
                                      "a message").max_epsilon is None
 
 
-def test_an_online_round_carries_the_settings_and_charges_its_sampling_rate(_flower_run_identity):
+def test_an_online_round_carries_the_settings_and_a_small_population_is_charged_q_1(_flower_run_identity):
+    """Two devices at fraction 0.5 expect one participant a round: too few for Poisson sampling
+    (docs/howto/privacy.md), so the round is charged q = 1, not 0.5 (tests/federated/test_privacy_rounds.py)."""
     import dp_accounting
     from dp_accounting.rdp import RdpAccountant
     from flwr.app import ConfigRecord
@@ -205,10 +207,12 @@ def test_an_online_round_carries_the_settings_and_charges_its_sampling_rate(_flo
     arrays, _ = strategy.aggregate_train(1, [edge_reply(7, {"lora.a": np.ones(6, np.float32)}, 10)])
     assert not np.array_equal(arrays["lora.a"].numpy(), theta["lora.a"])
     accountant = RdpAccountant()
-    accountant.compose(dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(1.0)))
+    accountant.compose(dp_accounting.GaussianDpEvent(1.0))
     assert summary["privacy"]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
     assert summary["privacy"]["noise_std"] == pytest.approx(0.1) and summary["replies"][0]["weight"] == 1.0
-    assert strategy.privacy_events == [(0.5, 1.0)]
+    assert strategy.privacy_events == [(1.0, 1.0)]
+    assert (summary["privacy"]["sampling"], summary["privacy"]["population"]) == ("fixed", 2)
+    assert summary["privacy"]["contributors"] == [7]
 
     strategy.privacy = PrivacyRecord(clip_norm=0.1, noise_multiplier=0.5, max_epsilon=1.0)
     with pytest.raises(RoundFailed, match=r"privacy budget: round 2 would take epsilon to .* past \[privacy\] "
@@ -238,9 +242,25 @@ def test_evaluate_reports_the_rounds_epsilon(run, tmp_path):
     ingest(run, [good_update(tmp_path / "u.st", lora_of(run), 0.05, 10, 1.0)])
     report = round_privacy(RunDir(run), 3)
     assert report["epsilon"] == RunDir(run).load_checkpoint(3).state["privacy"]["epsilon"] > 0
-    assert round_privacy(RunDir(run), 2)["epsilon"] == 0.0  # round 2's weights spent nothing yet
+    before = round_privacy(RunDir(run), 2)  # round 2's weights: nothing noised them, no epsilon is claimed
+    assert before["epsilon"] is None and before["dp_rounds"] == 0
     table = format_table({"run": str(run), "round": 3, "zero-shot": {}, "tuned": {}, "privacy": report})
     assert f"privacy: epsilon {report['epsilon']:.3g} at delta 1e-05 over 1 rounds (central" in table
+    table = format_table({"run": str(run), "round": 2, "zero-shot": {}, "tuned": {}, "privacy": before})
+    assert "privacy: not differentially private: no round up to this one added noise" in table
+    assert "epsilon" not in table
+
+
+def test_an_ingested_round_is_charged_and_does_not_inherit_its_base_rounds_not_private_note(run, tmp_path):
+    from fedmvp.federated.privacy_budget import round_privacy
+
+    _with_privacy(run, clip_norm=0.05, noise_multiplier=1.5, max_epsilon=None)
+    path = RunDir(run).round_path(2) / "state.json"  # round 2: its sites trained the PromptFormer
+    path.write_text(json.dumps({**json.loads(path.read_text()), "not_private": "not differentially private: ..."}))
+    ingest(run, [good_update(tmp_path / "u.st", lora_of(run), 0.05, 10, 1.0)])
+    assert "not_private" not in RunDir(run).load_checkpoint(3).state  # the update files' round was noised
+    report = round_privacy(RunDir(run), 3)
+    assert report["dp_rounds"] == 1 and report["not_private_rounds"] == 1  # round 2's PromptFormer is in it
 
 
 _LOCAL = dict(mode="local", clip_norm=0.1, noise_multiplier=1.0)
