@@ -101,10 +101,12 @@ def recorded_counts(metrics: dict) -> dict[int, Counts] | None:
     if not isinstance(raw, dict):
         return None
     try:
-        return {int(site): {str(name): (int(pair[0]), int(pair[1])) for name, pair in counts.items()}
-                for site, counts in raw.items()}
-    except (TypeError, ValueError, IndexError, AttributeError):
+        out = {int(site): {str(name): (int(pair[0]), int(pair[1])) for name, pair in counts.items()}
+               for site, counts in raw.items()}
+    except (TypeError, ValueError, IndexError, AttributeError, OverflowError):
         return None
+    sane = all(0 <= c <= t for counts in out.values() for c, t in counts.values())
+    return out if sane else None  # a count a reply could not have made: no pairing from it
 
 
 def population(record: dict, counts_by_site: dict[int, Counts]) -> dict[str, dict[str, int]]:
