@@ -8,6 +8,7 @@ kept as uint8, so normalisation and the flipped view happen per batch on the tra
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from collections.abc import Sequence
@@ -96,6 +97,15 @@ def decode_dataset(dataset: LocalDataset, spec: PreprocessSpec, max_pixels: int 
     if not arrays:
         raise TrainInputError(f"{path_shown(dataset.root)}: none of the {len(dataset.files)} images could be read")
     return np.stack(arrays), np.asarray(labels, dtype=np.int64)
+
+
+def images_digest(pixels: np.ndarray, labels: np.ndarray) -> str:
+    """sha256 of the images a training used, whatever their order or file names: each image's class and
+    decoded pixels hashed, the sorted hashes hashed. Written into the update file (``images_digest``), so
+    `fedmvp ingest` counts two updates over the same images once (docs/howto/ingest.md)."""
+    each = sorted(hashlib.sha256(np.int64(label).tobytes() + np.ascontiguousarray(image).tobytes()).digest()
+                  for image, label in zip(pixels, labels))
+    return hashlib.sha256(b"".join(each)).hexdigest()
 
 
 def _progress(items: list, progress: bool, desc: str) -> Any:

@@ -61,7 +61,7 @@ from fedmvp_formats.nofollow import UnsafePath, refuse_linked_dir
 
 from edge_client.bundle import Bundle, BundleError
 from edge_client.bundle_files import plain_name
-from edge_client.update import Update, UpdateError, parse_update, read_update, utc_now
+from edge_client.update import Update, UpdateError, parse_update, read_update, update_bytes, utc_now
 
 STATE = "state.json"
 FORMAT = "fedmvp-edge-personalisation"
@@ -255,6 +255,17 @@ def apply_update_bytes(bundle: Bundle, data: bytes, source: str | None = None,
     result no update file keeps, or the bytes of the file just written, ``source``), stored byte for byte."""
     update = parse_update(data, bundle)  # the checks `read_update` makes of a file
     return _apply(bundle, update, lambda target: write_bytes(target, data), source, keep)
+
+
+def reapply(moved: ActiveLora, bundle: Bundle, keep: int = DEFAULT_KEEP) -> ActiveLora:
+    """The personalised LoRA a refresh moved to ``previous/`` (``moved``, read before the refresh), made the
+    active LoRA of the refreshed ``bundle`` again: what `edge-client join --personalise` asks for
+    (docs/howto/refresh.md). Its tensors are stored as a new update of this bundle, with the training's
+    examples and loss; the moved copy stays in ``previous/`` for `edge-client rollback --refresh`."""
+    trained = (moved.entry or {}).get("update") or {}
+    data = update_bytes(moved.tensors, bundle=bundle, num_examples=int(trained.get("num_examples") or 1),
+                        mean_loss=float(trained.get("mean_loss") or 0.0), where=str(moved.file))
+    return apply_update_bytes(bundle, data, source=f"re-applied after a refresh: {moved.file}", keep=keep)
 
 
 def _apply(bundle: Bundle, update: Update, store: Callable[[Path], Path], source: str | None,

@@ -42,10 +42,11 @@ from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.packed import LAYOUT, PACKED, pack, read_wire
 from fedmvp_formats.privacy import PrivacyRecord, device_privacy
 from fedmvp_formats.promptformer import promptformer_digest
+from fedmvp_formats.shown import path_shown
 
 from edge_client.bundle import Bundle, BundleError
 from edge_client.local_data import LocalDataset, held_out_split, scan_folder
-from edge_client.lora_store import ActiveLora
+from edge_client.lora_store import ActiveLora, PersonalisationError, active_lora, reapply
 from edge_client.refresh import recover_refresh, refresh_bundle
 from edge_client.train_options import TrainInputError, TrainOptions
 
@@ -142,6 +143,7 @@ class Synced:
     refreshed: bool = False
     refresh_bytes: int = 0
     refresh_seconds: float = 0.0
+    personal: str | None = None  # what the refresh did with the device's personalised LoRA (one line), if any
 
 
 def sync_bundle(node: EdgeNodeConfig, arrays: dict[str, np.ndarray], digest: str, round_number: int,
@@ -158,11 +160,39 @@ def sync_bundle(node: EdgeNodeConfig, arrays: dict[str, np.ndarray], digest: str
     if not any(k.startswith(PROMPTFORMER_PREFIX) for k in sent):
         raise BundleError(f"{bundle.path}: holds PromptFormer {str(bundle.promptformer_digest)[:12]}, the round's is "
                           f"{digest[:12]}, and the message carries no PromptFormer to refresh it with")
+    personalised = _personalised(bundle)  # read now: the refresh moves it to previous/
     result = refresh_bundle(bundle, sent, digest=digest, round_number=round_number,
                             check_images=check_images[:PARITY_IMAGES])
     log(INFO, "edge: bundle %s refreshed to the PromptFormer of round %s (%s -> %s, %d bytes, %.1f s)",
         bundle.path, round_number, result.old_id[:12], result.new_id[:12], result.bytes_received, result.seconds)
-    return Synced(Bundle.open(node.bundle, verify=True), True, result.bytes_received, result.seconds)
+    refreshed = Bundle.open(node.bundle, verify=True)
+    personal = None if personalised is None else carry_personalised(node, personalised, refreshed, round_number)
+    return Synced(refreshed, True, result.bytes_received, result.seconds, personal)
+
+
+def _personalised(bundle: Bundle) -> ActiveLora | None:
+    """The device's personalised LoRA, when inference runs one (a corrupt state: none to carry over)."""
+    try:
+        active = active_lora(bundle)
+    except PersonalisationError:
+        return None
+    return active if active.personalised else None
+
+
+def carry_personalised(node: EdgeNodeConfig, moved: ActiveLora, bundle: Bundle, round_number: int) -> str:
+    """What becomes of the personalised LoRA a refresh moved aside, said in one logged line: with
+    ``personalise`` (`edge-client join --personalise`) it is re-applied on the refreshed bundle, so the
+    device always ends with its own LoRA; otherwise it stays in previous/ (docs/howto/refresh.md)."""
+    kept = path_shown(Path(bundle.path) / "previous" / "personalised" / moved.file.name)
+    if node.personalise:
+        active = reapply(moved, bundle)
+        line = (f"edge: the refresh to round {round_number} moved the personalised LoRA aside ({kept}); "
+                f"re-applied on the refreshed bundle as {active.file.name} (--personalise)")
+    else:
+        line = (f"edge: the refresh to round {round_number} moved the personalised LoRA aside ({kept}); inference "
+                f"now runs the round's LoRA (edge-client rollback --refresh brings it back)")
+    log(INFO, "%s", line)
+    return line
 
 
 def _identity(instruction: Instruction, synced: Synced | None = None) -> ConfigRecord:

@@ -52,7 +52,7 @@ from fedmvp_formats.privacy import LOCAL, PrivacyRecord, privatise
 from edge_client.batch_fit import auto_batch, probe_step
 from edge_client.bundle import Bundle
 from edge_client.bundle_lock import bundle_lock
-from edge_client.local_data import LocalDataset, decode_dataset, scan_folder
+from edge_client.local_data import LocalDataset, decode_dataset, images_digest, scan_folder
 from edge_client.lora_store import ActiveLora, active_lora, apply_update_bytes, bundle_lora, state_dir
 from edge_client.program import GraphRunner, load_program
 from edge_client.safetensors_check import load_safetensors
@@ -296,7 +296,8 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
     try:  # the checks an update file's reader makes, on the tensors in memory
         data = update_bytes(trained, bundle=bundle, num_examples=n, mean_loss=mean_loss, final_loss=epoch_losses[-1],
                             epochs=o.epochs, train_seconds=round(seconds, 3), classes=dataset.classes,
-                            device=dev.type, alpha=alpha, lr=o.lr, optimizer=o.optimizer, started_from=initial.source)
+                            device=dev.type, alpha=alpha, lr=o.lr, optimizer=o.optimizer, started_from=initial.source,
+                            images_digest=images_digest(pixels_u8, labels_np))  # counted once: docs/howto/ingest.md
     except UpdateError as err:
         raise TrainingError(f"{err}; nothing was written") from None
     result = TrainResult(update_path=None, bundle=bundle.path, num_examples=n, classes=dataset.classes,

@@ -47,6 +47,8 @@ FIELDS: dict[str, str] = {  # metadata key: its meaning
     "train_seconds": "wall time of the training",
     "classes": "JSON list of the local class names that had images",
     "device": "where it trained (``cpu``, ``cuda``)",
+    "images_digest": "sha256 of the images it trained on (each image's class and decoded pixels, in no order): "
+                     "two updates over the same images count their examples once (`fedmvp ingest`)",
 }
 REQUIRED = ("format", "format_version", "bundle_id", "bundle_round", "num_examples", "mean_loss", "created")
 INT_FIELDS = ("format_version", "bundle_round", "num_examples", "epochs")
@@ -228,6 +230,8 @@ def check_metadata(raw: Mapping[str, str]) -> dict[str, Any]:
         datetime.fromisoformat(raw["created"])
     except ValueError:
         raise UpdateFormatError(f"created {shown(raw['created'])} is not an ISO 8601 time") from None
+    if "images_digest" in raw and not _SHA256.fullmatch(raw["images_digest"]):
+        raise UpdateFormatError(f"images_digest {shown(raw['images_digest'], 80)} is not a sha256 hex digest")
     if "classes" in raw:
         try:
             out["classes"] = json.loads(raw["classes"])

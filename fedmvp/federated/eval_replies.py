@@ -20,13 +20,14 @@ from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import MessageError, read_identity
 
 from fedmvp.federated.flower_log import log_left_out
-from fedmvp.federated.metrics import combine_counts, evaluation_sites
+from fedmvp.federated.metrics import counted, evaluation_sites
 from fedmvp.federated.replies import name_problem, one_line, site_counts
 
 
 def combine_eval_replies(replies: Iterable[Message], *, run_id: str, round_number: int, record: dict,
                          num_sites: int, site_names: dict[int, str] | None) -> dict[str, Any]:
-    """The metrics of one evaluation (``combine_counts``), ``eval_sites`` (the sites counted) and, when
+    """The metrics of one evaluation (``combine_counts``) with the per-site counts they are of (``counted``:
+    a table pairs zero-shot and tuned over the same sites), ``eval_sites`` (the sites counted) and, when
     edge devices answered, ``edge_acc`` and ``edge_devices``."""
     assignment = evaluation_sites(record)
     counts: dict[int, dict[str, tuple[int, int]]] = {}
@@ -55,7 +56,7 @@ def combine_eval_replies(replies: Iterable[Message], *, run_id: str, round_numbe
                 edge_counts[node] = pair
             continue
         counts[identity.site] = site_counts(metrics, assignment, identity.site)
-    result = {**combine_counts(record, counts), "eval_sites": len(counts)}
+    result = {**counted(record, counts), "eval_sites": len(counts)}
     if edge_counts:
         correct, total = (sum(c[i] for c in edge_counts.values()) for i in (0, 1))
         result |= {"edge_acc": correct / total if total else None, "edge_devices": len(edge_counts)}

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from fedmvp.data.federation_plan import is_open
-from fedmvp.federated.metrics import SITE_COUNT_KEYS, Counts, combine_counts, evaluation_sites
+from fedmvp.federated.metrics import SITE_COUNT_KEYS, Counts, combine_counts, counted, evaluation_sites
+from fedmvp.federated.populations import compare_populations, population_lines
 from fedmvp.federated.privacy_budget import round_privacy
 from fedmvp.federated.task import Samples, TaskContext, task_context
 from fedmvp.model import autocast_for
@@ -84,12 +85,30 @@ def not_evaluated(run: RunDir, round_number: int, source: str | None = None) -> 
             f"--data DIR){later}")
 
 
+def current_record(run: RunDir) -> dict:
+    """The federation's record as its sites are numbered now: an open federation's grows as sites join
+    (RUN/sites.json, docs/architecture.md "Open membership"); a listed one's is the run's record."""
+    preset = run.preset()
+    if not is_open(preset):
+        return run.federation_record()
+    from fedmvp.data.federation_plan import plan_record
+    from fedmvp.federated.site_registry import SiteRegistry, SiteRegistryError
+
+    try:
+        run_id = str(run.read_config().get("run_id", run.path.name))
+        return plan_record(preset, SiteRegistry.load(run.path, run_id).names)
+    except SiteRegistryError:
+        return run.federation_record()  # sites it does not number are then not paired (compare_populations)
+
+
 def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
     """Zero-shot (frozen CLIP, same attribute classifier) and tuned metrics of one round.
 
     An open federation's server holds no site data (docs/architecture.md "Open membership"): its rounds'
     metrics are what the sites reported; a round they did not evaluate is a `RunError` (``not_evaluated``),
-    and a zero-shot row never recorded shows as not measured."""
+    and a zero-shot row never recorded shows as not measured. Both rows are over the same sites: where
+    a site did not evaluate the round, zero-shot is taken again over the sites that did
+    (``populations.compare_populations``)."""
     config = run.read_config()
     checkpoint = run.load_checkpoint(round_number)
     privacy = round_privacy(run, checkpoint.round)  # [privacy]: what its weights spent; a bad record before any work
@@ -102,13 +121,14 @@ def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
             zero_shot = zero_shot or {}
         else:
             ctx = task_context(run.preset_file(config), run.method(checkpoint), config.get("server_device", "cpu"))
+            record = ctx.federation.record()
             if zero_shot is None:
-                zero_shot = evaluate_global(ctx, None)
+                zero_shot = counted(record, federation_counts(ctx, None))
                 run.write_json("zero_shot.json", zero_shot)
             if tuned.get("hm") is None:
-                tuned = evaluate_global(ctx, checkpoint.tensors)
+                tuned = counted(record, federation_counts(ctx, checkpoint.tensors))
     result = {"run": str(run.path), "round": checkpoint.round,  # a key not recorded: None
-              "zero-shot": {k: zero_shot.get(k) for k in ROW_KEYS}, "tuned": {k: tuned.get(k) for k in ROW_KEYS}}
+              **compare_populations(current_record(run), zero_shot, tuned, ROW_KEYS)}
     return result if privacy is None else {**result, "privacy": privacy}
 
 
@@ -126,6 +146,7 @@ def format_table(result: dict) -> str:
             d = values.get("domain")
             cells += f" {100 * d:8.2f}" if d is not None else f" {'-':>8}"
         lines.append(f"{row:<10} {cells}")
+    lines += population_lines(result)
     if site is not None:
         images = ", ".join(f"{kind} {n}" for kind, n in site["images"].items())
         lines.append(f"held-out images: {images}")

@@ -78,6 +78,8 @@ class FileVerdict:
     staleness: int | None = None  # rounds between its bundle's round and the round it is applied to
     s: float | None = None  # s(t), its staleness weight
     weight: float | None = None  # the share of its delta that reached the LoRA (aggregate.apply_updates)
+    images_digest: str | None = None  # the images it trained on (update file ``images_digest``)
+    created: str = ""  # when the device wrote it: of two over the same images, the newer counts
     arrays: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     @property
@@ -88,7 +90,7 @@ class FileVerdict:
         return {"file": self.file, "sha256": self.sha256, "accepted": self.accepted, "reason": self.reason,
                 "num_examples": self.num_examples, "bundle_round": self.bundle_round,
                 "bundle_id": self.bundle_id, "mean_loss": self.mean_loss, "clipped_from": self.clipped_from,
-                "staleness": self.staleness, "s": self.s, "weight": self.weight}
+                "staleness": self.staleness, "s": self.s, "weight": self.weight, "images_digest": self.images_digest}
 
 
 @dataclass
@@ -156,6 +158,7 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
         if verdict.sha256 is not None:
             seen.setdefault(verdict.sha256, f"given earlier in this command ({verdict.file})")
         verdicts.append(verdict)
+    count_images_once(verdicts)
     result = IngestResult(run=run.path, base_round=base, round=None, files=verdicts)
     accepted = sorted(result.accepted, key=lambda v: v.sha256 or "")  # argument order must not change the sums
     if not accepted:
@@ -190,6 +193,22 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
     run.save_checkpoint(result.round, {**checkpoint.tensors, **to_torch_state(averaged)}, state, replace=False)
     append_metrics(run, row)
     return result
+
+
+def count_images_once(verdicts: list[FileVerdict]) -> None:
+    """Of accepted updates over the same images (one ``images_digest``: one device's two trainings, say),
+    only the newest counts in the round; the others are rejected with one line, so the images' examples
+    weigh once (docs/howto/ingest.md). Which one is kept depends on the files, never on argument order."""
+    groups: dict[str, list[FileVerdict]] = {}
+    for verdict in verdicts:
+        if verdict.accepted and verdict.images_digest:
+            groups.setdefault(verdict.images_digest, []).append(verdict)
+    for digest, group in groups.items():
+        kept, *others = sorted(group, key=lambda v: (v.created, v.sha256 or ""), reverse=True)
+        for verdict in others:
+            verdict.arrays = None
+            verdict.reason = (f"same images as {kept.file} (images_digest {digest[:12]}), which is newer: "
+                              f"their examples count once")[:MAX_REASON]
 
 
 def accepted_before(run: RunDir) -> dict[str, str]:
@@ -240,6 +259,7 @@ def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen:
             raise _Rejected(str(err)) from None
         verdict.bundle_id, verdict.bundle_round = metadata["bundle_id"], metadata["bundle_round"]
         verdict.num_examples, verdict.mean_loss = metadata["num_examples"], metadata["mean_loss"]
+        verdict.images_digest, verdict.created = metadata.get("images_digest"), str(metadata["created"])
         problem = tensor_problem(tensors, shapes_of(lora))
         if problem is not None:
             raise _Rejected(problem)

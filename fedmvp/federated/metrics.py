@@ -80,3 +80,57 @@ def combine_counts(record: dict, counts_by_site: dict[int, Counts]) -> dict[str,
     sites["hm"] = sites["local"] | sites["base"] | sites["new"]
     metrics |= {f"{k}_sites": len(v) for k, v in sites.items()}
     return metrics
+
+
+# ---- populations: which sites, classes and images stand behind each metric (docs/method.md §7) ----------
+POPULATION_COLUMNS = ("local", "base", "new", "domain")
+
+
+def counted(record: dict, counts_by_site: dict[int, Counts]) -> dict:
+    """``combine_counts`` and the per-site counts it was combined from (``site_counts``, JSON-ready), so a
+    later table can pair two evaluations over exactly the same sites (``paired_counts``)."""
+    return {**combine_counts(record, counts_by_site), "site_counts": {
+        str(site): {name: [int(c), int(t)] for name, (c, t) in sorted(counts.items())}
+        for site, counts in sorted(counts_by_site.items())}}
+
+
+def recorded_counts(metrics: dict) -> dict[int, Counts] | None:
+    """The per-site counts an evaluation recorded (``counted``), or None: recorded before they were kept,
+    or not readable as counts (never trusted beyond their shape)."""
+    raw = metrics.get("site_counts")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        out = {int(site): {str(name): (int(pair[0]), int(pair[1])) for name, pair in counts.items()}
+               for site, counts in raw.items()}
+    except (TypeError, ValueError, IndexError, AttributeError, OverflowError):
+        return None
+    sane = all(0 <= c <= t for counts in out.values() for c, t in counts.values())
+    return out if sane else None  # a count a reply could not have made: no pairing from it
+
+
+def population(record: dict, counts_by_site: dict[int, Counts]) -> dict[str, dict[str, int]]:
+    """Per column (Local, Base, New, Domain): how many sites, classes and images the metric is over."""
+    classes_of_site = {c["id"]: set(c.get("classes") or []) for c in record["clients"]}
+    evaluations = {ev["name"]: ev for ev in record["evaluations"]}
+    out = {k: {"sites": set(), "classes": set(), "images": 0} for k in POPULATION_COLUMNS}
+    for site, counts in counts_by_site.items():
+        for name, (_, total) in counts.items():
+            if not total:
+                continue
+            if name == "local":
+                column, classes = out["local"], classes_of_site.get(site, set())
+            elif name in evaluations:
+                column, classes = out[evaluations[name]["kind"]], set(evaluations[name].get("classes") or [])
+            else:
+                continue
+            column["sites"].add(site)
+            column["classes"] |= classes
+            column["images"] += total
+    return {k: {"sites": len(v["sites"]), "classes": len(v["classes"]), "images": v["images"]}
+            for k, v in out.items()}
+
+
+def paired_counts(reference: dict[int, Counts], sites: set[int]) -> dict[int, Counts]:
+    """``reference``'s counts of exactly ``sites``: zero-shot over the sites that evaluated a tuned round."""
+    return {site: counts for site, counts in reference.items() if site in sites}

@@ -127,9 +127,13 @@ def train(config: str, rounds: int | None, run_dir: str | None, resume: bool, ev
     try:
         run = train_or_resume(config, rounds, run_dir, resume, eval_every, device, break_lock=break_lock)
         if as_json:
+            from fedmvp.federated.metrics import population, recorded_counts
             from fedmvp.run_metrics import read_metrics
             from fedmvp.vocabulary_check import read_record
-            emit_json({"run_dir": str(run.path), "final": (read_metrics(run) or [{}])[-1],
+            final = (read_metrics(run) or [{}])[-1]
+            counts = recorded_counts(final)  # what the final row is over (docs/method.md §7)
+            emit_json({"run_dir": str(run.path), "final": final,
+                       "population": None if counts is None else population(run.federation_record(), counts),
                        "vocabulary": read_record(run.path)})
             return
         from fedmvp.federated.evaluation import evaluate_run

@@ -273,3 +273,27 @@ def test_a_second_refresh_keeps_one_previous_generation(stale, round2):
     assert read_bundle(stale).manifest["source"]["refreshed_from"] == first.new_id == second.old_id
     assert json.loads((stale / "previous" / "manifest.json").read_text())["source"]["refreshed_from"] == first.old_id
     assert restore_previous(stale).id == first.new_id and not (stale / "previous").exists()
+
+
+@pytest.mark.parametrize("personalise", [True, False])
+def test_a_refresh_during_join_says_what_became_of_the_personalised_lora(stale, round2, images, tmp_path,
+                                                                        personalise):
+    """`edge-client join --personalise` ends with a personalised LoRA: a refresh moves the device's aside
+    (trained over the old PromptFormer), and the node re-applies it on the refreshed bundle, saying so in
+    one line; without --personalise the line says where it went and the round's LoRA runs."""
+    from edge_client.node import EdgeNodeConfig, sync_bundle
+
+    old = read_bundle(stale)
+    lora = {k: v + 0.01 for k, v in old.lora().items()}
+    apply_update(old, write_update(tmp_path / "mine.safetensors", lora, bundle=old, num_examples=6, mean_loss=0.5))
+    node = EdgeNodeConfig(bundle=stale, data=tmp_path, personalise=personalise)
+    synced = sync_bundle(node, round2, promptformer_digest(round2), 2, images)
+    assert synced.refreshed and synced.personal.startswith("edge: the refresh to round 2 moved the personalised "
+                                                           f"LoRA aside ({stale}/previous/personalised/lora-0001")
+    active = active_lora(read_bundle(stale))
+    assert active.personalised == personalise
+    if personalise:
+        assert "re-applied on the refreshed bundle as lora-0001.safetensors (--personalise)" in synced.personal
+        assert all(np.array_equal(active.tensors[k], lora[k]) for k in lora)
+    else:
+        assert "edge-client rollback --refresh brings it back" in synced.personal

@@ -95,6 +95,7 @@ def test_update_file_round_trips(trained):
     assert m["bundle_id"] == bundle.id and update.round == bundle.round == 2 and update.num_examples == 12
     assert abs(update.mean_loss - result.mean_loss) < 1e-9 and m["epochs"] == 4 and m["classes"] == result.classes
     assert m["created"].endswith("Z") and m["train_seconds"] > 0 and m["device"] == "cpu"
+    assert len(m["images_digest"]) == 64  # the images trained on: ingest counts them once (test_ingest.py)
     assert all(np.array_equal(result.tensors[k], update.tensors[k]) for k in LORA)  # the file holds the result
     # The personalised copy is the update, byte for byte, and is what inference now runs.
     assert (trained["bundle"] / "personalised" / "lora-0001.safetensors").read_bytes() == \

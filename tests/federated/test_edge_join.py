@@ -15,6 +15,7 @@ and two devices (`edge-client join`) on exported bundles with their own local fo
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -113,7 +114,8 @@ def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_worl
     subprocess.run([*FEDMVP, "certs", "--out", str(certs)], check=True, capture_output=True, env=ENV)
     port = free_port()
     procs = Processes(tmp_path)
-    edge_env = {**ENV, "PYTHONPATH": f"{blocker}"}
+    # the blocker first; then the checkout under test, where PYTHONPATH names one (else the installed tree runs)
+    edge_env = {**ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(blocker), ENV.get("PYTHONPATH")) if p)}
     edge_client = str(Path(sys.executable).parent / "edge-client")
     try:
         procs.start("serve", ["serve", "--config", str(preset), "--run-dir", str(run), "--certs", str(certs),
@@ -127,7 +129,7 @@ def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_worl
                                          "--data", str(data[name]), "--root-certificates", str(certs / "ca.crt"),
                                          "--out", str(tmp_path / f"device-{name}" / "updates"), "--epochs", "1",
                                          "--lr", "0.01", "--optimizer", "adamw", "--eval-fraction", "0.25",
-                                         "--threads", "1"],
+                                         "--threads", "1", *(["--personalise"] if name == "a" else [])],
                         command=[edge_client, "join"], env=edge_env)
         procs.wait_for("round 3", lambda: 3 in states(run), 300)
         procs.kill("edge-b")  # round 4 is under way: device B never answers it
@@ -167,6 +169,13 @@ def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_worl
     assert refreshed.promptformer_digest == promptformer_digest(
         load_file(str(run / f"round-{refreshed.round:04d}" / "global.safetensors")))
     assert not np.allclose(logits(bundles["b"], probe), before_b)
+    # Device A joined with --personalise: each refresh moved its LoRA aside and the node re-applied it, saying
+    # so; the join ends with A's own LoRA active on its refreshed bundle (docs/howto/refresh.md).
+    from edge_client.lora_store import active_lora
+
+    assert "moved the personalised LoRA aside" in procs.log("edge-a"), procs.log("edge-a")[-3000:]
+    assert "re-applied on the refreshed bundle" in procs.log("edge-a")
+    assert active_lora(Bundle.open(bundles["a"])).personalised
     # The last round's federated evaluation: the site's metrics and device A's held-out accuracy.
     row = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert row["round"] == 4 and row["edges"] == 1 and row["edge_devices"] >= 1 and 0 <= row["edge_acc"] <= 1

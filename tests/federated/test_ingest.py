@@ -25,7 +25,7 @@ from fedmvp.runs import RunDir, RunError
 RUN_ID = "a" * 32
 SERVER = {"max_staleness": 0, "edge_max_examples": 100}  # round 1 bundles are stale; 101 examples too many
 RECORD_KEYS = {"file", "sha256", "accepted", "reason", "num_examples", "bundle_round", "bundle_id", "mean_loss",
-               "clipped_from", "staleness", "s", "weight"}
+               "clipped_from", "staleness", "s", "weight", "images_digest"}
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +73,12 @@ def bundle_for(folder: Path, lora: dict[str, np.ndarray], round_number: int = 2,
 
 
 def good_update(path: Path, lora: dict[str, np.ndarray], shift: float, examples: int, loss: float,
-                round_number: int = 2, run_id: str | None = RUN_ID) -> Path:
+                round_number: int = 2, run_id: str | None = RUN_ID, **extra) -> Path:
     from edge_client.update import write_update
 
     bundle = bundle_for(path.parent / f"bundle-{path.stem}", lora, round_number, run_id)
     tensors = {k: v + shift * (i + 1) for i, (k, v) in enumerate(sorted(lora.items()))}
-    return write_update(path, tensors, bundle=bundle, num_examples=examples, mean_loss=loss)
+    return write_update(path, tensors, bundle=bundle, num_examples=examples, mean_loss=loss, **extra)
 
 
 def raw_update(path: Path, tensors: dict[str, np.ndarray], **meta) -> Path:
@@ -352,3 +352,38 @@ def test_cli_bad_input_is_one_line_and_exit_2(run, tmp_path, args, message):
     assert message.format(tmp=tmp_path, run=run) in result.output and "Traceback" not in result.output
     if "--max-staleness" not in args:
         assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error: ")
+
+
+def test_two_updates_over_the_same_images_count_their_examples_once(run, tmp_path):
+    """One device trained twice on the same images (two `edge-client train` files, the same
+    images_digest): the round counts its examples once, the newer update kept, the older one line."""
+    lora = lora_of(run)
+    same = "d" * 64
+    older = good_update(tmp_path / "older.st", lora, 0.01, 10, 1.0, images_digest=same, created="2026-01-01T00:00:00")
+    newer = good_update(tmp_path / "newer.st", lora, 0.02, 10, 1.0, images_digest=same, created="2026-01-02T00:00:00")
+    other = good_update(tmp_path / "other.st", lora, 0.03, 5, 1.0, images_digest="e" * 64)
+    result = invoke("--run", str(run), "--json", str(newer), str(other), str(older))
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["examples"] == 15 and sorted(r["file"] for r in report["accepted"]) == [str(newer), str(other)]
+    (rejected,) = report["rejected"]
+    assert rejected["file"] == str(older) and rejected["reason"].startswith(f"same images as {newer} (images_digest "
+                                                                            f"dddddddddddd), which is newer")
+    assert read_metrics(RunDir(run))[-1]["examples"] == 15
+
+
+def test_an_images_digest_that_is_no_sha256_is_refused(run, tmp_path):
+    bad = raw_update(tmp_path / "digest.st", lora_of(run), images_digest="xyz")
+    assert "images_digest 'xyz' is not a sha256" in ingest(run, [bad]).rejected[0].reason
+
+
+def test_the_images_digest_is_of_the_images_not_their_order():
+    """What a device writes (edge_client.local_data.images_digest): the same images in another order give
+    the same digest; another class for one image, or one image fewer, another."""
+    from edge_client.local_data import images_digest
+
+    pixels = np.random.default_rng(0).integers(0, 255, (4, 8, 8, 3), dtype=np.uint8)
+    labels = np.array([0, 0, 1, 1])
+    digest = images_digest(pixels, labels)
+    assert images_digest(pixels[::-1], labels[::-1]) == digest
+    assert images_digest(pixels, np.array([0, 1, 1, 1])) != digest != images_digest(pixels[:3], labels[:3])

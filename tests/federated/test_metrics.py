@@ -91,3 +91,18 @@ def test_the_metric_keys_are_unchanged_with_the_counts_added():
     """The paper's metrics keep their keys and values; the site counts are additions only."""
     metrics = combine_counts(PAPER_RECORD, {0: {"local": (1, 2)}})
     assert list(metrics) == ["local", "base", "new", "domain", "hm", *SITE_COUNT_KEYS]
+
+
+@pytest.mark.parametrize("raw, counts", [
+    ({"0": {"local": [1, 2]}, "1": {"fed/base/a": [0, 3]}}, {0: {"local": (1, 2)}, 1: {"fed/base/a": (0, 3)}}),
+    ({"0": {"local": [3, 2]}}, None),  # more correct than total
+    ({"0": {"local": [-1, 2]}}, None),
+    ({"x": {"local": [1, 2]}}, None),
+    ({"0": ["local"]}, None),
+    ("counts", None),
+])
+def test_recorded_site_counts_are_read_back_only_when_they_make_sense(raw, counts):
+    """What an evaluation recorded (metrics.counted) pairs two rows later; a row edited by hand never does."""
+    from fedmvp.federated.metrics import recorded_counts
+
+    assert recorded_counts({"site_counts": raw}) == counts

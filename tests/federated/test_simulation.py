@@ -144,10 +144,45 @@ def test_evaluate_prints_the_paper_table(finished_run):
     lines = result.output.splitlines()
     assert lines[1].split()[:4] == ["Local", "Base", "New", "HM"]
     assert lines[2].startswith("zero-shot") and lines[3].startswith("tuned")
+    assert lines[4].startswith("both rows over: Local 2 sites, 4 classes, ")  # what stands behind each column
     data = json.loads(CliRunner().invoke(main, ["evaluate", "--run", str(run_dir), "--json"]).output)
     assert data["round"] == 3 and set(data["tuned"]) >= {"local", "base", "new", "hm"}
+    assert data["population"]["zero-shot"] == data["population"]["tuned"] and "note" not in data
     missing = CliRunner().invoke(main, ["evaluate", "--run", str(run_dir), "--round", "9"])
     assert missing.exit_code == 2 and "complete rounds: 1, 2, 3" in missing.output
+
+
+def test_evaluate_pairs_zero_shot_with_the_sites_that_evaluated_the_round(finished_run, tmp_path):
+    """A site gone before a round's evaluation (its reply never came: eval_replies leaves it out): the
+    table says the populations differ and both rows are over the sites that evaluated the round, zero-shot
+    combined again from its recorded per-site counts; --json keeps the unpaired rows beside them."""
+    from fedmvp.federated.metrics import combine_counts, counted, recorded_counts
+
+    _, run_dir = finished_run
+    run = shutil.copytree(run_dir, tmp_path / "run")
+    record = json.loads((run / "config.json").read_text())["federation"]
+    zero_shot = json.loads((run / "zero_shot.json").read_text())
+    state_path = run / "round-0003" / "state.json"
+    state = json.loads(state_path.read_text())
+    tuned = recorded_counts(state["metrics"])
+    assert sorted(tuned) == sorted(recorded_counts(zero_shot)) == [0, 1]
+    del tuned[1]  # site 1 died before round 3 was evaluated
+    state["metrics"] |= counted(record, tuned)
+    state_path.write_text(json.dumps(state))
+    paired = combine_counts(record, {0: recorded_counts(zero_shot)[0]})
+    shown = CliRunner().invoke(main, ["evaluate", "--run", str(run)])
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert lines[2].split()[:2] == ["zero-shot", f"{100 * paired['local']:.2f}"] != \
+        ["zero-shot", f"{100 * zero_shot['local']:.2f}"]
+    assert lines[4].startswith("both rows over: Local 1 site, 2 classes, ")
+    assert lines[5].startswith("populations differ: the tuned evaluation lacks site 1 (shapes/photo/base-1); both "
+                               "rows above are over the 1 site both evaluated; as recorded: zero-shot Local ")
+    data = json.loads(CliRunner().invoke(main, ["evaluate", "--run", str(run), "--json"]).output)
+    assert data["zero-shot"]["local"] == paired["local"]
+    assert data["unpaired"]["zero-shot"]["local"] == zero_shot["local"]
+    assert data["population"]["zero-shot"]["local"] == data["population"]["tuned"]["local"] == \
+        {"sites": 1, "classes": 2, "images": tuned[0]["local"][1]}
 
 
 @pytest.mark.parametrize("edit,message", [

@@ -154,6 +154,8 @@ ATTACKS = [
     Attack("ansi-in-bundle-round", lambda lora: update(lora, bundle_round=ANSI), "is not a round number",
            "bundle_round"),
     Attack("ansi-in-created", lambda lora: update(lora, created=ANSI), "is not an ISO 8601 time", None),
+    Attack("ansi-in-images-digest", lambda lora: update(lora, images_digest="0" * 60 + ANSI), "is not a sha256",
+           "images_digest"),
     Attack("ansi-in-run-id", lambda lora: update(lora, run_id=ANSI * 50), "update of another run", None),
     Attack("ansi-in-mean-loss", lambda lora: update(lora, mean_loss=ANSI), "mean_loss", "mean_loss"),
     Attack("ansi-in-tensor-name", lambda lora: renamed(lora, f"lora.{ANSI}" + "z" * 5000), "unexpected", "unexpected"),
