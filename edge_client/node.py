@@ -179,9 +179,9 @@ def check_class_set(bundle: Bundle, class_set: dict | None, run_id: str | None) 
     except ValueError as err:
         raise BundleError(f"the server's message: {err}") from None
     if run.digest != bundle.classes_digest:
-        ours = set(bundle.class_names)
-        what = "other class order" if ours == set(run.names) and bundle.class_names != run.names else \
-            "other attribute phrases" if bundle.class_names == run.names else "other classes"
+        names, theirs = list(bundle.class_names), list(run.names)
+        what = "other attribute phrases" if names == theirs else \
+            "other class order" if set(names) == set(theirs) else "other classes"
         raise BundleError(f"{bundle.path}: refused before training: the bundle's class set is not run "
                           f"{name_shown(str(run_id))}'s ({what}); export a bundle from that run (fedmvp-export)")
 
