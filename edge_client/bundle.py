@@ -153,6 +153,13 @@ class Bundle:
         return "training" in roles and "weights" in roles
 
     @property
+    def classes_digest(self) -> str | None:
+        """The class-set digest of the names and phrases baked in (``classes.digest``,
+        ``fedmvp_formats.class_set``), if recorded: what a federation's messages are compared with."""
+        value = self.manifest["classes"].get("digest") if isinstance(self.manifest.get("classes"), dict) else None
+        return value if isinstance(value, str) else None
+
+    @property
     def promptformer_digest(self) -> str | None:
         """Digest of the global PromptFormer the bundle holds (``promptformer.digest``), if recorded."""
         section = self.manifest.get("promptformer")

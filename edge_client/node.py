@@ -37,12 +37,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.supercore import log
 
 from fedmvp_formats import messages as schema
+from fedmvp_formats.class_set import read_class_set
 from fedmvp_formats.messages import Identity, Instruction, read_instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.packed import LAYOUT, PACKED, pack, read_wire
 from fedmvp_formats.privacy import PrivacyRecord, device_privacy
 from fedmvp_formats.promptformer import promptformer_digest
-from fedmvp_formats.shown import path_shown
+from fedmvp_formats.shown import name_shown, path_shown
 
 from edge_client.bundle import Bundle, BundleError
 from edge_client.local_data import LocalDataset, held_out_split, scan_folder
@@ -147,13 +148,15 @@ class Synced:
 
 
 def sync_bundle(node: EdgeNodeConfig, arrays: dict[str, np.ndarray], digest: str, round_number: int,
-                check_images: list[Path]) -> Synced:
+                check_images: list[Path], run_id: str | None = None, class_set: dict | None = None) -> Synced:
     """The node's bundle holding the PromptFormer whose digest is ``digest``: as it is, or refreshed
     from the message's ``promptformer.*`` tensors (the bundle then is the global model of
-    ``round_number``; the previous one is kept in ``bundle/previous``)."""
+    ``round_number`` of run ``run_id``; the previous one is kept in ``bundle/previous``). A bundle whose
+    class set is not the run's (``class_set``, the message's record) is refused first."""
     recover_refresh(node.bundle)
     bundle = Bundle.open(node.bundle, verify=True)
     bundle.require_trainable()
+    check_class_set(bundle, class_set, run_id)
     if bundle.promptformer_digest == digest:
         return Synced(bundle)
     sent = {k: v for k, v in arrays.items() if k.startswith((PROMPTFORMER_PREFIX, LORA_PREFIX))}
@@ -162,7 +165,7 @@ def sync_bundle(node: EdgeNodeConfig, arrays: dict[str, np.ndarray], digest: str
                           f"{digest[:12]}, and the message carries no PromptFormer to refresh it with")
     personalised = _personalised(bundle)  # read now: the refresh moves it to previous/
     result = refresh_bundle(bundle, sent, digest=digest, round_number=round_number,
-                            check_images=check_images[:PARITY_IMAGES])
+                            check_images=check_images[:PARITY_IMAGES], run_id=run_id)
     log(INFO, "edge: bundle %s refreshed to the PromptFormer of round %s (%s -> %s, %d bytes, %.1f s)",
         bundle.path, round_number, result.old_id[:12], result.new_id[:12], result.bytes_received, result.seconds)
     refreshed = Bundle.open(node.bundle, verify=True)
@@ -195,11 +198,29 @@ def carry_personalised(node: EdgeNodeConfig, moved: ActiveLora, bundle: Bundle, 
     return line
 
 
+def check_class_set(bundle: Bundle, class_set: dict | None, run_id: str | None) -> None:
+    """Refuse (one line) a bundle whose class set is not the run's: its labels would be other indices
+    (docs/security.md). Only where both say theirs: an older bundle or run records none."""
+    if class_set is None or bundle.classes_digest is None:
+        return
+    try:
+        run = read_class_set(class_set)
+    except ValueError as err:
+        raise BundleError(f"the server's message: {err}") from None
+    if run.digest != bundle.classes_digest:
+        names, theirs = list(bundle.class_names), list(run.names)
+        what = "other attribute phrases" if names == theirs else \
+            "other class order" if set(names) == set(theirs) else "other classes"
+        raise BundleError(f"{bundle.path}: refused before training: the bundle's class set is not run "
+                          f"{name_shown(str(run_id))}'s ({what}); export a bundle from that run (fedmvp-export)")
+
+
 def _identity(instruction: Instruction, synced: Synced | None = None) -> ConfigRecord:
     """Who replies: an edge device, its bundle, for this run and round (checked by the server)."""
     bundle = {} if synced is None else {
         "bundle_id": synced.bundle.id, "promptformer_digest": str(synced.bundle.promptformer_digest),
-        "refreshed": synced.refreshed, "refresh_bytes": synced.refresh_bytes}
+        "refreshed": synced.refreshed, "refresh_bytes": synced.refresh_bytes,
+        "classes_digest": synced.bundle.classes_digest}
     return ConfigRecord(Identity(round=instruction.round, run_id=instruction.run_id, **bundle).record())
 
 
@@ -240,7 +261,8 @@ def train(msg: Message, context: Context) -> Message:
     arrays = _arrays(msg.content)
     bundle = Bundle.open(node.bundle, verify=False)
     training, _ = node.shares(bundle)
-    synced = sync_bundle(node, arrays, instruction.promptformer_digest, round_number - 1, training.files)
+    synced = sync_bundle(node, arrays, instruction.promptformer_digest, round_number - 1, training.files,
+                         instruction.run_id, instruction.class_set)
     start = _global_lora(arrays, synced.bundle)
     log(INFO, "edge: round %s, training the global LoRA on %d local images", round_number, len(training))
     sent = None if instruction.privacy is None else \
@@ -262,7 +284,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     digest = instruction.promptformer_digest or promptformer_digest(arrays)
     bundle = Bundle.open(node.bundle, verify=False)
     training, held_out = node.shares(bundle)
-    synced = sync_bundle(node, arrays, digest, instruction.round, training.files)
+    synced = sync_bundle(node, arrays, digest, instruction.round, training.files, instruction.run_id,
+                         instruction.class_set)
     lora = ActiveLora(tensors=_global_lora(arrays, synced.bundle), source="global", file=synced.bundle.path)
     predictor = _warm_predictor(synced.bundle, node.threads, node.runtime, node.precision)
     predictor.use_lora(lora)

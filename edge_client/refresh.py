@@ -105,7 +105,7 @@ def recover_refresh(bundle_dir: str | Path, break_lock: bool = False) -> str | N
 
 
 def refresh_bundle(bundle: Bundle, tensors: Mapping[str, np.ndarray], *, digest: str, round_number: int,
-                   check_images: Sequence[Path] = ()) -> RefreshResult:
+                   check_images: Sequence[Path] = (), run_id: str | None = None) -> RefreshResult:
     """Move ``bundle`` in place to the PromptFormer (and, if given, the global LoRA) in ``tensors``.
 
     ``digest``: what the server announced for these tensors (`promptformer_digest`). Anything
@@ -113,13 +113,15 @@ def refresh_bundle(bundle: Bundle, tensors: Mapping[str, np.ndarray], *, digest:
     names or shapes, non-finite values, a failed parity check on up to 4 ``check_images``) raises
     `BundleError` with the bundle as it was; `BundleBusy` when another process holds the bundle's
     lock (a train, a rollback). ``bundle`` describes the old bundle afterwards:
-    ``read_bundle(bundle.path)`` reads the refreshed one (id ``RefreshResult.new_id``)."""
+    ``read_bundle(bundle.path)`` reads the refreshed one (id ``RefreshResult.new_id``). ``run_id``: the run
+    the tensors come from (a federation's message): the manifest's ``source`` names it and ``round_number``
+    with the new weights, in the same commit, so update files trained on them name where they came from."""
     with bundle_lock(bundle.path):
-        return _refresh_locked(Path(bundle.path), tensors, digest, round_number, check_images)
+        return _refresh_locked(Path(bundle.path), tensors, digest, round_number, check_images, run_id)
 
 
 def _refresh_locked(root: Path, tensors: Mapping[str, np.ndarray], digest: str, round_number: int,
-                    check_images: Sequence[Path]) -> RefreshResult:
+                    check_images: Sequence[Path], run_id: str | None = None) -> RefreshResult:
     """`refresh_bundle` with the bundle's lock held."""
     began = time.perf_counter()
     journal.recover(root)
@@ -152,7 +154,7 @@ def _refresh_locked(root: Path, tensors: Mapping[str, np.ndarray], digest: str, 
             copy_file(bundle.file("lora"), root / REFRESH_PREVIOUS / names["lora"])  # previous/ is whole
         diff, checked = check_refreshed(bundle, staged / names["onnx"], staged / names["weights"],
                                         lora or bundle.lora(), check_images)
-        manifest = _refreshed_manifest(bundle, staged, changed, digest, round_number, old_id)
+        manifest = _refreshed_manifest(bundle, staged, changed, digest, round_number, old_id, run_id)
         write_manifest(staged, manifest)
         new_id = sha256_file(staged / MANIFEST)
     except OSError as err:  # a full disk, say: nothing the bundle lists has changed
@@ -300,12 +302,15 @@ def _patches(layout: dict[str, Span], tensors: Mapping[str, np.ndarray], path: P
 
 
 def _refreshed_manifest(bundle: Bundle, staged: Path, changed: list[str], digest: str, round_number: int,
-                        old_id: str) -> dict[str, Any]:
-    """The old manifest with the new files' hashes, the round and where the bundle was refreshed from."""
+                        old_id: str, run_id: str | None = None) -> dict[str, Any]:
+    """The old manifest with the new files' hashes, the run and round its weights now come from, and where
+    the bundle was refreshed from (docs/architecture.md "Identity follows the weights")."""
     manifest = json.loads(json.dumps(bundle.manifest))
     manifest["files"].update(file_entries(staged, changed))
     # The checkpoint file the bundle was exported from no longer describes its tensors.
     manifest["source"] = {**(manifest.get("source") or {}), "round": int(round_number), "refreshed_from": old_id,
                           "checkpoint_sha256": None}
+    if run_id is not None and run_id != bundle.run_id:  # joined another run: the weights are that run's now
+        manifest["source"] |= {"run_id": run_id, "refreshed_from_run": bundle.run_id}
     manifest["promptformer"]["digest"] = digest
     return manifest

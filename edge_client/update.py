@@ -79,7 +79,9 @@ def update_bytes(tensors: Mapping[str, Any], *, bundle: Bundle, num_examples: in
     check_lora(arrays, bundle.lora_shapes, where, UpdateError)
     metadata = {"bundle_id": bundle.id, "bundle_round": bundle.round, "num_examples": int(num_examples),
                 "mean_loss": float(mean_loss), "created": utc_now(),
-                **({"run_id": bundle.run_id} if bundle.run_id else {}), **extra}
+                **({"run_id": bundle.run_id} if bundle.run_id else {}),
+                **({"promptformer_digest": bundle.promptformer_digest} if bundle.promptformer_digest else {}),
+                **({"classes_digest": bundle.classes_digest} if bundle.classes_digest else {}), **extra}
     try:
         return fmt.update_bytes(arrays, metadata)
     except UpdateFormatError as err:

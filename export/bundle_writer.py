@@ -29,6 +29,7 @@ from fedmvp_formats.atomic import move
 from fedmvp_formats.bundle_manifest import (CHECK_SECTION, CONTEXT_SOURCES, FORMAT, FORMAT_VERSION, MANIFEST,
                                             PRECISIONS, REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES,
                                             file_entries, write_manifest)
+from fedmvp_formats.class_set import class_set_digest
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.privacy import RECORD as PRIVACY
 from fedmvp_formats.promptformer import promptformer_digest
@@ -282,7 +283,8 @@ def _manifest(model: FedMVP, clip: LoadedClip, classes: ClassSet, edge, precisio
                   "embed_dim": clip.embed_dim, "vision_width": clip.vision_width},
         "method": model.config.to_dict(),  # the record the weights were trained as (alpha, lora_rank, ...)
         "classes": {"names": list(classes.names), "count": len(classes.names),
-                    "attributes_per_class": classes.k, "source": classes.source},
+                    "attributes_per_class": classes.k, "source": classes.source,
+                    "digest": class_set_digest([(n, classes.attributes[n]) for n in classes.names])},
         "preprocess": preprocess_spec(clip).to_manifest(),
         "precision": precision,
         "files_by_role": dict(names),

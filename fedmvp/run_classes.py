@@ -9,6 +9,10 @@ rebuilt the whole federation from the preset and its data just to learn the name
 
 The order is decided once, here (``federation_classes``), for both the record and that migration,
 so a run exported either way bakes the same labels in the same order.
+
+The set's one identity is its class-set digest (``fedmvp_formats.class_set``: ordered names and each
+class's phrases), recorded here since format 2 (a format-1 file is read and its digest computed):
+every train and evaluate message carries it, and a site or device with another set is refused.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedmvp_formats.class_set import ClassSet
+
 from fedmvp import atomic
 from fedmvp.attributes.sentences import SentenceStyle
 
 CLASSES_FILE = "classes.json"
 FORMAT = "fedmvp-classes"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the class-set digest (``digest``)
 
 
 class ClassRecordError(ValueError):
@@ -77,11 +83,16 @@ def class_set_classes(preset) -> list[RunClass]:
     return [RunClass(names[y], tuple(attributes[names[y]]), style) for y in [*plan.classes.trained, *plan.classes.new]]
 
 
+def class_set(classes: list[RunClass]) -> ClassSet:
+    """The set as it travels and is compared (names in order, one phrases digest per class)."""
+    return ClassSet.of([(c.name, c.phrases) for c in classes])
+
+
 def write_classes(run_path: Path, classes: list[RunClass]) -> Path:
     """RUN/classes.json, atomically (a reader sees the old file or the whole new one)."""
     path = Path(run_path) / CLASSES_FILE
     atomic.write_json(path, {"format": FORMAT, "format_version": FORMAT_VERSION,
-                             "classes": [c.record() for c in classes]})
+                             "digest": class_set(classes).digest, "classes": [c.record() for c in classes]})
     return path
 
 
@@ -107,6 +118,8 @@ def read_classes(run_path: Path) -> list[RunClass] | None:
     names = [c.name for c in classes]
     if len(set(names)) != len(names):
         raise ClassRecordError(f"{path}: duplicate class names")
+    if version >= 2 and record.get("digest") != class_set(classes).digest:
+        raise ClassRecordError(f"{path}: digest is not the digest of its classes and phrases (edited by hand?)")
     return classes
 
 

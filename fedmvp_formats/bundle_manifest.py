@@ -73,12 +73,15 @@ SECTION_HELP: dict[str, str] = {
     "files": "every file of the bundle: {name: {sha256, bytes}}; the manifest's own sha256 is the bundle's id",
     "method": "the method record the weights were trained as (num_prompts, heads, alpha, flip_prob, lora_rank, "
               "lora_targets, use_lora; docs/method.md §3-5): `edge-client train` takes its alpha from it",
-    "classes": "names (in logit order, unique), count, attributes_per_class, source (the run or --attributes)",
+    "classes": "names (in logit order, unique), count, attributes_per_class, source (the run or --attributes), "
+               "digest (the class-set digest of the names and phrases, ``fedmvp_formats.class_set``; absent in "
+               "bundles exported before it was recorded)",
     "preprocess": "image size, resize and crop, mean and std: what the device does to an image before the model",
     "precision": "the ONNX model's precision: " + ", ".join(PRECISIONS),
     "files_by_role": "{role: file name} for the roles below; onnx and lora are required",
     "lora": "file, scaling, and tensors: {name: shape} of the LoRA tensors an update file must match",
-    "source": "the run and round it was exported from (run_id; refreshed_from after a refresh)",
+    "source": "the run and round its weights come from (run_id; after a refresh: the run and round it was "
+              "refreshed to, refreshed_from the old bundle id, refreshed_from_run the old run where it changed)",
     "model": "the CLIP backbone: clip, pretrained, weights_identity, embed_dim, vision_width",
     "onnx": "file, opset, input and outputs, num_classes, external data, numerics, LoRA initializer names, "
             "int8 (the scheme, the layers kept fp32)",
@@ -201,6 +204,9 @@ def _check_classes(m: dict[str, Any], bad: Any) -> None:
         raise bad("classes.names", f"names a class twice ({', '.join(twice[:5])})")
     if not _integer(count) or count != len(names):
         raise bad("classes.count", f"{count!r}, but classes.names lists {len(names)}")
+    digest = m["classes"].get("digest")
+    if digest is not None and not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= set("0123456789abcdef")):
+        raise bad("classes.digest", "not a sha256 hex digest")
     outputs = (m.get("onnx") or {}).get("num_classes")
     if outputs is not None and outputs != len(names):
         raise bad("onnx.num_classes", f"the model outputs {outputs!r} classes, classes.names lists {len(names)}")

@@ -18,6 +18,7 @@ its own record in the RecordDict:
 ``identity``     who replies, for which run and round (``Identity``: one builder, one reader)
 ``classes``      a site's train reply: class name -> training images (``read_class_counts``)
 ``privacy``      the run's ``[privacy]`` settings (``fedmvp_formats.privacy``), train only, when set
+``class-set``    the run's class set: digest, names, one phrases digest per class (``fedmvp_formats.class_set``)
 ===============  ======================================================================
 
 Every reader checks what arrives: a wrong type or a missing key raises `MessageError`, one line
@@ -39,12 +40,14 @@ ARRAYS, CONFIG, METHOD, LOCAL, ASSIGNMENT = "arrays", "config", "method", "local
 METRICS, IDENTITY = "metrics", "identity"
 CLASSES = "classes"  # a train reply's training images per class, recorded per site (docs/architecture.md)
 PRIVACY = "privacy"  # the run's [privacy] settings: what a sender clips (and noises) its delta by
+CLASS_SET = "class-set"  # the run's class set (fedmvp_formats.class_set), train and evaluate: checked before use
 
 # ---- keys ---------------------------------------------------------------------------------------------
 ROUND, RUN_ID, PROMPTFORMER_DIGEST = "round", "run-id", "promptformer-digest"  # instruction and identity
 LR, PRESET, DEVICE, LORA_CLIENTS, THREADS, PROMPTED = "lr", "preset", "device", "lora-clients", "threads", "prompted"
 PARTITION_ID, ROLE, BUNDLE_ID = "partition-id", "role", "bundle-id"
 SITE_NAME = "site-name"  # a [federation] site's name (`fedmvp join --name`): its identity and node config key
+CLASSES_DIGEST = "classes-digest"  # a reply's identity: the class-set digest the node trained or evaluated with
 SITE_ID = "site-id"  # an open federation's (no [[sites]]) id for the node's name, numbered by the server
 UNNUMBERED = -1  # the partition-id an open federation's site identifies with before the server numbered it
 REFRESHED, REFRESH_BYTES = "refreshed", "refresh-bytes"
@@ -134,6 +137,7 @@ class Instruction:
     assignment: dict[str, int] | None = None
     privacy: dict[str, Any] | None = None  # fedmvp_formats.privacy.PrivacyRecord.record(); None: no DP
     site: int | None = None
+    class_set: dict[str, Any] | None = None  # fedmvp_formats.class_set.ClassSet.record(); None: a run without one
 
     def records(self) -> dict[str, dict[str, Any]]:
         """The message's config records by name (absent parts left out)."""
@@ -145,7 +149,7 @@ class Instruction:
         config |= {k: v for k, v in optional.items() if v is not None}
         out = {CONFIG: config}
         for name, record in ((METHOD, self.method), (LOCAL, self.local), (ASSIGNMENT, self.assignment),
-                             (PRIVACY, self.privacy)):
+                             (PRIVACY, self.privacy), (CLASS_SET, self.class_set)):
             if record is not None:
                 out[name] = {k: v for k, v in record.items() if v is not None}
         return out
@@ -187,7 +191,7 @@ def read_instruction(records: Mapping[str, Any]) -> Instruction:
                        method=_record(records, METHOD), lr=None if lr is None else float(lr),
                        lora_clients=_int_list(config, LORA_CLIENTS), threads=threads,
                        local=_record(records, LOCAL), prompted=prompted, assignment=assignment,
-                       privacy=_record(records, PRIVACY), site=site)
+                       privacy=_record(records, PRIVACY), site=site, class_set=_record(records, CLASS_SET))
 
 
 def _string(fields: Mapping[str, Any], key: str) -> str | None:
@@ -213,6 +217,10 @@ class Identity:
     promptformer_digest: str | None = None
     refreshed: bool = False
     refresh_bytes: int = 0
+    classes_digest: str | None = None  # the class set it used (fedmvp_formats.class_set); None: not said
+
+    def _classes(self) -> dict[str, Any]:
+        return {} if self.classes_digest is None else {CLASSES_DIGEST: self.classes_digest}
 
     @property
     def role(self) -> str:
@@ -223,18 +231,20 @@ class Identity:
         the bundle's id and digest, the refresh flag (0/1) and bytes; then round and run id."""
         if self.site is not None:
             return {PARTITION_ID: self.site, ROUND: self.round, RUN_ID: self.run_id,
-                    **({SITE_NAME: self.name} if self.name is not None else {})}
-        out: dict[str, Any] = {ROLE: EDGE, ROUND: self.round, RUN_ID: self.run_id}
+                    **({SITE_NAME: self.name} if self.name is not None else {}), **self._classes()}
+        out: dict[str, Any] = {ROLE: EDGE, ROUND: self.round, RUN_ID: self.run_id, **self._classes()}
         if self.bundle_id is not None:
             out |= {BUNDLE_ID: self.bundle_id, PROMPTFORMER_DIGEST: str(self.promptformer_digest),
                     REFRESHED: int(self.refreshed), REFRESH_BYTES: int(self.refresh_bytes)}
         return out
 
 
-def read_identity(fields: Mapping[str, Any], run_id: str | None = None, round_number: int | None = None) -> Identity:
+def read_identity(fields: Mapping[str, Any], run_id: str | None = None, round_number: int | None = None,
+                  classes_digest: str | None = None) -> Identity:
     """A reply's identity, every field checked (texts bounded, the flag 0 or 1, a byte count, a site an
-    integer); with ``run_id`` and ``round_number``, also that the reply is of this run and round."""
-    for key in (RUN_ID, ROLE, BUNDLE_ID, PROMPTFORMER_DIGEST, SITE_NAME):
+    integer); with ``run_id`` and ``round_number``, also that the reply is of this run and round; with
+    ``classes_digest``, that a reply naming a class set names the run's."""
+    for key in (RUN_ID, ROLE, BUNDLE_ID, PROMPTFORMER_DIGEST, SITE_NAME, CLASSES_DIGEST):
         _text(fields, key)
     refreshed = _flag(fields, REFRESHED)
     refresh_bytes = fields.get(REFRESH_BYTES, 0)
@@ -248,6 +258,10 @@ def read_identity(fields: Mapping[str, Any], run_id: str | None = None, round_nu
         raise MessageError(f"unknown site {shown(site)}")
     if run_id is not None and fields.get(RUN_ID) != run_id:
         raise MessageError(f"reply of another run ({shown(fields.get(RUN_ID))})")
+    said = fields.get(CLASSES_DIGEST)
+    if classes_digest is not None and said is not None and said != classes_digest:
+        raise MessageError(f"reply of another class set (classes-digest {shown(said, 20)}, the run's is "
+                           f"{classes_digest[:16]}...): the node's attribute file is not the run's")
     got = fields.get(ROUND)
     if not is_int(got) or (round_number is not None and got != round_number):
         raise MessageError(f"reply of round {shown(got)}" + (f", not of round {round_number}"
@@ -255,7 +269,7 @@ def read_identity(fields: Mapping[str, Any], run_id: str | None = None, round_nu
     return Identity(round=got, run_id=str(fields.get(RUN_ID)), site=site,
                     name=fields.get(SITE_NAME) if role == SITE else None, bundle_id=fields.get(BUNDLE_ID),
                     promptformer_digest=fields.get(PROMPTFORMER_DIGEST), refreshed=refreshed,
-                    refresh_bytes=refresh_bytes)
+                    refresh_bytes=refresh_bytes, classes_digest=said)
 
 
 # ---- what a reply reports ----------------------------------------------------------------------------------

@@ -38,7 +38,13 @@ FIELDS: dict[str, str] = {  # metadata key: its meaning
     "format_version": f"``{FORMAT_VERSION}``",
     "bundle_id": "the bundle's id: sha256 of its ``manifest.json`` (which hashes every file)",
     "bundle_round": "the federated round the bundle was exported from (empty: none recorded)",
-    "run_id": "the run it was exported from (only when the manifest records it)",
+    "run_id": "the run its weights come from: the manifest's ``source.run_id`` (after a refresh from another "
+              "run, that run; only when the manifest records one)",
+    "promptformer_digest": "the PromptFormer it was trained over (``fedmvp_formats.promptformer``, the bundle's "
+                           "``promptformer.digest``): `fedmvp ingest` checks it against the run's round "
+                           "``bundle_round`` and refuses an update without it",
+    "classes_digest": "the class set its labels index (``fedmvp_formats.class_set``, the bundle's "
+                      "``classes.digest``; only when the manifest records it)",
     "num_examples": "local images trained on (the FedAvg weight)",
     "mean_loss": "mean training loss over every step (CE + alpha * L_con)",
     "final_loss": "mean loss of the last epoch",
@@ -54,6 +60,7 @@ REQUIRED = ("format", "format_version", "bundle_id", "bundle_round", "num_exampl
 INT_FIELDS = ("format_version", "bundle_round", "num_examples", "epochs")
 FLOAT_FIELDS = ("mean_loss", "final_loss", "train_seconds")
 FINITE_FIELDS = ("mean_loss", "final_loss")  # a NaN loss would poison an average
+DIGEST_FIELDS = ("promptformer_digest", "classes_digest")  # optional within format 1: a newer writer's keys
 MAX_HEADER_BYTES = 1 << 20  # names, shapes and metadata (a class list) are KBs
 MAX_UPDATE_BYTES = 64 << 20  # without a bundle or a round to size it by
 _INTEGER = re.compile(r"0|-?[1-9][0-9]{0,17}")
@@ -224,8 +231,9 @@ def check_metadata(raw: Mapping[str, str]) -> dict[str, Any]:
             out[key] = None
         if out[key] is None or (key in FINITE_FIELDS and not math.isfinite(out[key])):
             raise UpdateFormatError(f"{key} {shown(raw[key])} is not a finite number")
-    if not _SHA256.fullmatch(raw["bundle_id"]):
-        raise UpdateFormatError(f"bundle_id {shown(raw['bundle_id'], 80)} is not a sha256 hex digest")
+    for key in ("bundle_id", *(k for k in DIGEST_FIELDS if k in raw)):
+        if not _SHA256.fullmatch(raw[key]):
+            raise UpdateFormatError(f"{key} {shown(raw[key], 80)} is not a sha256 hex digest")
     try:
         datetime.fromisoformat(raw["created"])
     except ValueError:

@@ -145,7 +145,8 @@ class BufferedVersions:
         arrays, metrics = fields
         base_state = {**state, **self.bases[sent.base]}  # checked against what the device was sent
         verdict = check_reply(arrays, metrics, rules=ReplyRules(run_id=strategy.run_id, round=sent.base + 1,
-                                                                server=self.server),
+                                                                server=self.server,
+                                                                classes_digest=strategy.classes_digest),
                               global_state=base_state, expected_names={}, declared_examples={},
                               site_names=strategy.site_names, class_rules=strategy.class_rules)
         if verdict.accepted and verdict.role != schema.EDGE:

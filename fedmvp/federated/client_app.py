@@ -25,6 +25,7 @@ from fedmvp.data.federation import SiteRequest
 from fedmvp.data.federation_plan import is_open
 from fedmvp.data.site_federation import site_id
 from fedmvp.federated.evaluation import site_counts
+from fedmvp.federated.site_classes import site_class_digest
 from fedmvp.presets.schema import load_preset
 from fedmvp.federated.task import LocalSettings, local_train, task_context, train_class_counts
 from fedmvp.federated.wire import content_instruction, content_torch_state, state_records, to_numpy_state
@@ -105,8 +106,10 @@ def train(msg: Message, context: Context) -> Message:
     _threads(context, instruction)
     preset = str(context.node_config.get("preset", instruction.need("preset")))
     client_id, name, request = _site(context, preset, instruction)
-    # Which site, run and round this reply belongs to: the server checks it before using the reply.
-    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)
+    digest = site_class_digest(preset, instruction)  # another class set than the run's: refused before training
+    # Which site, run, round and class set this reply belongs to: the server checks it before using the reply.
+    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name,
+                        classes_digest=digest)
     method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
     ctx = task_context(preset, method, _device(instruction.device), request)
     client = ctx.client(client_id)
@@ -139,7 +142,9 @@ def evaluate(msg: Message, context: Context) -> Message:
     _threads(context, instruction)
     preset = str(context.node_config.get("preset", instruction.need("preset")))
     client_id, name, request = _site(context, preset, instruction)
-    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)
+    digest = site_class_digest(preset, instruction)
+    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name,
+                        classes_digest=digest)
     method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
     ctx = task_context(preset, method, _device(instruction.device), request)
     state = content_torch_state(msg.content) if instruction.prompted else None

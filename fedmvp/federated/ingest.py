@@ -18,7 +18,10 @@ never both build on R: the second is refused, or waits and builds on R+1.
 The update format is read by ``fedmvp_formats.update``, the one reader the device uses too
 (safetensors and its string metadata, nothing unpickled: the size cap, the header check, the
 strict integer rule, the escaping). What is checked here is the run's: the round's LoRA names
-and shapes, staleness, the run id, ``edge_max_examples`` and the norm bound.
+and shapes, staleness, the run id, ``edge_max_examples``, the norm bound, and on content, not on
+names: the PromptFormer the update was trained over (``promptformer_digest``) must be the one of
+this run's round ``bundle_round``, and the class set its labels index (``classes_digest``) the run's
+(docs/security.md: an update trained over another run's weights).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedmvp_formats import update as fmt
-from fedmvp_formats.names import LORA_PREFIX
+from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
+from fedmvp_formats.promptformer import promptformer_digest
 from fedmvp_formats.shown import shown
 from fedmvp_formats.tensors import shapes_of, tensor_problem
 from fedmvp_formats.update import UpdateFormatError
@@ -59,8 +63,12 @@ def ingest_rules(run: RunDir, config: dict[str, Any], round_number: int,
                  max_staleness: int | None = None) -> ReplyRules:
     """What an update file must satisfy to count in round ``round_number + 1``: the run's recorded server
     rules (``RunDir.server``), ``max_staleness`` (`--max-staleness`) overriding the record's."""
+    from fedmvp.run_classes import class_set
+
     server = run.server({"max_staleness": max_staleness}, "--max-staleness")
-    return ReplyRules(run_id=config.get("run_id"), round=round_number, server=server)
+    classes = run.class_set()
+    return ReplyRules(run_id=config.get("run_id"), round=round_number, server=server,
+                      classes_digest=None if classes is None else class_set(classes).digest)
 
 
 @dataclass
@@ -151,7 +159,7 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
                        f"edge updates have nothing to go into")
     rules = ingest_rules(run, config, base, max_staleness)
     seen = accepted_before(run)
-    bases = BaseLoras(run, base, lora)
+    bases = BaseLoras(run, base, lora, checkpoint.tensors)
     verdicts = []
     for path in files:
         verdict = check_file(Path(path), rules, lora, seen, bases)
@@ -229,16 +237,32 @@ class BaseLoras:
     """The LoRA of each round an update's bundle came from, read from the run's checkpoints once each:
     an update is a delta against it (and its norm bound is measured from it)."""
 
-    def __init__(self, run: RunDir, last: int, lora: dict[str, np.ndarray]):
-        self.run, self.loaded = run, {last: lora}
+    def __init__(self, run: RunDir, last: int, lora: dict[str, np.ndarray], tensors: dict[str, Any] | None = None):
+        self.run, self.loaded, self.digests = run, {last: lora}, {}
+        if tensors is not None:
+            self.digests[last] = promptformer_digest(to_numpy_state(_promptformer(tensors)))
 
     def __call__(self, round_number: int) -> dict[str, np.ndarray]:
         if round_number not in self.loaded:
-            if round_number not in self.run.rounds():
-                raise RunError(f"the run holds no round {round_number} (the update's base) any more")
-            tensors = self.run.load_checkpoint(round_number).tensors
-            self.loaded[round_number] = to_numpy_state({k: v for k, v in tensors.items() if k.startswith(LORA_PREFIX)})
+            self._load(round_number)
         return self.loaded[round_number]
+
+    def promptformer(self, round_number: int) -> str:
+        """The digest of round ``round_number``'s PromptFormer: what an update of it was trained over."""
+        if round_number not in self.digests:
+            self._load(round_number)
+        return self.digests[round_number]
+
+    def _load(self, round_number: int) -> None:
+        if round_number not in self.run.rounds():
+            raise RunError(f"the run holds no round {round_number} (the update's base) any more")
+        tensors = self.run.load_checkpoint(round_number).tensors
+        self.loaded[round_number] = to_numpy_state({k: v for k, v in tensors.items() if k.startswith(LORA_PREFIX)})
+        self.digests[round_number] = promptformer_digest(to_numpy_state(_promptformer(tensors)))
+
+
+def _promptformer(tensors: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in tensors.items() if k.startswith(PROMPTFORMER_PREFIX)}
 
 
 def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen: dict[str, str],
@@ -267,6 +291,7 @@ def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen:
         _check_run(metadata, rules)
         try:
             base = lora if bases is None else bases(metadata["bundle_round"])
+            _check_content(metadata, rules, bases)
         except RunError as err:
             raise _Rejected(str(err)) from None
         problem = tensor_problem(tensors, shapes_of(base))
@@ -281,6 +306,23 @@ def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen:
         reason = str(rejected)
         verdict.reason = reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 3] + "..."
     return verdict
+
+
+def _check_content(metadata: dict[str, Any], rules: ReplyRules, bases: BaseLoras | None) -> None:
+    """Where its weights came from, on content: the PromptFormer it was trained over is this run's round
+    ``bundle_round``'s (a bundle that joined another run carries that run's), and the class set it
+    names is the run's. A run id is a name anyone can write; a digest is of the weights themselves."""
+    said, bundle_round = metadata.get("promptformer_digest"), metadata["bundle_round"]
+    if not said:
+        raise _Rejected("names no PromptFormer it was trained over (promptformer_digest; an older edge-client's "
+                        "file): train it again with this edge-client on a bundle of this run")
+    if bases is not None and said != bases.promptformer(bundle_round):
+        raise _Rejected(f"trained over PromptFormer {said[:12]}, not over this run's round {bundle_round} "
+                        f"({bases.promptformer(bundle_round)[:12]}): its weights come from another run or round")
+    classes = metadata.get("classes_digest")
+    if classes and rules.classes_digest and classes != rules.classes_digest:
+        raise _Rejected(f"trained on another class set (classes_digest {classes[:12]}, this run's is "
+                        f"{rules.classes_digest[:12]}): its bundle was exported with other classes or phrases")
 
 
 def _check_run(metadata: dict[str, Any], rules: ReplyRules) -> None:

@@ -66,6 +66,7 @@ class ReplyRules:
     run_id: str | None
     round: int
     server: ServerSpec = field(default_factory=ServerSpec)
+    classes_digest: str | None = None  # the run's class-set digest: a reply naming another is refused
 
 
 @dataclass
@@ -204,7 +205,7 @@ def check_reply(arrays: WireTensors | dict[str, np.ndarray], metrics: Any, *, ru
     ``rules.server.edge_max_examples`` images.
     ``arrays`` as they came (`WireTensors`: converted by `wire_arrays` once the rules above held)."""
     try:
-        identity = read_identity(metrics, rules.run_id, rules.round)
+        identity = read_identity(metrics, rules.run_id, rules.round, rules.classes_digest)
     except MessageError as err:
         site = metrics.get(schema.PARTITION_ID)
         role = schema.EDGE if metrics.get(schema.ROLE) == schema.EDGE else schema.SITE

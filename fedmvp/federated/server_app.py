@@ -171,6 +171,14 @@ def round_policy(run: RunDir, config: dict, settings: ServerSettings) -> RoundPo
     return RoundPolicy(fraction, run.server(overrides, RUN_TIME_WHERE))
 
 
+def _class_set_record(run: RunDir) -> dict | None:
+    """The run's class set as every train and evaluate message carries it (None: a run without classes.json)."""
+    from fedmvp.run_classes import class_set
+
+    classes = run.class_set()
+    return None if classes is None else class_set(classes).record()
+
+
 def open_membership(run: RunDir, preset, run_id: str) -> OpenSites | None:
     """An open federation's sites (a [federation] preset without [[sites]]): the run's name -> id registry
     (RUN/sites.json, checked here, before any round) and its record as sites join; None: sites are listed."""
@@ -207,7 +215,7 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     recorder = RoundRecorder(run, evaluate, total, settings, strategy_ref, method.to_dict())
     client_config = {"preset": client_preset(preset_path), "device": config.get("client_device", "cpu"),
                      "method": method.to_dict(), "local": LocalSettings.from_train(config["train"]).to_record(),
-                     "threads": settings.client_threads}
+                     "threads": settings.client_threads, "class_set": _class_set_record(run)}
     # None: a [federation] site's whole folder, which this server never sees ([server] site_max_examples)
     declared = {c["id"]: None if c["train_images"] is None else int(c["train_images"])
                 for c in federation["clients"]}

@@ -170,7 +170,8 @@ class FedMVPStrategy(Strategy):
     def _instruction(self, round_number: int, **values: Any) -> Instruction:
         cc = self.client_config
         return Instruction(round=round_number, run_id=self.run_id, preset=cc.get("preset"), device=cc.get("device"),
-                           method=cc.get("method"), threads=cc.get("threads"), **values)
+                           method=cc.get("method"), threads=cc.get("threads"), class_set=cc.get("class_set"),
+                           **values)
 
     # ---- who trains: the round's sites, then the nodes that serve them (fedmvp.federated.sampling) -------
     def _targets(self, grid: Grid, round_number: int, attempt: int) -> tuple[list[int], list[int]]:
@@ -229,6 +230,11 @@ class FedMVPStrategy(Strategy):
         except BudgetExceeded as err:
             raise RoundFailed(str(err)) from None
 
+    @property
+    def classes_digest(self) -> str | None:
+        """The run's class-set digest a reply may name (None: a run without classes.json)."""
+        return (self.client_config.get("class_set") or {}).get("digest")
+
     def holds(self, node: int, digest: str) -> bool:
         """Whether ``node`` is an edge device that last reported holding the PromptFormer ``digest``."""
         known = self.known.get(node, {})
@@ -244,7 +250,8 @@ class FedMVPStrategy(Strategy):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check and average one round's replies; (None, None) when fewer than needed were usable."""
         round_number = self.global_round(server_round)
-        rules = ReplyRules(run_id=self.run_id, round=round_number, server=self.policy.server)
+        rules = ReplyRules(run_id=self.run_id, round=round_number, server=self.policy.server,
+                           classes_digest=self.classes_digest)
         expected = self._expected_names()
         contents, self.rejected = [], []
         for msg in replies:

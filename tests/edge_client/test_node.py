@@ -195,3 +195,31 @@ def test_join_checks_everything_before_it_starts(edge_bundle, tmp_path, extra, m
     assert done.returncode == 2, done.stdout + done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr
+
+
+def test_a_bundle_with_another_class_set_is_refused_before_it_trains(bundle_dir, edge_run):
+    """The run's class set (the message's record) against the bundle's: order or phrases that differ are
+    refused in one line, before any training; the same set passes."""
+    import pytest
+
+    from edge_client.bundle import BundleError
+    from edge_client.node import check_class_set
+    from fedmvp_formats.class_set import ClassSet, phrases_digest
+
+    bundle = Bundle.open(bundle_dir)
+    names = bundle.class_names
+    assert bundle.classes_digest is not None and len(names) > 1
+    # the record with the bundle's names and digest: its per-class digests rebuilt so that the whole matches
+    same = ClassSet(tuple(names), tuple(phrases_digest([n]) for n in names))
+    reordered = ClassSet(tuple(reversed(names)), same.phrases)
+    with pytest.raises(BundleError, match=r"refused before training: .* \(other class order\)"):
+        check_class_set(bundle, reordered.record(), "run-b")
+    with pytest.raises(BundleError, match=r"other attribute phrases"):
+        check_class_set(bundle, same.record(), "run-b")  # same names, other phrases: another digest
+    check_class_set(bundle, None, "run-b")  # a run that records none: nothing to compare
+    from fedmvp.run_classes import class_set
+    from fedmvp.runs import RunDir
+
+    run = class_set(RunDir(edge_run).class_set())  # the exporter recorded the run's own digest
+    assert run.digest == bundle.classes_digest
+    check_class_set(bundle, run.record(), "edgetest-1")

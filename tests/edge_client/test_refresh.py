@@ -297,3 +297,22 @@ def test_a_refresh_during_join_says_what_became_of_the_personalised_lora(stale, 
         assert all(np.array_equal(active.tensors[k], lora[k]) for k in lora)
     else:
         assert "edge-client rollback --refresh brings it back" in synced.personal
+
+
+def test_a_refresh_from_another_run_names_that_run_and_its_updates_carry_its_weights(stale, round2, tmp_path):
+    """Identity follows the weights: a bundle of run A refreshed to run B's round names run B (and the run it
+    came from), atomically with the new weights, and an update trained on it says both the run and the
+    PromptFormer it was trained over (what `fedmvp ingest` checks on content)."""
+    from edge_client.update import read_update
+
+    old = read_bundle(stale)
+    assert old.run_id == "moved-run-0"
+    refresh_bundle(old, round2, digest=promptformer_digest(round2), round_number=2, run_id="run-b")
+    new = read_bundle(stale)
+    assert (new.run_id, new.round, new.manifest["source"]["refreshed_from_run"]) == ("run-b", 2, "moved-run-0")
+    update = read_update(write_update(tmp_path / "u.st", new.lora(), bundle=new, num_examples=3, mean_loss=1.0), new)
+    assert update.metadata["run_id"] == "run-b" and update.round == 2
+    assert update.metadata["promptformer_digest"] == promptformer_digest(round2) == new.promptformer_digest
+    assert update.metadata["classes_digest"] == new.classes_digest is not None
+    restore_previous(stale)  # a rollback brings back the old identity with the old weights
+    assert read_bundle(stale).run_id == "moved-run-0"

@@ -34,7 +34,22 @@ def base_run(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("ingest-run")
     write_run(root / "run", root / "preset.toml", "", "ingesttest")
+    PROMPTFORMERS.update({r: round_promptformer(root / "run", r) for r in RunDir(root / "run").rounds()})
+    from fedmvp.attributes.sentences import SentenceStyle
+    from fedmvp.run_classes import RunClass, write_classes
+
+    write_classes(root / "run", [RunClass("x", ("a photo",), SentenceStyle(prefix="", suffix=""))])  # its class set
     return root / "run"
+
+
+PROMPTFORMERS: dict[int, str] = {}  # round -> the digest of its PromptFormer (what a bundle of it holds)
+
+
+def round_promptformer(run: Path, round_number: int) -> str:
+    from fedmvp.federated.wire import to_numpy_state
+    from fedmvp_formats.promptformer import promptformer_digest
+
+    return promptformer_digest(to_numpy_state(dict(RunDir(run).load_checkpoint(round_number).tensors)))
 
 
 def configure(run: Path, server: dict | None = None, run_id: str | None = RUN_ID) -> None:
@@ -60,23 +75,28 @@ def lora_of(run: Path, round_number: int = 2) -> dict[str, np.ndarray]:
     return {k: v.numpy().copy() for k, v in tensors.items() if k.startswith("lora.")}
 
 
-def bundle_for(folder: Path, lora: dict[str, np.ndarray], round_number: int = 2, run_id: str | None = RUN_ID):
-    """An edge_client Bundle as `write_update` reads it: manifest.json with the source round, run_id, LoRA shapes."""
+def bundle_for(folder: Path, lora: dict[str, np.ndarray], round_number: int = 2, run_id: str | None = RUN_ID,
+               promptformer: str | None = None, classes: str | None = None):
+    """An edge_client Bundle as `write_update` reads it: manifest.json with the source round, run_id, LoRA shapes,
+    the PromptFormer it holds (default: the run's round's) and, given one, its class-set digest."""
     from edge_client.bundle import Bundle
     from fedmvp_formats.bundle_manifest import write_manifest
 
     folder.mkdir(parents=True, exist_ok=True)
     manifest = {"source": {"round": round_number, **({"run_id": run_id} if run_id else {})},
-                "lora": {"tensors": {k: list(v.shape) for k, v in lora.items()}}}
+                "lora": {"tensors": {k: list(v.shape) for k, v in lora.items()}},
+                "promptformer": {"digest": promptformer or PROMPTFORMERS.get(round_number, "0" * 64)},
+                "classes": {"names": ["x"], **({"digest": classes} if classes else {})}}
     write_manifest(folder, manifest)
     return Bundle(folder, manifest)
 
 
 def good_update(path: Path, lora: dict[str, np.ndarray], shift: float, examples: int, loss: float,
-                round_number: int = 2, run_id: str | None = RUN_ID, **extra) -> Path:
+                round_number: int = 2, run_id: str | None = RUN_ID, promptformer: str | None = None,
+                classes: str | None = None, **extra) -> Path:
     from edge_client.update import write_update
 
-    bundle = bundle_for(path.parent / f"bundle-{path.stem}", lora, round_number, run_id)
+    bundle = bundle_for(path.parent / f"bundle-{path.stem}", lora, round_number, run_id, promptformer, classes)
     tensors = {k: v + shift * (i + 1) for i, (k, v) in enumerate(sorted(lora.items()))}
     return write_update(path, tensors, bundle=bundle, num_examples=examples, mean_loss=loss, **extra)
 
@@ -122,6 +142,12 @@ BAD = [  # (name, make(folder, lora) -> path, reason substring)
     ("nan-loss", lambda d, lora: raw_update(d / "loss.st", lora, mean_loss="nan"), "mean_loss 'nan'"),
     ("bad-bundle-id", lambda d, lora: raw_update(d / "id.st", lora, bundle_id="xyz"), "not a sha256"),
     ("missing-file", lambda d, lora: d / "absent.st", "cannot read"),
+    # identity on content: the weights it was trained over are another run's, whatever run_id it names
+    ("foreign-promptformer", lambda d, lora: good_update(d / "foreign.st", lora, 0.1, 10, 1.0, promptformer="f" * 64),
+     "not over this run's round 2"),
+    ("no-promptformer", lambda d, lora: raw_update(d / "nopf.st", lora), "names no PromptFormer it was trained over"),
+    ("other-classes", lambda d, lora: good_update(d / "classes.st", lora, 0.1, 10, 1.0, classes="c" * 64),
+     "trained on another class set"),
 ]
 
 

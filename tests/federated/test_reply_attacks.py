@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedmvp_formats.class_set import ClassSet
 from fedmvp.federated.replies import ClassRules
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
 from fedmvp.presets.server import ServerSpec
@@ -152,6 +153,10 @@ ROWS = [
     Hostile("switch-next-7", "switch-next", metrics={"switch-next": 7}),
     Hostile("run-id-1MB", "run-id 'rrr", identity={"run-id": "r" * (1 << 20)}),
     Hostile("run-id-ansi", "reply of another run", identity={"run-id": ANSI}),
+    # a site that trained with another attribute file (other classes, order or phrases) says so in its identity
+    Hostile("classes-digest-other", "reply of another class set", identity={"classes-digest": "c" * 64}),
+    Hostile("classes-digest-ansi", "reply of another class set", identity={"classes-digest": ANSI}),
+    Hostile("classes-digest-1MB", "classes-digest 'ccc", identity={"classes-digest": "c" * (1 << 20)}),
     Hostile("run-id-bytes", "run-id b'run-1' is not a string", identity={"run-id": RUN.encode()}),
     Hostile("partition-id-1MB", "unknown site", identity={"partition-id": "1" * (1 << 20)},
             metrics={"partition-id": None}),
@@ -208,7 +213,8 @@ CLASS_RULES = ClassRules.from_record({"clients": [{"id": 0, "classes": ["cat", "
 
 
 def strategy() -> FedMVPStrategy:
-    made = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=2, run_id=RUN,
+    made = FedMVPStrategy(client_config={"class_set": ClassSet.of([("cat", ["fur"]), ("dog", ["tail"])]).record()},
+                          seed=0, total_rounds=2, base_lr=0.1, num_clients=2, run_id=RUN,
                           declared_examples={0: 10, 1: 10}, lora_clients=[0, 1], class_rules=CLASS_RULES,
                           policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
     made.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(SHAPE, np.float32)}

@@ -27,7 +27,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from disk import run, tree_digest  # noqa: E402
-from tests.federated.test_ingest import RUN_ID, SERVER, bundle_for, configure, lora_of  # noqa: E402
+from tests.federated.test_ingest import (PROMPTFORMERS, RUN_ID, SERVER, bundle_for, configure,  # noqa: E402
+                                         lora_of, round_promptformer)
 
 META = {"format": "fedmvp-edge-update", "format_version": "1", "bundle_id": "0" * 64, "bundle_round": "2",
         "num_examples": "10", "mean_loss": "1.0", "created": "2025-01-01T00:00:00Z", "run_id": RUN_ID}
@@ -171,6 +172,16 @@ ATTACKS = [
     Attack("another-run", lambda lora: update(lora, run_id="b" * 32), "update of another run", None),
     Attack("bundle-round-from-the-future", lambda lora: update(lora, bundle_round="3"), "newer than the run's last",
            None),
+    # where its weights came from, on content (a run_id is only a name): another run's PromptFormer, none, a
+    # forged digest, another class set
+    Attack("foreign-promptformer", lambda lora: update(lora, promptformer_digest="f" * 64),
+           "not over this run's round 2", None),
+    Attack("no-promptformer", lambda lora: update(lora, promptformer_digest=None),
+           "names no PromptFormer it was trained over", None),
+    Attack("ansi-in-promptformer", lambda lora: update(lora, promptformer_digest=ANSI), "is not a sha256",
+           "promptformer_digest"),
+    Attack("another-class-set", lambda lora: update(lora, classes_digest="c" * 64), "trained on another class set",
+           None),
     Attack("created-in-the-future", lambda lora: update(lora, created="2999-01-01T00:00:00Z"), "", "", accepted=True),
 ]
 
@@ -183,6 +194,12 @@ def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("update-attacks")
     write_run(root / "run", root / "preset.toml", "", "attacks")
     configure(root / "run", SERVER)
+    PROMPTFORMERS.update({r: round_promptformer(root / "run", r) for r in (1, 2)})
+    META["promptformer_digest"] = PROMPTFORMERS[2]  # what a good update of round 2 names
+    from fedmvp.attributes.sentences import SentenceStyle
+    from fedmvp.run_classes import RunClass, write_classes
+
+    write_classes(root / "run", [RunClass("x", ("a photo",), SentenceStyle(prefix="", suffix=""))])
     return root
 
 
