@@ -21,7 +21,7 @@ from fedmvp.run_lock import run_lock
 from fedmvp.run_metrics import read_metrics
 from fedmvp.runs import RunDir
 from tests.concurrency.processes import finish, leftovers, one_error_line, reached, run, start, stderr_line
-from tests.federated.test_ingest import good_update, lora_of
+from tests.federated.test_ingest import good_update, lora_of, round_promptformer
 
 SAVE = "fedmvp.runs:RunDir.save_checkpoint"  # where the first ingest stops: round 2 read, round 3 not written
 
@@ -31,8 +31,9 @@ def updates(world) -> tuple[Path, Path]:
     """Two good update files of round 2 (different LoRA, 10 and 20 examples)."""
     lora = lora_of(world / "runs" / "moved")
     folder = world / "updates"
-    return (good_update(folder / "a.safetensors", lora, 0.1, 10, 1.0, run_id=None),
-            good_update(folder / "b.safetensors", lora, 0.2, 20, 2.0, run_id=None))
+    trained_over = round_promptformer(world / "runs" / "moved", 2)  # what ingest checks the update against
+    return (good_update(folder / "a.safetensors", lora, 0.1, 10, 1.0, run_id=None, promptformer=trained_over),
+            good_update(folder / "b.safetensors", lora, 0.2, 20, 2.0, run_id=None, promptformer=trained_over))
 
 
 @pytest.fixture
