@@ -43,6 +43,7 @@ SCRIPTS = {
     "personalise": ("benchmarks.edge_personalise", "held-out accuracy before/after edge-client train"),
     "zero-shot": ("benchmarks.zero_shot_tiny", "zero-shot top-1 of the shipped tiny CLIP"),
     "headroom": ("benchmarks.prompt_headroom", "centralised upper bound of prompts on the tiny CLIP"),
+    "photos": ("benchmarks.real_photos", "site folders of real photos (scikit-image's), offline"),
 }
 
 
