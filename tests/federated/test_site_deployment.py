@@ -127,7 +127,8 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
     finally:
         procs.stop()
     print(f"site-c rejoined after {starts} start(s)")
-    result = json.loads(procs.log("serve")[procs.log("serve").rindex("{\n"):])
+    tops = [m.start() for m in re.finditer(r"^\{\n", procs.log("serve"), re.M)]  # the result's top level, not a
+    result = json.loads(procs.log("serve")[tops[-1]:])  # nested record (its vocabulary's) that ends a line in "{"
     assert result["status"] == "finished:completed" and result["rounds"] == list(range(1, ROUNDS + 1))
     assert re.search(r"round \d+: node \d+ is sent no work: site 1 'site-b' is bound to node_key "
                      r"'?\.\./certs/node-1\.pub'?; this node's proof does not verify", procs.log("serve")), \
