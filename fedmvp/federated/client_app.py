@@ -26,6 +26,7 @@ from fedmvp.data.federation_plan import is_open
 from fedmvp.data.site_federation import site_id
 from fedmvp.federated.evaluation import site_counts
 from fedmvp.federated.site_classes import site_class_digest
+from fedmvp.federated.site_keys import AUTH_KEY, NONCE, PROOF, PROOF_REQUEST, payload, sign
 from fedmvp.presets.schema import load_preset
 from fedmvp.federated.task import LocalSettings, local_train, task_context, train_class_counts
 from fedmvp.federated.wire import content_instruction, content_torch_state, state_records, to_numpy_state
@@ -93,11 +94,23 @@ def identify(msg: Message, context: Context) -> Message:
     instruction = content_instruction(msg.content)
     client_id, name, _ = _site(context, str(context.node_config.get("preset", instruction.need("preset"))),
                                instruction, identify=True)
-    return _reply_identity(msg, Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name))
+    identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name)
+    return _reply_identity(msg, identity, proof(msg, context, identity))
 
 
-def _reply_identity(msg: Message, identity: Identity) -> Message:
-    return Message(content=RecordDict({schema.IDENTITY: ConfigRecord(identity.record())}), reply_to=msg)
+def _reply_identity(msg: Message, identity: Identity, extra: dict | None = None) -> Message:
+    return Message(content=RecordDict({schema.IDENTITY: ConfigRecord({**identity.record(), **(extra or {})})}),
+                   reply_to=msg)
+
+
+def proof(msg: Message, context: Context, identity: Identity) -> dict:
+    """A named site's proof that it holds its SuperNode's key (the node config's ``auth-key``), for the
+    server's nonce: a site bound to a key is sent work only with it (fedmvp.federated.site_keys)."""
+    request, key_file = msg.content.config_records.get(PROOF_REQUEST), context.node_config.get(AUTH_KEY)
+    if request is None or not key_file or identity.name is None or not isinstance(request.get(NONCE), str):
+        return {}
+    data = payload(identity.run_id, identity.round, msg.metadata.dst_node_id, identity.name, request[NONCE])
+    return {PROOF: sign(str(key_file), data)}
 
 
 @app.train()

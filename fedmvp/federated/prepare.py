@@ -46,7 +46,8 @@ def method_config(train: Any) -> FedMVPConfig:
 
 def check_startable(preset: Any, simulation: bool) -> None:
     """What a started run would otherwise find only once its directory is written (RunError naming the
-    preset, exit 2 with nothing written): the CLIP round 0 builds, and for the simulation its server mode."""
+    preset, exit 2 with nothing written): the CLIP round 0 builds, for the simulation its server mode, for a
+    deployment each site's node_key (fedmvp.federated.site_keys)."""
     from fedmvp.clip import ClipLoadError, check_clip
 
     try:
@@ -56,6 +57,13 @@ def check_startable(preset: Any, simulation: bool) -> None:
     problem = simulation_problem(preset.server) if simulation else None
     if problem:
         raise RunError(f"{preset.path}: {problem}")
+    if not simulation and preset.federation is not None:  # each [[sites]] node_key the nodes must prove
+        from fedmvp.federated.site_keys import SiteKeyError, SiteKeys
+
+        try:
+            SiteKeys.from_preset(preset)
+        except SiteKeyError as err:
+            raise RunError(f"{preset.path}: {err}") from None
 
 
 def simulation_problem(server: Any) -> str | None:

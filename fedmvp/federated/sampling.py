@@ -24,16 +24,18 @@ import secrets
 from collections.abc import Iterable, Sequence
 from logging import WARNING
 
-from flwr.app import ArrayRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Instruction, MessageError, read_identity
 
+from fedmvp.federated.flower_log import log_left_out
 from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.replies import name_problem
 from fedmvp.federated.seeds import derived_seed
+from fedmvp.federated.site_keys import NONCE, PROOF, PROOF_REQUEST, SiteKeys, new_nonce, payload
 from fedmvp.federated.site_registry import SiteRegistry
 from fedmvp.federated.site_registry import name_problem as site_name_problem
 from fedmvp.federated.wire import instruction_content
@@ -87,15 +89,20 @@ def poisson_edges(fraction: float, edges: Iterable[int], rng: random.Random | No
     return sorted(e for e in sorted(edges) if rng.random() < fraction)
 
 
+class KeyProofError(MessageError):
+    """A node claiming a site bound to a key that did not prove it holds that key (``site_keys``)."""
+
+
 class NodeRegistry:
     """node id -> the site it serves (an int) or ``edge``, learnt from each node's identity. In an open
     federation (``open_sites``) a site is its name: a new name is numbered (``site_registry``), a known
-    one keeps its id, so two live nodes of one name serve one site (both are then left out)."""
+    one keeps its id, so two live nodes of one name serve one site (both are then left out). A listed site
+    bound to a key (``site_keys``) is served only by a node that proves it holds that key (``site_keys``)."""
 
     def __init__(self, num_sites: int, run_id: str, site_names: dict[int, str] | None = None,
-                 open_sites: SiteRegistry | None = None):
+                 open_sites: SiteRegistry | None = None, site_keys: SiteKeys | None = None):
         self.num_sites, self.run_id, self.site_names = num_sites, run_id, site_names
-        self.open_sites = open_sites
+        self.open_sites, self.site_keys = open_sites, site_keys
         self.roles: dict[int, int | str] = {}
         self.refused: dict[int, str] = {}  # node id -> why its identity was refused (it is sent no work)
 
@@ -114,6 +121,8 @@ class NodeRegistry:
         if not unknown:
             return
         content = instruction_content(ArrayRecord(), instruction)
+        nonce = new_nonce()  # a proof of an earlier request does not verify (site_keys.payload)
+        content[PROOF_REQUEST] = ConfigRecord({NONCE: nonce})
         messages = [Message(content=content, message_type=IDENTIFY, dst_node_id=node) for node in unknown]
         for reply in send_and_receive(grid, messages, timeout):
             node = int(reply.metadata.src_node_id)
@@ -121,13 +130,17 @@ class NodeRegistry:
                 log(WARNING, "node %s did not identify itself: %s", node, reply.error.reason)
                 continue
             try:
-                self.roles[node] = self.read(reply.content, instruction.round)
+                self.roles[node] = self.read(reply.content, instruction.round, node, nonce)
+            except KeyProofError as err:  # said by fedmvp serve as it happens (flower_log)
+                self.refused[node] = str(err)
+                log_left_out(f"round {instruction.round}: node {node} is sent no work: {err}")
             except MessageError as err:
                 self.refused[node] = str(err)
                 log(WARNING, "node %s is sent no work: its identity %s", node, err)
 
-    def read(self, content: RecordDict, round_number: int) -> int | str:
-        """The site (or ``edge``) an identify reply names, checked like a train reply's identity."""
+    def read(self, content: RecordDict, round_number: int, node: int = 0, nonce: str = "") -> int | str:
+        """The site (or ``edge``) an identify reply names, checked like a train reply's identity; a site
+        bound to a key only with the node's proof of that key for this request (``node``, ``nonce``)."""
         fields = dict(content[schema.IDENTITY]) if schema.IDENTITY in content.config_records else {}
         identity = read_identity(fields, self.run_id, round_number)
         if identity.role == schema.EDGE:
@@ -142,6 +155,11 @@ class NodeRegistry:
         problem = name_problem(identity, self.site_names)
         if problem is not None:
             raise MessageError(problem)
+        if self.site_keys is not None:  # checked before anything from the node is used (docs/security.md)
+            problem = self.site_keys.problem(identity.site, identity.name, fields.get(PROOF),
+                                             payload(self.run_id, round_number, node, str(identity.name), nonce))
+            if problem is not None:
+                raise KeyProofError(problem)
         return identity.site
 
     def nodes_of(self, sites: Iterable[int], connected: Iterable[int]) -> list[int]:

@@ -26,6 +26,7 @@ from fedmvp.federated.prepare import check_same_preset, prepare_run
 from fedmvp.federated.privacy_budget import run_events
 from fedmvp.data.federation_plan import is_open, plan_record
 from fedmvp.federated.replies import ClassRules
+from fedmvp.federated.site_keys import SiteKeyError, SiteKeys
 from fedmvp.federated.site_registry import OpenSites, SiteRegistry, SiteRegistryError
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
 from fedmvp.federated.task import LocalSettings
@@ -49,12 +50,13 @@ class ServerSettings:
     progress: bool = True
     client_threads: int | None = None
     overrides: dict = field(default_factory=dict)  # [server] settings given at run time (fedmvp serve flags)
+    bind_keys: bool = False  # a deployment: a [[sites]] node_key binds that site to its key (site_keys.py)
 
     @classmethod
     def from_run_config(cls, run_config: dict) -> "ServerSettings":
         overrides = {key.replace("-", "_"): run_config[key] for key in RUN_TIME_KEYS if run_config.get(key)}
         return cls(run_dir=str(run_config["run-dir"]), eval_every=int(run_config.get("eval-every", 0)),
-                   progress=False, overrides=overrides)
+                   progress=False, overrides=overrides, bind_keys=True)
 
 
 # Run-config keys that override the run record's [server] table at run time (0: keep the record's);
@@ -223,13 +225,18 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     named = preset.federation is not None  # its sites are known by name (docs/architecture.md)
     site_names = {c["id"]: str(c["name"]) for c in federation["clients"]} if named else None
     open_sites = open_membership(run, preset, str(config.get("run_id", run.path.name)))
+    try:  # each listed site's key, read before any round (a deployment's nodes prove them; site_keys.py)
+        site_keys = SiteKeys.from_preset(preset) if settings.bind_keys and named else None
+    except SiteKeyError as err:
+        raise RunError(str(err)) from None
     policy = round_policy(run, config, settings)
     strategy = FedMVPStrategy(
         client_config=client_config, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),
         declared_examples=declared, site_names=site_names, federation=federation,
         class_rules=ClassRules.from_record(federation), policy=policy, round_offset=start,
-        lora_clients=lora_clients, open_sites=open_sites, on_aggregated=recorder, privacy=run.privacy(),
+        lora_clients=lora_clients, open_sites=open_sites, site_keys=site_keys, on_aggregated=recorder,
+        privacy=run.privacy(),
         privacy_events=run_events(run, start))
     strategy_ref.append(strategy)
     if start == 0 and run.read_json("zero_shot.json") is None:

@@ -51,6 +51,7 @@ from fedmvp.federated.privacy_budget import BudgetExceeded, Event
 from fedmvp.federated.private_rounds import Draw, charge_round, draw_edges, release
 from fedmvp.federated.replies import (ClassRules, ReplyRules, check_reply, left_out_line, left_out_record,
                                      reply_fields, reply_record, round_failed, too_few_nodes)
+from fedmvp.federated.site_keys import SiteKeys
 from fedmvp.federated.sampling import NodeRegistry, sample_among, sample_sites
 from fedmvp.federated.site_registry import OpenSites
 from fedmvp.federated.wire import array_record, node_contents, numpy_state
@@ -88,7 +89,7 @@ class FedMVPStrategy(Strategy):
                  site_names: dict[int, str] | None = None, federation: dict | None = None,
                  class_rules: ClassRules | None = None,
                  policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
-                 open_sites: OpenSites | None = None,
+                 open_sites: OpenSites | None = None, site_keys: SiteKeys | None = None,
                  on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None,
                  privacy: PrivacyRecord | None = None, privacy_events: Iterable[Event] = ()):
         """``client_config``: what every round's message carries besides the round's own values
@@ -98,7 +99,8 @@ class FedMVPStrategy(Strategy):
         [federation] run's site names by id, the one each site's reply must carry (``replies.check_reply``);
         ``federation``: the run record's federation (which site evaluates which set); ``class_rules``:
         the classes each site may claim (``replies.check_reply``); ``open_sites``: an open federation (no
-        [[sites]]), whose sites, names, record and class rules are the registry's as it grows; ``privacy``:
+        [[sites]]), whose sites, names, record and class rules are the registry's as it grows; ``site_keys``:
+        the listed sites bound to a node key (``site_keys.py``); ``privacy``:
         the run's [privacy] (None: none), ``privacy_events`` the recorded rounds' (``privacy_budget.run_events``)."""
         self.client_config = dict(client_config)
         self.seed = seed
@@ -119,7 +121,7 @@ class FedMVPStrategy(Strategy):
         self.open_sites = open_sites
         self.live_sites: list[int] = []  # an open federation: its numbered sites connected at the last count
         self.registry = NodeRegistry(num_clients, run_id, self.site_names,  # node id -> its site, or edge
-                                     open_sites.registry if open_sites is not None else None)
+                                     open_sites.registry if open_sites is not None else None, site_keys)
         self._sync_sites(force=True)
         self.asked_edges = 0  # edge devices sent this round's work
         self.evaluation: dict[str, Any] = {}  # the last evaluation, None for a metric no site could compute

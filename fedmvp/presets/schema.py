@@ -157,10 +157,15 @@ class SiteSpec:
                       "`fedmvp join --name` must be one of these")
     data: str = _help("the site's folder DIR/<class>/<image> (or DIR/train + DIR/test), relative to the "
                       "preset file; '' (a deployment's preset): the site brings it (`fedmvp join --data`)", "")
+    node_key: str = _help("the site's SuperNode public key (OpenSSH .pub, relative to the preset file); a node "
+                          "joining as this site must prove it holds that key (fedmvp serve); '': unbound", "")
     base_dir: Path = field(default=Path("."), repr=False, metadata={"internal": True})
 
     def data_path(self) -> Path:
         return expand_path(self.data, self.base_dir)
+
+    def node_key_path(self) -> Path:
+        return expand_path(self.node_key, self.base_dir)
 
 
 @dataclass

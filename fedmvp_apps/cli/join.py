@@ -66,6 +66,8 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
             node_config = site_node_config(config, site)
         if threads is not None:  # the node config's threads: the site's ClientApp sets torch's (client_app._threads)
             node_config += f" {THREADS}={threads}"
+        if auth_key is not None and preset.federation is not None:  # a named site signs its identity with it
+            node_config += f" auth-key={str(auth_key.resolve())!r}"  # (fedmvp.federated.site_keys)
         args = supernode_command(superlink, node_config, root_certificates, auth_key, insecure, port)
     except (PresetError, LaunchError, ClipLoadError) as err:
         raise BadInput(str(err)) from None

@@ -87,3 +87,18 @@ def _edited(preset: Path) -> Path:
     other = preset.parent / "other.toml"
     other.write_text(preset.read_text().replace("seed = 3", "seed = 4"))
     return other
+
+
+def test_serve_of_a_site_bound_to_a_key_that_is_no_public_key_names_it_and_exits_2(tmp_path, small_world):
+    """A [[sites]] node_key (docs/security.md) is read before anything starts: a missing file or one that is
+    no OpenSSH public key is one line naming it, exit 2, no run written."""
+    from tests.site_trees import site_preset, world_classes
+
+    seen, _ = world_classes(small_world)
+    preset = site_preset(tmp_path, small_world, {"north": seen[:2]}, [], rounds=1)
+    preset.write_text(preset.read_text() + 'node_key = "keys/north.pub"\n')  # the last [[sites]] table's
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "north.pub").write_text("ssh-rsa nonsense\n")
+    code, lines, _ = _run(["serve", "--config", str(preset), "--run-dir", "runs/bound", "--insecure"], tmp_path)
+    assert code == 2 and len(lines) == 1 and "north.pub: node_key is not an OpenSSH public key" in lines[0], lines
+    assert not (tmp_path / "runs" / "bound").exists()

@@ -9,7 +9,10 @@ serves every assertion (its cost):
   with `data = ...`): every round's counts-based accuracies and site counts equal, the losses and the
   global weights equal to float32 noise (bitwise equal where both train on one thread, as here). The
   zero-shot row is not compared: the deployed one is asked of whoever is connected when the run starts;
-- `fedmvp-export` of the served run from a directory without any data.
+- `fedmvp-export` of the served run from a directory without any data;
+- each listed site bound to its node key (`[[sites]] node_key`): a fourth node, its key admitted but
+  not site-b's, joins as site-b and is sent no work, one line naming the site and why (the rounds are
+  the three sites' alone, as the simulation's).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ def _presets(folder: Path, world: Path) -> tuple[Path, Path, dict[str, Path]]:
         presets[kind].parent.mkdir()
         shutil.copy(built.parent / "attributes.json", presets[kind].parent / "attributes.json")
     text = built.read_text()
-    presets["server"].write_text(re.sub(r'data = "sites/[^"]+"\n', "", text))
+    presets["server"].write_text(re.sub(r'data = "sites/([^"]+)"', lambda m: f'node_key = "../certs/node-{list(sites).index(m[1])}.pub"',
+                                        text))  # each site bound to its key (the deployment's certs/node-I.pub)
     presets["simulation"].write_text(re.sub(r'data = "sites/([^"]+)"', lambda m: f"data = {json.dumps(str(disks[m[1]]))}",
                                             text))
     shutil.rmtree(built.parent)
@@ -96,15 +100,16 @@ def _rejoin(procs: Processes, name: str, args: list[str], back, timeout: float) 
 def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_and_export_alone(tmp_path, small_world):
     preset, simulation, disks = _presets(tmp_path, small_world)
     sites, new = _site_classes(small_world)
-    assert "data" not in preset.read_text()
-    certs = tmp_path / "certs"
-    subprocess.run([*FEDMVP, "certs", "--out", str(certs), "--nodes", "3"], check=True, capture_output=True, env=ENV)
+    assert "data" not in preset.read_text() and 'node_key = "../certs/node-1.pub"' in preset.read_text()
+    certs = tmp_path / "certs"  # node-3: admitted, listed for no site (the impostor's)
+    subprocess.run([*FEDMVP, "certs", "--out", str(certs), "--nodes", "4"], check=True, capture_output=True, env=ENV)
     port = free_port()
     procs = Processes(tmp_path)
     run = tmp_path / "runs" / "clinics"
     joins = {name: ["join", "--superlink", f"127.0.0.1:{port}", "--config", str(preset), "--data", str(folder),
                     "--name", name, "--root-certificates", str(certs / "ca.crt"), "--auth-key", str(certs / f"node-{i}")]
              for i, (name, folder) in enumerate(disks.items())}
+    impostor = [*joins["site-b"][:-1], str(certs / "node-3")]  # site-b's name and folder, its own admitted key
     try:
         # min-nodes 3: every round waits for all three sites, so the killed one's round is tried again once it
         # is back, and every round's trajectory is the simulation's (all sites, every round)
@@ -112,7 +117,7 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
                                        "--node-keys", str(certs / "node-keys.txt"), "--address", f"127.0.0.1:{port}",
                                        "--min-nodes", "3", "--round-timeout", "90", "--eval-every", "1", "--json"])
         procs.wait_for("admitted node keys", lambda: "SuperNode keys admitted" in procs.log("serve"), 90)
-        for name, args in joins.items():
+        for name, args in [("impostor", impostor), *joins.items()]:
             procs.start(name, args)
         procs.wait_for("round 1", lambda: 1 in _states(run), 420)
         procs.kill("site-c")  # the site's machine dies: the join, its SuperNode and its executor
@@ -122,8 +127,12 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
     finally:
         procs.stop()
     print(f"site-c rejoined after {starts} start(s)")
-    result = json.loads(procs.log("serve")[procs.log("serve").rindex("{\n"):])
+    tops = [m.start() for m in re.finditer(r"^\{\n", procs.log("serve"), re.M)]  # the result's top level, not a
+    result = json.loads(procs.log("serve")[tops[-1]:])  # nested record (its vocabulary's) that ends a line in "{"
     assert result["status"] == "finished:completed" and result["rounds"] == list(range(1, ROUNDS + 1))
+    assert re.search(r"round \d+: node \d+ is sent no work: site 1 'site-b' is bound to node_key "
+                     r"'?\.\./certs/node-1\.pub'?; this node's proof does not verify", procs.log("serve")), \
+        procs.log("serve")[-3000:]
     config = json.loads((run / "config.json").read_text())
     assert [c["train_images"] for c in config["federation"]["clients"]] == [None] * 3  # the server saw no image
     # 4 images a class, 1 held out (eval_fraction 0.2, ceil): 3 training images of each base class; the new
