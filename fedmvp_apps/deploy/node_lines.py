@@ -16,7 +16,8 @@ successful"). `become_supernode` reads both through pipes and passes each line t
 * a refusal of the node's key is recognised (``key_refused``) and its Flower error block replaced
   by one line naming ``--auth-key`` and ``fedmvp serve --node-keys`` (docs/tutorials/across-machines.md).
 
-Imports neither ``fedmvp`` nor torch (an edge device runs it).
+Flower's whole log, INFO included, is appended to the file ``FEDMVP_FLOWER_LOG`` names, when set
+(docs/tutorials/across-machines.md). Imports neither ``fedmvp`` nor torch (an edge device runs it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 import threading
 from typing import IO, Callable
 
+FLOWER_LOG_ENV = "FEDMVP_FLOWER_LOG"  # a file: Flower's whole log of both processes appended there too
 MARK = "[fedmvp] "  # a line of ours among a Flower process's output (node_app, supernode_process)
 _FLOWER = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) +: +(.*)$")  # Flower's console format
 _OTHER = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):(.*)$")  # Python's default format, uvicorn's
@@ -37,20 +39,24 @@ BAD_KEY = "Failed to activate SuperNode"  # Flower: a key the SuperLink does not
 
 
 def key_line(command: str, address: str, refusal: str) -> str:
-    """The one line of a node refused for its key: which flag, and what the server operator does."""
+    """The one line of a node refused for its key: which flag, and what the server operator does. Flower
+    says the same of a key the server does not list and of a listed node it still counts online after a
+    crash (up to a minute): that line names both, and its exit is not 2 (a service manager retries)."""
     command = "fedmvp join" if command == "join" else command
-    why = "this node gave no key" if refusal == NO_KEY else "its key is not one the server admits"
-    return (f"error: the SuperLink at {address} admits only listed node keys and {why}: pass "
-            f"{command} --auth-key NODE_KEY (this node's private key from `fedmvp certs`), and have the server's operator "
-            f"list its public key (NODE_KEY.pub) in `fedmvp serve --node-keys FILE` "
-            f"(docs/tutorials/across-machines.md)")
+    admit = (f"the server's operator must list its public key (NODE_KEY.pub) in `fedmvp serve --node-keys FILE` "
+             f"(docs/tutorials/across-machines.md)")
+    if refusal == NO_KEY:
+        return (f"error: the SuperLink at {address} admits only listed node keys and this node gave none: pass "
+                f"{command} --auth-key NODE_KEY (this node's private key from `fedmvp certs`); {admit}")
+    return (f"error: the SuperLink at {address} refused this node's key (--auth-key): {admit}; if it is "
+            f"listed, the server still counts this node online after a crash: join again in a minute")
 
 
 class NodeLines:
     """Turns the output of a node's two Flower processes into the operator's lines (see above)."""
 
-    def __init__(self, address: str, say: Callable[[str], None]) -> None:
-        self.address, self.say = address, say
+    def __init__(self, address: str, say: Callable[[str], None], raw: IO[str] | None = None) -> None:
+        self.address, self.say, self.raw = address, say, raw  # raw: every line as Flower wrote it (FLOWER_LOG_ENV)
         self.connected = False  # the SuperNode reached the SuperLink (and has not lost it since)
         self.ever_connected = False
         self.key_refused: str | None = None
@@ -62,6 +68,9 @@ class NodeLines:
         """One line of ``source`` ("supernode" or "executor")."""
         with self._lock:
             line = _ANSI.sub("", raw.rstrip("\n"))
+            if self.raw is not None:
+                self.raw.write(f"{source}: {line}\n")
+                self.raw.flush()
             if line.startswith(MARK):
                 self.say(line[len(MARK):])
                 return

@@ -315,7 +315,8 @@ class Server:
         stop_processes(procs, within=self.stopper.left() if self.stopper is not None else 10.0)
 
 
-RUN_END_NOTICE = 1.5  # seconds the SuperLink outlives its run (supernode_process.RUN_CHECK_SECONDS: 0.5)
+RUN_END_NOTICE = 3.0  # seconds the SuperLink outlives its run: its nodes hear the end twice, 1.5 s apart, and leave
+# (supernode_process.RunWatch); an interrupted serve stops the SuperLink at once, so its sites stay for the resume
 
 
 def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None = None,

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import NoReturn
 
-from fedmvp_apps.deploy.node_lines import NodeLines, key_line, pump, say
+from fedmvp_apps.deploy.node_lines import FLOWER_LOG_ENV, NO_KEY, NodeLines, key_line, pump, say
 from fedmvp_apps.deploy.stopping import Interrupted, Stopper, stop_processes
 from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
 
@@ -124,7 +124,8 @@ def become_supernode(args: list[str], command: str = "join") -> NoReturn:
     env = {**os.environ, **QUIET_ENV, "PYTHONUNBUFFERED": "1"}
     runtime = f"{RUNTIME_HOST}:{args[args.index('--port') + 1]}"
     address = args[args.index("--superlink") + 1]
-    lines = NodeLines(address, say)  # the operator's lines, not Flower's log (node_lines.py)
+    raw = os.environ.get(FLOWER_LOG_ENV)
+    lines = NodeLines(address, say, _append(Path(raw)) if raw else None)  # ours, not Flower's log
     say(f"trying the SuperLink at {address}; this node keeps trying until it answers (Ctrl-C stops)")
     piped = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "errors": "replace"}
     with Stopper(f"{command}: stopped; the SuperNode and its executor were killed") as stopper, \
@@ -144,7 +145,7 @@ def become_supernode(args: list[str], command: str = "join") -> NoReturn:
             reader.join(timeout=2)
     if code and lines.key_refused:  # Flower's "must be registered via the CLI", said as what to do
         say(key_line(command, address, lines.key_refused))
-        code = 2
+        code = 2 if lines.key_refused == NO_KEY else code  # no --auth-key: bad input (node_lines.key_line)
     sys.exit(code)
 
 
@@ -168,6 +169,17 @@ def supervise(supernode: subprocess.Popen, executor: subprocess.Popen, stopper: 
         print(f"{command}: stopped ({stopper.name}); this node left the federation (the same command joins "
               f"again)", file=sys.stderr, flush=True)
         return supernode.returncode if supernode.returncode and supernode.returncode > 0 else 0
+
+
+def _append(path: Path):
+    """``path`` opened to append, not through a link (docs/security.md); a bad path: one line, exit 2."""
+    from fedmvp_formats.nofollow import open_nofollow
+
+    try:
+        return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", encoding="utf-8")
+    except OSError as err:
+        print(f"error: {FLOWER_LOG_ENV}={path}: cannot append there ({err.strerror or err})", file=sys.stderr)
+        sys.exit(2)
 
 
 def _die_with_parent() -> None:

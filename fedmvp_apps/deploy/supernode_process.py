@@ -31,7 +31,9 @@ It also leaves when the run it served ends (``leave_ended_runs``): Flower's Supe
 SuperLink forever. Between two empty pulls, at most every ``RUN_CHECK_SECONDS``, it asks the
 SuperLink for the last run it received a message of (Flower's Fleet ``GetRun``, refused once the
 run is no longer running); refused, it prints one line (``run R ended on the server; leaving``) and
-exits 0, deactivating the node as Flower does on its way out. A run whose SuperLink was lost since
+exits 0, deactivating the node as Flower does on its way out; it takes the end once the SuperLink
+still says so ``RUN_END_CONFIRM`` seconds later, so a `fedmvp serve` interrupted (it stops its run, then
+its SuperLink at once; the same command resumes the run) keeps its sites. A run whose SuperLink was lost since
 (a `fedmvp serve` killed and started again, whose restarted SuperLink reports the old run
 finished) is not taken for an end: the node stays for the run the restarted server submits.
 `fedmvp serve` keeps its SuperLink up ``RUN_END_NOTICE`` seconds after its run ended, so its
@@ -56,6 +58,7 @@ FIRST_PULL_SECONDS = 0.05  # right after a reply: the next message is on its way
 LOCAL_POLL_SECONDS = 0.05  # Flower: 0.5 s between two looks at the node's own state (a reply, an object)
 RECONNECT_SECONDS = 4.0  # Flower: MAX_RETRY_DELAY, 20 s, between two tries to reach the SuperLink
 RUN_CHECK_SECONDS = 0.5  # between two asks whether the node's run still runs (while idle)
+RUN_END_CONFIRM = 1.5  # a run's end is taken once the SuperLink still says so this much later
 MARK = "[fedmvp] "  # our line among Flower's (fedmvp_apps.deploy.node_lines.MARK)
 FLOWER_WAITS = ("time.sleep(3)", "time.sleep(0.5)")  # in flwr 1.42's start_client_internal
 
@@ -141,16 +144,21 @@ def release_ended_runs(loop: ModuleType) -> bool:
 
 
 class RunWatch:
-    """The last run this node received a message of, and whether the SuperLink was lost since."""
+    """The last run this node received a message of, and whether the SuperLink was lost since. A run
+    found ended is left only once the SuperLink still says so ``confirm`` seconds later: `fedmvp serve`
+    interrupted (resumable: its sites stay) stops its run and then its SuperLink at once, while a run
+    that ended for good keeps the SuperLink up longer (superlink.RUN_END_NOTICE)."""
 
-    def __init__(self, every: float = RUN_CHECK_SECONDS, clock=time.monotonic, leave=None) -> None:
-        self.every, self.clock, self.leave = every, clock, leave
+    def __init__(self, every: float = RUN_CHECK_SECONDS, confirm: float = RUN_END_CONFIRM, clock=time.monotonic,
+                 leave=None) -> None:
+        self.every, self.confirm, self.clock, self.leave = every, confirm, clock, leave
         self.run_id: int | None = None
         self.lost = False
         self.checked = float("-inf")
+        self.ended_at: float | None = None
 
     def seen(self, run_id: int) -> None:
-        self.run_id, self.lost = run_id, False
+        self.run_id, self.lost, self.ended_at = run_id, False, None
 
     def idle(self, get_run, ended: type) -> None:
         """Between two empty pulls: ask whether the run still runs; its end ends this process."""
@@ -159,14 +167,19 @@ class RunWatch:
         self.checked = self.clock()
         try:
             get_run(self.run_id)
+            self.ended_at = None
+            return
         except ended:
-            if self.lost:  # refused by a SuperLink we reconnected to: not the run we served ending
-                self.run_id = None
-                return
+            pass
+        if self.lost:  # refused by a SuperLink we reconnected to: not the run we served ending
+            return
+        if self.ended_at is None:
+            self.ended_at = self.checked
+        if self.checked - self.ended_at >= self.confirm:
             print(f"{MARK}run {self.run_id} ended on the server; leaving", flush=True)
             if self.leave is not None:
                 self.leave()  # Flower's own exit: its servers stopped, the node deactivated, a bounded wait
-            raise SystemExit(0) from None
+            raise SystemExit(0)
 
 
 def leave_ended_runs(loop: ModuleType, watch: RunWatch) -> bool:

@@ -64,17 +64,26 @@ class Ended(Exception):
     """Flower's RunNotRunningException, standing in."""
 
 
-def test_the_node_leaves_when_its_run_ends_but_not_after_losing_its_superlink(capsys):
-    def finished(run_id: int):
-        raise Ended
+def test_the_node_leaves_when_its_run_stays_ended_but_not_after_losing_its_superlink(capsys):
+    answers = []
 
-    clock = iter(range(0, 100)).__next__
-    watch = RunWatch(every=0.5, clock=lambda: float(clock()))
-    watch.idle(finished, Ended)  # no run yet: nothing to ask
+    def get_run(run_id: int):
+        if answers.pop(0) == "ended":
+            raise Ended
+
+    now = [0.0]
+    watch = RunWatch(every=0.5, confirm=1.5, clock=lambda: now[0])
+    watch.idle(get_run, Ended)  # no run yet: nothing to ask
     watch.seen(7)
-    watch.lost = True  # a restarted SuperLink reports the old run finished: the node stays for the next
-    watch.idle(finished, Ended)  # not asked, no exit
+    watch.lost = True  # a restarted SuperLink would report the old run finished: not asked, the node stays
+    watch.idle(get_run, Ended)
     watch.seen(8)  # the restarted server's run
+    for at, answer in ((1, "ended"), (2, "running"), (3, "ended"), (4, "ended")):  # said again 1 s later: not yet
+        now[0] = at
+        answers.append(answer)
+        watch.idle(get_run, Ended)
+    now[0] = 4.5
+    answers.append("ended")
     with pytest.raises(SystemExit) as ended:
-        watch.idle(finished, Ended)
+        watch.idle(get_run, Ended)  # still ended 1.5 s after it was first: the run is over
     assert ended.value.code == 0 and capsys.readouterr().out == "[fedmvp] run 8 ended on the server; leaving\n"

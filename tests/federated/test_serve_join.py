@@ -86,7 +86,7 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
         sites = [start([*join, "--site", str(site), "--root-certificates", str(certs / "ca.crt"),
                         "--auth-key", str(certs / f"node-{site}")], f"site-{site}.log") for site in range(3)]
         assert server.wait(timeout=240) == 0, log("serve.log") + log("site-0.log")
-        assert intruder.wait(timeout=30) == 2 and keyless.wait(timeout=30) == 2 and stranger.wait(timeout=30) != 0
+        assert intruder.wait(timeout=30) == 1 and keyless.wait(timeout=30) == 2 and stranger.wait(timeout=30) != 0
         # The run ended: each site says so and leaves, exit 0, within the stop bound.
         assert [site.wait(timeout=STOP_BOUND) for site in sites] == [0, 0, 0], log("site-0.log")
     finally:
@@ -100,9 +100,10 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     # A key the server does not list: one line naming the flag and what the server operator does.
-    assert "--auth-key NODE_KEY" in log("intruder.log") and "fedmvp serve --node-keys" in log("intruder.log")
+    assert "refused this node's key (--auth-key)" in log("intruder.log")
+    assert "must list its public key (NODE_KEY.pub) in `fedmvp serve --node-keys FILE`" in log("intruder.log")
     assert "Failed to activate SuperNode" not in log("intruder.log")
-    assert "this node gave no key: pass fedmvp join --auth-key NODE_KEY" in log("keyless.log"), log("keyless.log")
+    assert "this node gave none: pass fedmvp join --auth-key NODE_KEY" in log("keyless.log"), log("keyless.log")
     assert "registered via the CLI" not in log("keyless.log")
     for site in range(3):  # the operator's own lines, one per message, not Flower's log
         shown = log(f"site-{site}.log")
