@@ -123,9 +123,11 @@ def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None
          threads: int | None, port: int | None, break_lock: bool, runtime: str, precision: str) -> None:
     """Join a federation as an edge device: each round it is asked, train the global LoRA on DATA.
 
-    Runs a Flower SuperNode until stopped (Ctrl-C). Only LoRA tensors, the number of images
-    and the evaluation counts are sent; images stay here. Exit codes: 2 for bad arguments
-    (checked before anything starts), then Flower's own."""
+    Runs a Flower SuperNode, one line per round it takes part in, until the run ends (`run R
+    ended on the server; leaving`, exit 0) or it is stopped (Ctrl-C). Only LoRA tensors, the
+    number of images and the evaluation counts are sent; images stay here. Exit codes: 2 for bad
+    arguments (checked before anything starts) or no --auth-key where the server admits only
+    listed keys, then Flower's own."""
     from edge_client.bundle import Bundle, BundleError
     from edge_client.node import EdgeNodeConfig
     from edge_client.runtime import ProviderError

@@ -19,10 +19,13 @@ top-level package, outside ``fedmvp_apps``, because its Flower component path
 
 from __future__ import annotations
 
+import time
+
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedmvp_formats.messages import EDGE, IDENTIFY, SITE
+from node_app.round_lines import said
 
 ROLES = (SITE, EDGE)
 
@@ -41,23 +44,19 @@ def role(context: Context) -> str:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     if role(context) == EDGE:
-        from edge_client.node import train as edge_train
-
-        return edge_train(msg, context)
-    from fedmvp.federated.client_app import train as site_train
-
-    return site_train(msg, context)
+        from edge_client.node import train as handler
+    else:
+        from fedmvp.federated.client_app import train as handler
+    return said("train", msg, lambda: handler(msg, context), time.monotonic())
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     if role(context) == EDGE:
-        from edge_client.node import evaluate as edge_evaluate
-
-        return edge_evaluate(msg, context)
-    from fedmvp.federated.client_app import evaluate as site_evaluate
-
-    return site_evaluate(msg, context)
+        from edge_client.node import evaluate as handler
+    else:
+        from fedmvp.federated.client_app import evaluate as handler
+    return said("evaluate", msg, lambda: handler(msg, context), time.monotonic())
 
 
 @app.query(IDENTIFY)

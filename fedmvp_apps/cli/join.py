@@ -44,8 +44,11 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
          insecure: bool, port: int | None) -> None:
     """Serve one site of PRESET as a Flower SuperNode connected to SUPERLINK.
 
-    Runs until stopped (Ctrl-C). Images stay on this machine: only trained tensors and
-    evaluation counts are sent. Exit codes: Flower's; 2 for bad arguments or a bad site folder."""
+    Prints the address it tries (until the server answers), `connected to ADDRESS` once it did,
+    one line per round it takes part in, and leaves when the run ends (`run R ended on the server;
+    leaving`, exit 0) or when stopped (Ctrl-C). Images stay on this machine: only trained tensors
+    and evaluation counts are sent. Exit codes: 0 the run ended; 2 for bad arguments, a bad site
+    folder or no --auth-key where the server admits only listed keys; else Flower's."""
     from fedmvp.clip import ClipLoadError
     from fedmvp.presets.schema import PresetError, load_preset
     from fedmvp.vocabulary_check import check_preset

@@ -315,6 +315,10 @@ class Server:
         stop_processes(procs, within=self.stopper.left() if self.stopper is not None else 10.0)
 
 
+RUN_END_NOTICE = 3.0  # seconds the SuperLink outlives its run: its nodes hear the end twice, 1.5 s apart, and leave
+# (supernode_process.RunWatch); an interrupted serve stops the SuperLink at once, so its sites stay for the resume
+
+
 def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None = None,
           on_event: Callable[[str], None] | None = None) -> str:
     """Start the SuperLink, submit the run, wait for it to end, stop the SuperLink; the run's final status.
@@ -344,7 +348,9 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
                 say(f"{len(keys)} SuperNode keys admitted: sites may join now")
             run_id = server.submit()
             say(f"run {run_id} submitted: {options.preset} -> {options.run_dir}")
-            return _watch(server, run, run_id, options, on_progress, say)
+            status = _watch(server, run, run_id, options, on_progress, say)
+            server.sleep(RUN_END_NOTICE)  # its nodes ask whether the run runs: they hear it ended, and leave
+            return status
         except Interrupted:
             if run_id is None:
                 raise Interrupted(f"interrupted ({stopper.name}) before the run was submitted; the same command "

@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import NoReturn
 
+from fedmvp_apps.deploy.node_lines import FLOWER_LOG_ENV, NO_KEY, NodeLines, key_line, pump, say
 from fedmvp_apps.deploy.stopping import Interrupted, Stopper, stop_processes
 from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
 
@@ -120,8 +121,13 @@ def become_supernode(args: list[str], command: str = "join") -> NoReturn:
     """Run this node until it ends: the SuperNode ``args`` and the warm executor of its ClientApp
     messages, both children of this process, stopped together; exits with the SuperNode's code
     (1 where the executor died). ``command`` names this command in its stop line."""
-    env = {**os.environ, **QUIET_ENV}
+    env = {**os.environ, **QUIET_ENV, "PYTHONUNBUFFERED": "1"}
     runtime = f"{RUNTIME_HOST}:{args[args.index('--port') + 1]}"
+    address = args[args.index("--superlink") + 1]
+    raw = os.environ.get(FLOWER_LOG_ENV)
+    lines = NodeLines(address, say, _append(Path(raw)) if raw else None)  # ours, not Flower's log
+    say(f"trying the SuperLink at {address}; this node keeps trying until it answers (Ctrl-C stops)")
+    piped = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "errors": "replace"}
     with Stopper(f"{command}: stopped; the SuperNode and its executor were killed") as stopper, \
             tempfile.TemporaryDirectory(prefix="fedmvp-node-") as private:
         secret = Path(private) / "superexec.secret"  # only this join's executor may claim the node's tasks
@@ -129,11 +135,17 @@ def become_supernode(args: list[str], command: str = "join") -> NoReturn:
         with os.fdopen(fd, "wb") as handle:
             handle.write(secrets.token_bytes(32))
         supernode = subprocess.Popen([*args, "--superexec-auth-secret-file", str(secret)], env=env,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent, **piped)
         executor = subprocess.Popen([sys.executable, "-m", EXECUTOR_MODULE, "--runtime-api-address", runtime,
                                      "--secret-file", str(secret), "--parent-pid", str(os.getpid())], env=env,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=_die_with_parent, **piped)
+        readers = [pump(supernode.stdout, "supernode", lines), pump(executor.stdout, "executor", lines)]
         code = supervise(supernode, executor, stopper, command)
+        for reader in readers:  # the last lines (the run-end line, Flower's error) before this one's
+            reader.join(timeout=2)
+    if code and lines.key_refused:  # Flower's "must be registered via the CLI", said as what to do
+        say(key_line(command, address, lines.key_refused))
+        code = 2 if lines.key_refused == NO_KEY else code  # no --auth-key: bad input (node_lines.key_line)
     sys.exit(code)
 
 
@@ -157,6 +169,17 @@ def supervise(supernode: subprocess.Popen, executor: subprocess.Popen, stopper: 
         print(f"{command}: stopped ({stopper.name}); this node left the federation (the same command joins "
               f"again)", file=sys.stderr, flush=True)
         return supernode.returncode if supernode.returncode and supernode.returncode > 0 else 0
+
+
+def _append(path: Path):
+    """``path`` opened to append, not through a link (docs/security.md); a bad path: one line, exit 2."""
+    from fedmvp_formats.nofollow import open_nofollow
+
+    try:
+        return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", encoding="utf-8")
+    except OSError as err:
+        print(f"error: {FLOWER_LOG_ENV}={path}: cannot append there ({err.strerror or err})", file=sys.stderr)
+        sys.exit(2)
 
 
 def _die_with_parent() -> None:

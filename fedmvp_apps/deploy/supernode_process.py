@@ -27,6 +27,18 @@ instead of running the next run's messages: the flake of `fedmvp serve` killed a
 (tests/federated/test_faults.py). Here that ending reaches the loop as an ordinary error, so Flower
 deletes the message and fails the task, which revokes its token and ends the executor's task.
 
+It also leaves when the run it served ends (``leave_ended_runs``): Flower's SuperNode would poll the
+SuperLink forever. Between two empty pulls, at most every ``RUN_CHECK_SECONDS``, it asks the
+SuperLink for the last run it received a message of (Flower's Fleet ``GetRun``, refused once the
+run is no longer running); refused, it prints one line (``run R ended on the server; leaving``) and
+exits 0, deactivating the node as Flower does on its way out; it takes the end once the SuperLink
+still says so ``RUN_END_CONFIRM`` seconds later, so a `fedmvp serve` interrupted (it stops its run, then
+its SuperLink at once; the same command resumes the run) keeps its sites. A run whose SuperLink was lost since
+(a `fedmvp serve` killed and started again, whose restarted SuperLink reports the old run
+finished) is not taken for an end: the node stays for the run the restarted server submits.
+`fedmvp serve` keeps its SuperLink up ``RUN_END_NOTICE`` seconds after its run ended, so its
+nodes hear it (fedmvp_apps/deploy/superlink.py).
+
 ``python -m fedmvp_apps.deploy.supernode_process ARGS`` takes exactly ``flower-supernode``'s
 arguments. Where the Flower found no longer has those waits (another version), the loop runs as
 Flower wrote it, with one warning line: slower, never wrong. Imports neither ``fedmvp`` nor torch.
@@ -45,6 +57,9 @@ IDLE_PULL_SECONDS = 0.5  # Flower: 3 s between two empty pulls from the SuperLin
 FIRST_PULL_SECONDS = 0.05  # right after a reply: the next message is on its way
 LOCAL_POLL_SECONDS = 0.05  # Flower: 0.5 s between two looks at the node's own state (a reply, an object)
 RECONNECT_SECONDS = 4.0  # Flower: MAX_RETRY_DELAY, 20 s, between two tries to reach the SuperLink
+RUN_CHECK_SECONDS = 0.5  # between two asks whether the node's run still runs (while idle)
+RUN_END_CONFIRM = 1.5  # a run's end is taken once the SuperLink still says so this much later
+MARK = "[fedmvp] "  # our line among Flower's (fedmvp_apps.deploy.node_lines.MARK)
 FLOWER_WAITS = ("time.sleep(3)", "time.sleep(0.5)")  # in flwr 1.42's start_client_internal
 
 
@@ -128,7 +143,65 @@ def release_ended_runs(loop: ModuleType) -> bool:
     return True
 
 
-def cap_reconnect() -> bool:
+class RunWatch:
+    """The last run this node received a message of, and whether the SuperLink was lost since. A run
+    found ended is left only once the SuperLink still says so ``confirm`` seconds later: `fedmvp serve`
+    interrupted (resumable: its sites stay) stops its run and then its SuperLink at once, while a run
+    that ended for good keeps the SuperLink up longer (superlink.RUN_END_NOTICE)."""
+
+    def __init__(self, every: float = RUN_CHECK_SECONDS, confirm: float = RUN_END_CONFIRM, clock=time.monotonic,
+                 leave=None) -> None:
+        self.every, self.confirm, self.clock, self.leave = every, confirm, clock, leave
+        self.run_id: int | None = None
+        self.lost = False
+        self.checked = float("-inf")
+        self.ended_at: float | None = None
+
+    def seen(self, run_id: int) -> None:
+        self.run_id, self.lost, self.ended_at = run_id, False, None
+
+    def idle(self, get_run, ended: type) -> None:
+        """Between two empty pulls: ask whether the run still runs; its end ends this process."""
+        if self.run_id is None or self.lost or self.clock() - self.checked < self.every:
+            return
+        self.checked = self.clock()
+        try:
+            get_run(self.run_id)
+            self.ended_at = None
+            return
+        except ended:
+            pass
+        if self.lost:  # refused by a SuperLink we reconnected to: not the run we served ending
+            return
+        if self.ended_at is None:
+            self.ended_at = self.checked
+        if self.checked - self.ended_at >= self.confirm:
+            print(f"{MARK}run {self.run_id} ended on the server; leaving", flush=True)
+            if self.leave is not None:
+                self.leave()  # Flower's own exit: its servers stopped, the node deactivated, a bounded wait
+            raise SystemExit(0)
+
+
+def leave_ended_runs(loop: ModuleType, watch: RunWatch) -> bool:
+    """Watch the runs of the loop's messages (``watch``); False where this Flower's loop differs."""
+    receive = getattr(loop, "_pull_and_store_message", None)
+    ended = getattr(loop, "RunNotRunningException", None)
+    if not callable(receive) or not isinstance(ended, type):
+        return False
+
+    def pull_and_store_message(*args, **kwargs):
+        run_id = receive(*args, **kwargs)
+        if run_id is not None:
+            watch.seen(run_id)
+        elif callable(kwargs.get("get_run")):
+            watch.idle(kwargs["get_run"], ended)
+        return run_id
+
+    loop._pull_and_store_message = pull_and_store_message
+    return True
+
+
+def cap_reconnect(watch: RunWatch | None = None) -> bool:
     """Cap the wait between two tries to reach the SuperLink (Flower's HTTP retry policy reads
     ``MAX_RETRY_DELAY`` from its module when it builds one); False where this Flower has no such policy."""
     import importlib
@@ -140,6 +213,13 @@ def cap_reconnect() -> bool:
     if not isinstance(getattr(retry, "MAX_RETRY_DELAY", None), (int, float)):
         return False
     retry.MAX_RETRY_DELAY = min(retry.MAX_RETRY_DELAY, RECONNECT_SECONDS)
+    flower_log = getattr(retry, "log", None)
+    if watch is not None and callable(flower_log):  # a failed try: the SuperLink was lost (RunWatch.lost)
+        def log(level, message, *args, **kwargs):
+            if str(message).startswith("Connection attempt failed"):
+                watch.lost = True
+            return flower_log(level, message, *args, **kwargs)
+        retry.log = log
     return True
 
 
@@ -148,7 +228,11 @@ def main() -> None:
 
     loop = importlib.import_module("flwr.supernode.start_client_internal")
     release_ended_runs(loop)
-    cap_reconnect()
+    from flwr.supercore.exit import ExitCode, flwr_exit
+
+    watch = RunWatch(leave=lambda: flwr_exit(ExitCode.SUCCESS))
+    leave_ended_runs(loop, watch)
+    cap_reconnect(watch)
     if not pace(loop):
         print("fedmvp supernode: warning: this Flower's SuperNode loop is not flwr 1.42's; it runs with "
               "Flower's own waits (3 s between pulls)", file=sys.stderr, flush=True)

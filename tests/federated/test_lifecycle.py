@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from fedmvp_apps.deploy.node_lines import FLOWER_LOG_ENV
 from fedmvp_apps.deploy.stopping import STOP_BOUND, alive, descendants, kill_pids
 from tests.federated.processes import ENV, FEDMVP, Processes
 from tests.federated.test_edge_join import local_folder, prepare_run
@@ -75,7 +76,9 @@ def _stop(procs: Processes, name: str, sig: int, line: str) -> float:
 
 
 def _count(procs: Processes, name: str, text: str) -> int:
-    return procs.log(name).count(text)
+    """How often Flower's log of join ``name`` says ``text`` (its terminal shows our lines only)."""
+    path = procs.root / f"{name}.flower.log"
+    return path.read_text(errors="replace").count(text) if path.exists() else 0
 
 
 def _secrets(tmp_path: Path, run: Path, pgids: list[int]) -> None:
@@ -130,8 +133,8 @@ def test_no_secret_is_shown_and_every_command_stops_within_its_bound_at_every_st
     try:
         serve("serve")
         when("the SuperLink", lambda: "SuperLink listening" in procs.log("serve"))
-        procs.start("site", site)
-        procs.start("edge", edge, command=edge_client)
+        for name, args, command in (("site", site, None), ("edge", edge, edge_client)):  # Flower's log kept
+            procs.start(name, args, command=command, env={**ENV, FLOWER_LOG_ENV: str(tmp_path / f"{name}.flower.log")})
         when("round 3's training", lambda: _count(procs, "site", "Receiving: train message") >= 1, 240)
         _secrets(tmp_path, run, [procs.procs[name].pid for name in ("serve", "site", "edge")])
         took["serve training SIGINT"] = _stop(procs, "serve", signal.SIGINT, "serve: interrupted: run ")

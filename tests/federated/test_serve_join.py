@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,9 +18,11 @@ import pytest
 from cryptography import x509
 from safetensors.torch import load_file
 
+from fedmvp_apps.deploy.stopping import STOP_BOUND
+from fedmvp_apps.deploy.stopping import STOP_BOUND
 from fedmvp_apps.deploy.supernode import free_port
 from tests.federated.conftest import three_site_preset
-from tests.federated.processes import ENV, FEDMVP
+from tests.federated.processes import ENV, FEDMVP, Processes
 
 def test_certs_are_a_ca_a_server_certificate_and_node_keys(tmp_path):
     out = subprocess.run([*FEDMVP, "certs", "--out", str(tmp_path / "c"), "--host", "fl.example.org",
@@ -74,16 +77,18 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
             time.sleep(0.5)
         intruder = start([*join, "--site", "1", "--root-certificates", str(certs / "ca.crt"),
                           "--auth-key", str(certs / "node-3")], "intruder.log")
+        keyless = start([*join, "--site", "0", "--root-certificates", str(certs / "ca.crt")], "keyless.log")
         from fedmvp_apps.deploy.certs import write_certs
 
         other = write_certs(tmp_path / "other-ca")
         stranger = start([*join, "--site", "2", "--root-certificates", str(other.ca_cert),
                           "--auth-key", str(certs / "node-2")], "stranger.log")
-        for site in range(3):
-            start([*join, "--site", str(site), "--root-certificates", str(certs / "ca.crt"),
-                   "--auth-key", str(certs / f"node-{site}")], f"site-{site}.log")
+        sites = [start([*join, "--site", str(site), "--root-certificates", str(certs / "ca.crt"),
+                        "--auth-key", str(certs / f"node-{site}")], f"site-{site}.log") for site in range(3)]
         assert server.wait(timeout=240) == 0, log("serve.log") + log("site-0.log")
-        assert intruder.wait(timeout=30) != 0 and stranger.wait(timeout=30) != 0
+        assert intruder.wait(timeout=30) == 1 and keyless.wait(timeout=30) == 2 and stranger.wait(timeout=30) != 0
+        # The run ended: each site says so and leaves, exit 0, within the stop bound.
+        assert [site.wait(timeout=STOP_BOUND) for site in sites] == [0, 0, 0], log("site-0.log")
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -94,7 +99,19 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    assert "Failed to activate SuperNode" in log("intruder.log")
+    # A key the server does not list: one line naming the flag and what the server operator does.
+    assert "refused this node's key (--auth-key)" in log("intruder.log")
+    assert "must list its public key (NODE_KEY.pub) in `fedmvp serve --node-keys FILE`" in log("intruder.log")
+    assert "Failed to activate SuperNode" not in log("intruder.log")
+    assert "this node gave none: pass fedmvp join --auth-key NODE_KEY" in log("keyless.log"), log("keyless.log")
+    assert "registered via the CLI" not in log("keyless.log")
+    for site in range(3):  # the operator's own lines, one per message, not Flower's log
+        shown = log(f"site-{site}.log")
+        assert f"trying the SuperLink at 127.0.0.1:{port}" in shown and f"connected to 127.0.0.1:{port}" in shown
+        assert re.search(r"round \d: trained on \d+ images \(loss [\d.]+, [\d.]+ s\)", shown), shown
+        assert re.search(r"round 2: evaluated on \d+ images \(\d+ correct", shown), shown
+        assert re.search(r"run \d+ ended on the server; leaving\n*$", shown), shown
+        assert "INFO" not in shown and "Connection successful" not in shown, shown
     assert "CERTIFICATE_VERIFY_FAILED" in log("stranger.log")
     result = json.loads(log("serve.log")[log("serve.log").index("{\n"):])
     assert result["status"] == "finished:completed" and result["rounds"] == [1, 2]
@@ -142,6 +159,25 @@ def test_a_restart_with_fewer_node_keys_unregisters_the_rotated_out_ones(tmp_pat
     assert statuses(files.node_list) == ["registered"] * 3
     assert statuses(tmp_path / "two.txt") == ["registered", "registered", "unregistered"]
     assert statuses(tmp_path / "two.txt") == ["registered", "registered", "unregistered"]  # nothing twice
+
+
+@pytest.mark.timeout(120)
+def test_a_join_before_the_server_is_up_names_the_address_and_claims_no_connection(tmp_path):
+    """Nothing listens at the address: one line naming it and that the node keeps trying; Flower's
+    "Connection successful" (the node's own local API) is not shown, nor any INFO record."""
+    port = free_port()
+    procs = Processes(tmp_path)
+    try:
+        procs.start("join", ["join", "--superlink", f"127.0.0.1:{port}", "--config", "demo", "--site", "0",
+                             "--insecure"])
+        procs.wait_for("the address line", lambda: "trying the SuperLink" in procs.log("join"), 60, watch="join")
+        time.sleep(8)  # the executor reaches its SuperNode's local API meanwhile (Flower said "successful")
+        assert procs.procs["join"].poll() is None  # it keeps trying
+    finally:
+        procs.stop()
+    shown = procs.log("join")
+    assert f"trying the SuperLink at 127.0.0.1:{port}; this node keeps trying until it answers" in shown, shown
+    assert "Connection successful" not in shown and "connected to" not in shown and "INFO" not in shown, shown
 
 
 @pytest.mark.parametrize("args,message", [
