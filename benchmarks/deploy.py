@@ -58,8 +58,12 @@ class Deployment:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
-        with open(self.work / f"{name}.log", "ab") as log:
-            self.procs[name] = subprocess.Popen(command, cwd=self.work, env=env or self.env, stdout=log,
+        """A process whose output, and a node's whole Flower log (FEDMVP_FLOWER_LOG: the task lines read
+        back here are Flower INFO records, which a join no longer prints), go to ``work/NAME.log``."""
+        path = self.work / f"{name}.log"
+        env = {**(env or self.env), "FEDMVP_FLOWER_LOG": str(path)}
+        with open(path, "ab") as log:
+            self.procs[name] = subprocess.Popen(command, cwd=self.work, env=env, stdout=log,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self, name: str) -> str:
