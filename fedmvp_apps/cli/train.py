@@ -57,14 +57,20 @@ def _backbone(config: str) -> LoadedClip:
     """The preset's frozen CLIP, loaded before anything is written: weights that cannot load offline are
     bad input (one line, exit 2), not a simulation that fails."""
     from fedmvp.clip import ClipLoadError
+    from fedmvp.federated.prepare import check_startable
     from fedmvp.presets.schema import PresetError, load_preset
+    from fedmvp.runs import RunError
     from fedmvp.vocabulary_check import load_backbone
 
     try:
         preset = load_preset(config, check_roots=False)
-        return load_backbone(preset.model.clip, preset.model.pretrained, preset.seed)
-    except (PresetError, ClipLoadError) as err:
+        check_startable(preset, simulation=True)  # the one refusal of a preset a run cannot start from
+    except (PresetError, RunError) as err:
         raise BadInput(str(err)) from None
+    try:
+        return load_backbone(preset.model.clip, preset.model.pretrained, preset.seed)
+    except ClipLoadError as err:
+        raise BadInput(f"{preset.path}: [model]: {err}") from None
 
 
 def check_vocabulary(run: RunDir, clip: LoadedClip | None = None) -> None:

@@ -100,8 +100,8 @@ def test_weights_that_need_a_download_are_one_line_naming_the_presets_key_exit_2
                  env={"HF_HOME": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "FEDMVP_ALLOW_DOWNLOAD": "0"})
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ViT-B-16 with pretrained 'openai' is not in the local "
-                                                   "cache and downloads are off"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"error: {preset}: [model]: ViT-B-16 with pretrained 'openai' is "
+                                                   "not in the local cache and downloads are off"), lines
     assert "[model] pretrained" in lines[0] and "docs/howto/weights.md" in lines[0]
     assert "--pretrained" not in lines[0]  # `fedmvp train` has no such flag
     assert not (tmp_path / "run").exists()  # nothing written
