@@ -16,6 +16,7 @@ import errno
 import os
 import stat
 from pathlib import Path
+from typing import IO
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; elsewhere links are not created by unprivileged users
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -74,6 +75,13 @@ def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int
         os.close(fd)
         raise
     return fd
+
+
+def append_nofollow(path: str | os.PathLike, mode: int = 0o644) -> IO[str]:
+    """A text stream appending to a log at ``path`` (created when absent), opened by `open_nofollow`:
+    a link or a second name planted there is refused (`UnsafePath`), never written through."""
+    fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
+    return os.fdopen(fd, "a", encoding="utf-8", errors="replace")
 
 
 def create_exclusive(path: str | os.PathLike, mode: int = 0o644) -> int:

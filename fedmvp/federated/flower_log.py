@@ -21,20 +21,11 @@ from typing import IO
 
 from flwr.supercore.logger import FLOWER_LOGGER, ConsoleHandler
 
-from fedmvp_formats.nofollow import open_nofollow
+from fedmvp_formats.nofollow import append_nofollow, open_nofollow
 
 FLOWER_LOG = "flower.log"
 MARK = "LEFT-OUT"  # the file's level column for a left-out reply: how `fedmvp serve` finds them
 _MARKED = "fedmvp_left_out"  # the LogRecord attribute that marks one
-
-
-def open_no_follow(path: Path, flags: int, mode: str) -> IO:
-    """``path`` opened by the product's one no-follow rule (``fedmvp_formats.nofollow``): a planted link
-    or a second name is refused (UnsafePath, an OSError naming the file)."""
-    fd = open_nofollow(path, flags, 0o644)
-    if "b" in mode:
-        return os.fdopen(fd, mode)
-    return os.fdopen(fd, mode, encoding="utf-8", errors="replace")
 
 
 def log_left_out(line: str) -> None:
@@ -85,7 +76,7 @@ def flower_log(run_dir: str | Path, echo: Callable[[str], None] | None = None,
     nothing of Flower's reaches the root logger (the simulation's terminal; a deployed ServerApp's
     console is its `flwr log`, left as it is)."""
     path = Path(run_dir) / FLOWER_LOG
-    stream = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a")
+    stream = append_nofollow(path)
     handlers = _FileHandler(stream), _FileHandler(stream)
     ray = logging.getLogger("ray")
     added = [(FLOWER_LOGGER, handlers[0]), (ray, handlers[1])] + ([(FLOWER_LOGGER, _Echo(echo))] if echo else [])
@@ -151,7 +142,7 @@ class FlowerLogTail:
 
     def left_out(self) -> list[str]:
         try:
-            with open_no_follow(self.path, os.O_RDONLY, "rb") as f:
+            with os.fdopen(open_nofollow(self.path, os.O_RDONLY), "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
                 self.offset = f.tell()

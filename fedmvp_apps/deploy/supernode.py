@@ -173,10 +173,10 @@ def supervise(supernode: subprocess.Popen, executor: subprocess.Popen, stopper: 
 
 def _append(path: Path):
     """``path`` opened to append, not through a link (docs/security.md); a bad path: one line, exit 2."""
-    from fedmvp_formats.nofollow import open_nofollow
+    from fedmvp_formats.nofollow import append_nofollow
 
     try:
-        return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", encoding="utf-8")
+        return append_nofollow(path, 0o600)
     except OSError as err:
         print(f"error: {FLOWER_LOG_ENV}={path}: cannot append there ({err.strerror or err})", file=sys.stderr)
         sys.exit(2)
