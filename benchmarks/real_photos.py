@@ -100,10 +100,11 @@ def make_sites(out: str | os.PathLike, sites: list[str], classes: list[str], per
     missing = [PHOTOS[c][0] for c in classes if not (folder / PHOTOS[c][0]).is_file()]
     if missing:
         raise SystemExit(f"real_photos: {missing[0]} is not in this scikit-image wheel ({folder})")
+    photos = {name: Image.open(folder / PHOTOS[name][0]).convert("RGB") for name in classes}  # decoded once
     for index, site in enumerate(sites):
         for label, name in enumerate(classes):
             rng = random.Random(seed * 1_000_003 + index * 1009 + label)  # each site its own crops
-            photo = Image.open(folder / PHOTOS[name][0]).convert("RGB")
+            photo = photos[name]
             target = root / site / name
             target.mkdir(parents=True, exist_ok=True)
             for number, crop in enumerate(crops(photo, per_class, rng)):
