@@ -90,9 +90,11 @@ def create_exclusive(path: str | os.PathLike, mode: int = 0o644) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, mode)
 
 
-def read_nofollow(path: str | os.PathLike, limit: int = 1 << 16) -> bytes:
-    """At most ``limit`` bytes of a small record file, not through a link nor from a FIFO; OSError otherwise."""
-    fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
+def read_nofollow(path: str | os.PathLike, limit: int = 1 << 16, follow_links: bool = False) -> bytes:
+    """At most ``limit`` bytes of a small record file, never from a FIFO or a device (opened without
+    blocking, refused from its ``fstat``), nor through a link unless ``follow_links`` (a file the operator
+    names, such as a key, may be a link); OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | (0 if follow_links else NOFOLLOW) | CLOEXEC | NONBLOCK)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsafePath(path, "not a regular file")

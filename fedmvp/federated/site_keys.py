@@ -25,8 +25,10 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from fedmvp_formats.nofollow import read_nofollow
 from fedmvp_formats.shown import name_shown, shown
 
+KEY_BYTES = 1 << 14  # an OpenSSH public key line is under 1 KiB; more is not a key
 PROOF_REQUEST = "site-proof-request"  # the identify message's record holding the server's nonce
 NONCE = "nonce"
 PROOF = "site-proof"  # the identify reply's identity key: the signature, base64
@@ -52,7 +54,7 @@ def new_nonce() -> str:
 def load_public(path: Path) -> ec.EllipticCurvePublicKey:
     """A site's listed public key (OpenSSH ``ecdsa-sha2-nistp384 ...``, as `fedmvp certs --nodes` writes)."""
     try:
-        key = serialization.load_ssh_public_key(Path(path).read_bytes().strip())
+        key = serialization.load_ssh_public_key(read_nofollow(path, KEY_BYTES, follow_links=True).strip())
     except OSError as err:
         raise SiteKeyError(f"{name_shown(str(path))}: cannot read the site's node_key ({err.strerror or err})") from None
     except (ValueError, TypeError, UnsupportedAlgorithm) as err:

@@ -102,3 +102,19 @@ def test_a_site_key_that_is_no_public_key_is_one_line_naming_the_file(tmp_path):
         SiteKeys.from_preset(SimpleNamespace(sites=sites))
     with pytest.raises(SiteKeyError, match="missing.pub.*cannot read"):
         SiteKeys.from_preset(SimpleNamespace(sites=sites[1:]))
+
+
+@pytest.mark.timeout(30)
+def test_a_site_key_that_is_a_fifo_or_huge_is_refused_without_waiting(tmp_path):
+    """`fedmvp serve` reads every node_key before it starts: a FIFO named as one used to block it forever
+    on the open, and a huge file was read whole; both are one line naming the file (a link to a key is
+    followed: keys are the operator's own files)."""
+    import os
+
+    from fedmvp.federated.site_keys import SiteKeyError
+
+    os.mkfifo(tmp_path / "fifo.pub")
+    (tmp_path / "huge.pub").write_bytes(b"ecdsa-sha2-nistp384 " + b"A" * (1 << 20))
+    for name, problem in (("fifo.pub", "cannot read.*not a regular file"), ("huge.pub", "not an OpenSSH public key")):
+        with pytest.raises(SiteKeyError, match=f"{name}.*{problem}"):
+            SiteKeys.from_preset(SimpleNamespace(sites=[SiteSpec(name="north", node_key=name, base_dir=tmp_path)]))
