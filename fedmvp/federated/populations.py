@@ -77,7 +77,16 @@ def population_lines(result: dict) -> list[str]:
         lines.append(f"{result['note']}; as recorded: {_unpaired(result['unpaired'])}")
     elif result.get("note"):
         lines.append(result["note"])
-    return lines
+    return lines + _one_way(populations)
+
+
+def _one_way(populations: dict) -> list[str]:
+    """A column over one class is a 1-way choice: 100% whatever the model, so it is flagged, not shown bare
+    (docs/method.md: base and new classes)."""
+    single = [column.capitalize() for column in POPULATION_COLUMNS
+              if any((populations.get(name) or {}).get(column, {}).get("classes") == 1 for name in ROWS)]
+    return [f"warning: {column} is over 1 class: a 1-way choice, 100% whatever the model; hold out two or more "
+            f"classes for a figure that means something" for column in single]
 
 
 def _described(columns: dict) -> str:
