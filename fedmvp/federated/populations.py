@@ -85,8 +85,9 @@ def _one_way(populations: dict) -> list[str]:
     (docs/method.md: base and new classes)."""
     single = [column.capitalize() for column in POPULATION_COLUMNS
               if any((populations.get(name) or {}).get(column, {}).get("classes") == 1 for name in ROWS)]
-    return [f"warning: {column} is over 1 class: a 1-way choice, 100% whatever the model; hold out two or more "
-            f"classes for a figure that means something" for column in single]
+    return [f"warning: {column} is over 1 class: a 1-way choice, 100% whatever the model"
+            f"{' (HM with it)' if column in ('Base', 'New') else ''}; hold out two or more classes for a figure "
+            f"that means something" for column in single]
 
 
 def _described(columns: dict) -> str:

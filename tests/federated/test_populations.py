@@ -20,5 +20,5 @@ def test_a_column_over_one_class_is_flagged(new_classes, flagged):
     lines = population_lines({"population": {"zero-shot": columns, "tuned": columns}})
     assert lines[0] == (f"both rows over: Local 2 sites, 6 classes, 36 images; Base 2 sites, 6 classes, 36 images; "
                         f"New 2 sites, {new_classes} class{'es' if new_classes > 1 else ''}, 24 images")
-    warnings = [line for line in lines if line.startswith("warning: New is over 1 class: a 1-way choice")]
+    warnings = [line for line in lines if line.startswith("warning: New is over 1 class: a 1-way choice, 100% whatever the model (HM with it); ")]
     assert len(warnings) == (1 if flagged else 0) and len(lines) == 1 + len(warnings)
