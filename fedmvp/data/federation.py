@@ -37,14 +37,14 @@ from fedmvp_formats.files import sha256_file
 from fedmvp.attributes.files import AttributeFileError, load_attributes
 from fedmvp.attributes.sentences import SentenceStyle
 from fedmvp.data.dataset import is_readable
-from fedmvp.data.layouts import LayoutError, read_coop_split, read_imagefolder
+from fedmvp.data.layout_table import layout_of
+from fedmvp.data.layouts import LayoutError
 from fedmvp.data.federation_plan import (ClientPlan, DatasetPlan, EvalPlan, eval_set_name, plan_dataset,
                                          plan_federation)
 from fedmvp.data.federation_types import ClientData, EvalSet, Federation, relabel
 from fedmvp.data.sampling import dirichlet_label_skew, k_shot
 from fedmvp.data.site_federation import build_named_site, build_sites
-from fedmvp.data.catalog import (ClassPlan, Pool, align, domain_images, names_file,
-                                 preset_failure, source_pools, test_folder, world_root)
+from fedmvp.data.catalog import ClassPlan, Pool, dataset_root, preset_failure, source_pools, test_images
 from fedmvp.presets.schema import DatasetSpec, Preset, PresetError, load_preset, preset_path
 
 Sample = tuple[str, int]
@@ -62,10 +62,10 @@ class _Attributes:
     def get(self, domain: str | None, classes: list[str]) -> dict[str, list[str]]:
         value = self.spec.attributes
         if value is None:
-            if self.spec.layout != "synthetic":
+            value = layout_of(self.spec.layout).default_attributes
+            if value is None:
                 raise ValueError("no attributes file: set attributes = \"...json\" "
                                  "(fedmvp attributes generate --preset ... writes one)")
-            value = "attributes.json"
         if "{domain}" in value:
             if not domain:
                 raise ValueError(f"attributes {value!r} names {{domain}} but this set has no domain")
@@ -132,14 +132,8 @@ def _eval_set(preset: Preset, spec: DatasetSpec, plan: ClassPlan, ev: EvalPlan, 
     """One planned evaluation set materialised (a held-out domain, a test dataset, or a training
     domain's test split restricted to the set's classes)."""
     labels = list(ev.labels)
-    if spec.role == "test" and spec.layout not in ("synthetic", "domainbed"):
-        if spec.layout == "imagefolder":
-            samples = align(read_imagefolder(test_folder(spec), names_file(spec)), plan.class_names)
-        else:
-            samples = read_coop_split(spec.file_path(spec.split_file), spec.file_path(spec.image_dir),
-                                      spec.test_split).samples
-    elif spec.role == "test" or ev.kind == "domain":
-        samples = domain_images(spec, root, ev.domain)
+    if spec.role == "test" or ev.kind == "domain":
+        samples = test_images(spec, plan, root, ev.domain)
     else:
         samples = [s for p in pools([ev.domain], set(labels)) for s in p.test]
     names = list(ev.class_names)
@@ -153,7 +147,7 @@ class _Dataset:
     def __init__(self, preset: Preset, plan: DatasetPlan, whole: bool) -> None:
         self.preset, self.plan, self.spec = preset, plan, plan.spec
         spec = self.spec
-        self.root = world_root(spec) if spec.layout == "synthetic" else spec.root_path()
+        self.root = dataset_root(spec)
         self.attrs = _Attributes(preset, spec, self.root, [plan.classes.class_names[y] for y in plan.classes.used])
         self._all = source_pools(preset, spec, plan.classes, self.root) if whole and spec.role == "train" else None
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from fedmvp.attributes.files import AttributeFileError, read_attribute_file
 from fedmvp.data.catalog import ClassPlan, class_plan, preset_failure
+from fedmvp.data.layout_table import layout_of
 from fedmvp.data.layouts import LayoutError
 from fedmvp.data.partitions import contiguous_clients, groups_from_names, uncovered
 from fedmvp.presets.schema import DatasetSpec, Preset, PresetError
@@ -110,9 +111,7 @@ def class_groups(preset: Preset, spec: DatasetSpec, plan: ClassPlan) -> list[lis
 
 def pool_domains(spec: DatasetSpec) -> list[str | None]:
     """The source domains of a training dataset (one pool each)."""
-    if spec.layout in ("imagefolder", "coop"):
-        return [spec.domain]
-    return list(spec.train_domains or [spec.domain or "photo"])
+    return layout_of(spec.layout).pool_domains(spec)
 
 
 def _eval(kind: str, spec_name: str, plan: ClassPlan, labels: list[int], domain: str | None) -> EvalPlan:
@@ -124,8 +123,7 @@ def plan_dataset(preset: Preset, spec: DatasetSpec, first_id: int) -> DatasetPla
     plan = class_plan(preset, spec)
     out = DatasetPlan(spec, plan)
     if spec.role == "test":
-        domains = (spec.test_domains or [spec.domain or "photo"]) if spec.layout in ("synthetic", "domainbed") \
-            else [spec.domain]
+        domains = layout_of(spec.layout).eval_domains(spec)
         out.evaluations = [_eval(spec.eval_kind, spec.name, plan, plan.used, d) for d in domains]
         return out
     domains = pool_domains(spec)

@@ -10,6 +10,7 @@ preset file's folder (or ``base_dir``, which a run's recorded copy of its preset
 ``split_file``, ``image_dir``, ``class_names_file`` and ``attributes``
 are relative to the dataset's ``root``. ``attributes`` may contain ``{domain}`` for one attribute
 file per domain. ``root = ""`` (synthetic layout only) means the cached default world.
+``layout`` names a registered layout (``fedmvp/data/layout_table.py``), which checks its own fields.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from fedmvp_formats.method import field_problem, method_field
 from fedmvp_formats.privacy import PrivacyRecord
 
+from fedmvp.data.layout_table import find_layout, layout_names
 from fedmvp.presets.fields import is_float
 from fedmvp.presets.fields import spec_field as _help
 from fedmvp.presets.fields import type_name as _type_name
@@ -36,7 +38,6 @@ PRESET_DIR = Path(__file__).parent
 PROTOCOLS = ("base-to-new", "msst", "ssmt")
 PROTOCOL_ALIASES = {"base2new": "base-to-new", "multi-source-single-target": "msst",
                     "single-source-multi-target": "ssmt"}
-LAYOUTS = ("imagefolder", "coop", "domainbed", "synthetic")
 ROLES = ("train", "test")
 EVAL_KINDS = ("base", "new", "domain")
 
@@ -91,7 +92,7 @@ class DatasetSpec:
     """One dataset of a preset: where its images are, how it is split and cut into clients."""
 
     name: str = _help("dataset name; also picks the sentence suffix (e.g. OxfordFlowers)")
-    layout: str = _help(f"one of {', '.join(LAYOUTS)}")
+    layout: str = _help(f"a registered layout: {', '.join(layout_names())}")
     root: str = _help("dataset folder (${VAR} and ~ expanded); '' = the default synthetic world")
     role: str = _help("'train': clients train on it; 'test': evaluation only", "train")
     world_seed: int = _help("synthetic, root = '': seed of the generated default world", 0)
@@ -120,7 +121,9 @@ class DatasetSpec:
 
     @property
     def synthetic_default(self) -> bool:
-        return self.layout == "synthetic" and self.root.strip() == ""
+        """``root = ""`` of a layout that makes its own default folder (the synthetic world)."""
+        layout = find_layout(self.layout)
+        return layout is not None and layout.default_root and self.root.strip() == ""
 
     def root_path(self) -> Path:
         """The expanded root (``ValueError`` naming the variable if one is unset)."""
@@ -294,19 +297,12 @@ def _check_values(preset: Preset, err: Any) -> None:
         if d.name in seen:
             raise err(f"{where}: dataset name {d.name!r} used twice")
         seen.add(d.name)
-        for key, options in (("layout", LAYOUTS), ("role", ROLES), ("eval_kind", EVAL_KINDS)):
+        for key, options in (("layout", layout_names()), ("role", ROLES), ("eval_kind", EVAL_KINDS)):
             if getattr(d, key) not in options:
                 raise err(f"{where}: unknown {key} {getattr(d, key)!r} (one of {', '.join(options)})")
-        if not d.root.strip() and d.layout != "synthetic":
-            raise err(f"{where}: root is empty (only the synthetic layout has a default root)")
-        if d.layout == "coop" and not d.split_file:
-            raise err(f"{where}: the coop layout needs split_file (e.g. split_zhou_{d.name}.json)")
-        multi = d.layout in ("domainbed", "synthetic")
-        if (d.train_domains or d.test_domains) and not multi:
-            raise err(f"{where}: train_domains/test_domains need the domainbed or synthetic layout")
-        if d.layout == "domainbed" and not (d.train_domains if d.role == "train" else d.test_domains):
-            raise err(f"{where}: the domainbed layout needs "
-                      f"{'train_domains' if d.role == 'train' else 'test_domains'}")
+        problem = _layout_problem(d)
+        if problem:
+            raise err(f"{where}: {problem}")
         both = sorted(set(d.train_domains) & set(d.test_domains))
         if both:
             raise err(f"{where}: domains both trained on and held out: {', '.join(both)}")
@@ -325,6 +321,20 @@ def _check_values(preset: Preset, err: Any) -> None:
                 raise err(f"{where}: dirichlet_alpha must be > 0, needs num_clients and excludes clients")
         if d.clients is not None and (d.num_clients is not None or d.classes_per_client is not None):
             raise err(f"{where}: clients lists exclude num_clients and classes_per_client")
+
+
+def _layout_problem(d: DatasetSpec) -> str | None:
+    """What is wrong with ``d``'s fields for its (registered) layout: the rules every layout shares (a
+    default root, domains) and the layout's own (``Layout.check``)."""
+    layout = find_layout(d.layout)
+    if not d.root.strip() and not layout.default_root:
+        having = " or ".join(n for n in layout_names() if find_layout(n).default_root) or "no"
+        return f"root is empty (only the {having} layout has a default root)"
+    problem = layout.check(d)
+    if problem is None and (d.train_domains or d.test_domains) and not layout.multi_domain:
+        multi = " or ".join(n for n in layout_names() if find_layout(n).multi_domain)
+        problem = f"train_domains/test_domains need the {multi} layout"
+    return problem
 
 
 def _check_federation(preset: Preset, err: Any) -> None:
