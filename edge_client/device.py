@@ -10,6 +10,7 @@ from typing import Any
 from fedmvp_formats.bundle_manifest import PREVIOUS
 
 from edge_client.bundle import Bundle, BundleError, read_bundle
+from edge_client.engines import DEFAULT_RUNTIME
 
 
 def memory_available_bytes() -> int | None:
@@ -101,23 +102,21 @@ def _classes_pinned(bundle: Bundle) -> bool:
 
 
 def runtimes_report() -> dict[str, Any]:
-    """Each runtime: available or why not, its version (edge_client/engines.py)."""
-    from edge_client.engines import RUNTIMES, unavailable
-    from edge_client.runtime_choice import machine_record
+    """Each registered runtime: available or why not, its version (edge_client/engines.py)."""
+    from edge_client.engines import runtime_names, unavailable
+    from edge_client.runtime_choice import runtime_version
 
-    versions = machine_record("auto", None)
     out: dict[str, Any] = {}
-    for name in RUNTIMES:
+    for name in runtime_names():
         why = unavailable(name)
-        out[name] = {"available": why is None, **({"why": why} if why else
-                                                 {"version": versions["onnxruntime" if name == "ort" else name]})}
+        out[name] = {"available": why is None, **({"why": why} if why else {"version": runtime_version(name)})}
     return out
 
 
 def runtime_report(bundle: str | os.PathLike | None, runtime: str, precision: str, provider: str,
                    threads: int | None) -> dict[str, Any]:
     """What would run the bundle here (``runtime_choice.choose``), or the one line why nothing can."""
-    from edge_client.engines import offered, unavailable
+    from edge_client.engines import offered, runtime_names, unavailable
     from edge_client.runtime import ProviderError
     from edge_client.runtime_choice import choose
 
@@ -126,11 +125,11 @@ def runtime_report(bundle: str | os.PathLike | None, runtime: str, precision: st
         choice = choose(verified, runtime, precision, provider, threads)
     except (BundleError, ProviderError) as err:
         return {"error": " ".join(str(err).split())}
-    offers = {name: offered(name, verified) for name in ("ort", "openvino") if unavailable(name) is None}
+    offers = {name: offered(name, verified) for name in runtime_names() if unavailable(name) is None}
     return {**choice.to_json(), "offered": offers}
 
 
-def describe(bundle: str | os.PathLike | None = None, runtime: str = "ort", precision: str = "auto",
+def describe(bundle: str | os.PathLike | None = None, runtime: str = DEFAULT_RUNTIME, precision: str = "auto",
              provider: str = "auto", threads: int | None = None) -> dict[str, Any]:
     """{"bundle": ..., "device": ..., "runtime": ...} for `edge-client info`."""
     from edge_client.runtime import available_providers, default_threads

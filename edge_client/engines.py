@@ -1,63 +1,101 @@
-"""The runtimes a bundle can run on, behind one small interface: ONNX Runtime and OpenVINO.
+"""The runtimes a bundle can run on, in one table: ONNX Runtime and OpenVINO (and any registered).
 
 Why: `edge-client` picks a runtime and a precision per device (docs/architecture.md, "Runtimes");
 `Predictor` (``edge_client/infer.py``) and the verification of ``auto`` (``runtime_choice.py``) need
-only what every runtime offers: its inputs and outputs by name, the LoRA tensors it takes per run, and
-``run(feed)``. A runtime asked for by name that is missing is `RuntimeUnavailable` (exit 2), never a
-silent fallback; ``FEDMVP_DISABLED_RUNTIMES=openvino`` (comma-separated names) makes an installed one
-unavailable, for a device that must not use it and for the tests. A precision a runtime does not
-offer for this bundle on this machine is `ProviderError` too.
+only what every runtime offers (``edge_client/engine_types.py``): its inputs and outputs by name, the LoRA
+tensors it takes per run, and ``run(feed)``. Each runtime is a `RuntimeFactory` in the table below, named
+by ``--runtime`` (whose choices are the table's, plus ``auto``, which weighs them all); a new one is its
+module and one line here, or ``register_runtime`` from outside the package. A runtime asked for by name
+that is missing is `RuntimeUnavailable` (exit 2), never a silent fallback; ``FEDMVP_DISABLED_RUNTIMES=openvino``
+(comma-separated names) makes an installed one unavailable, for a device that must not use it and for the
+tests. A precision a runtime does not offer for this bundle on this machine is `ProviderError` too.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from edge_client.bundle import Bundle
+from edge_client.engine_types import Candidate, Engine, RuntimeFactory
+from edge_client.openvino_runtime import OpenVinoRuntime
 from edge_client.runtime import ProviderError, make_session
 
-RUNTIMES = ("ort", "openvino")
+__all__ = ["Candidate", "DEFAULT_RUNTIME", "DISABLED_ENV", "Engine", "OrtEngine", "PRECISIONS", "RuntimeFactory",
+           "RuntimeUnavailable", "candidates", "disabled", "factory", "offered", "open_engine", "register_runtime",
+           "runtime_names", "unavailable", "unregister_runtime"]
+
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 DISABLED_ENV = "FEDMVP_DISABLED_RUNTIMES"
+DEFAULT_RUNTIME = "ort"  # the bundle as exported: auto's reference and its fallback
 
 
 class RuntimeUnavailable(ProviderError):
     """A runtime asked for by name is not installed, or is disabled on this device."""
 
 
-class Engine(Protocol):
-    """What a runtime offers the predictor: one model, compiled or opened, run on numpy feeds."""
+class OrtRuntime:
+    """ONNX Runtime: the model as exported (its one precision), on the provider ``--provider`` names."""
 
-    runtime: str  # "ort" | "openvino"
-    precision: str  # what the model computes in: fp32 | bf16 | fp16 | int8
-    device: str  # where: ONNX Runtime's provider, or "OpenVINO CPU"
-    inputs: dict[str, type]  # image inputs and their numpy dtype
-    lora_dtypes: dict[str, type]  # the LoRA tensors it takes per run
-    outputs: list[str]
-    output_widths: dict[str, int | None]
+    label = "ONNX Runtime"
+    version_key = "onnxruntime"
 
-    def run(self, feed: Mapping[str, np.ndarray]) -> list[np.ndarray]: ...
+    def load(self) -> None:
+        from edge_client.runtime import available_providers
+
+        available_providers()
+
+    def version(self) -> str:
+        import onnxruntime
+
+        return str(onnxruntime.__version__)
+
+    def offered(self, bundle: Bundle) -> list[str]:
+        return [bundle.precision]
+
+    def open(self, bundle: Bundle, candidate: Candidate, provider: str, threads: int | None,
+             initializers: Mapping[str, np.ndarray] | None) -> Engine:
+        return OrtEngine(bundle.file("onnx"), candidate.precision, set(bundle.lora_shapes), provider, threads,
+                         initializers)
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One runtime at one precision, as ``auto`` weighs it and the cache names it."""
+_RUNTIMES: dict[str, RuntimeFactory] = {
+    "ort": OrtRuntime(),
+    "openvino": OpenVinoRuntime(),
+}
 
-    runtime: str
-    precision: str
 
-    @property
-    def key(self) -> str:
-        return f"{self.runtime}:{self.precision}"
+def register_runtime(name: str, runtime: RuntimeFactory, replace: bool = False) -> None:
+    """Make ``runtime`` the one ``--runtime name`` opens, and a candidate of ``--runtime auto``; a taken
+    name (or ``auto``) needs ``replace``."""
+    if not name or name != name.strip().lower() or name == "auto":
+        raise ValueError(f"a runtime name must be a lower-case word other than auto, got {name!r}")
+    if name in _RUNTIMES and not replace:
+        raise ValueError(f"runtime {name!r} is registered already (replace=True to replace it)")
+    _RUNTIMES[name] = runtime
 
-    def describe(self) -> str:
-        return f"{self.runtime} {self.precision}"
+
+def unregister_runtime(name: str) -> None:
+    """Remove a runtime ``register_runtime`` added (a test's, when it ends)."""
+    if name != DEFAULT_RUNTIME:
+        _RUNTIMES.pop(name, None)
+
+
+def runtime_names() -> tuple[str, ...]:
+    """The registered runtimes, in registration order (``--runtime``'s choices, with auto)."""
+    return tuple(_RUNTIMES)
+
+
+def factory(runtime: str) -> RuntimeFactory:
+    """The registered runtime ``runtime``; an unknown name is `RuntimeUnavailable` naming the registered."""
+    found = _RUNTIMES.get(runtime)
+    if found is None:
+        raise RuntimeUnavailable(f"unknown runtime {runtime!r} (one of auto, {', '.join(_RUNTIMES)})")
+    return found
 
 
 def disabled(runtime: str) -> bool:
@@ -71,14 +109,7 @@ def unavailable(runtime: str) -> str | None:
     if disabled(runtime):
         return f"{runtime} is disabled on this device ({DISABLED_ENV}={os.environ.get(DISABLED_ENV)})"
     try:
-        if runtime == "openvino":
-            from edge_client.openvino_runtime import load_openvino
-
-            load_openvino()
-        else:
-            from edge_client.runtime import available_providers
-
-            available_providers()
+        factory(runtime).load()
     except ImportError as err:
         return str(err)
     return None
@@ -87,17 +118,13 @@ def unavailable(runtime: str) -> str | None:
 def offered(runtime: str, bundle: Bundle) -> list[str]:
     """The precisions ``runtime`` offers for ``bundle`` on this machine (its model file is one precision:
     ONNX Runtime runs it as exported; OpenVINO lowers an fp32 model where the CPU can)."""
-    if runtime == "ort":
-        return [bundle.precision]
-    from edge_client.openvino_runtime import cpu_precisions
-
-    return cpu_precisions(bundle.precision)
+    return factory(runtime).offered(bundle)
 
 
 def candidates(bundle: Bundle, runtime: str, precision: str) -> tuple[list[Candidate], list[str]]:
     """Every (runtime, precision) the request allows here, and one line per runtime left out and why.
     A runtime or precision named and not offered raises `RuntimeUnavailable` / `ProviderError`."""
-    names = RUNTIMES if runtime == "auto" else (runtime,)
+    names = runtime_names() if runtime == "auto" else (runtime,)
     found, notes = [], []
     for name in names:
         why = unavailable(name)
@@ -127,13 +154,7 @@ def _int8_hint(precision: str, bundle: Bundle) -> str:
 def open_engine(bundle: Bundle, candidate: Candidate, provider: str = "auto", threads: int | None = None,
                 initializers: Mapping[str, np.ndarray] | None = None) -> Engine:
     """``bundle``'s model on ``candidate``; ``initializers``: LoRA tensors in place of the stored ones."""
-    path = bundle.file("onnx")
-    if candidate.runtime == "openvino":
-        from edge_client.openvino_runtime import OpenVinoEngine
-
-        return OpenVinoEngine(path, candidate.precision, bundle.precision, set(bundle.lora_shapes), threads,
-                              initializers)
-    return OrtEngine(path, candidate.precision, set(bundle.lora_shapes), provider, threads, initializers)
+    return factory(candidate.runtime).open(bundle, candidate, provider, threads, initializers)
 
 
 class OrtEngine:

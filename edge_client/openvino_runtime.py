@@ -7,7 +7,7 @@ Parameters of the same names before compiling: the LoRA the device runs (the bun
 personalised one, a round's global one) is fed per run, as ONNX Runtime feeds its overridable
 initializers (``edge_client/infer.py``, ``Predictor.use_lora``), and one compiled model serves every
 LoRA. openvino is imported lazily (extra ``fedmvp[openvino]``); ``FEDMVP_DISABLED_RUNTIMES`` makes
-it unavailable on purpose (``edge_client/engines.py``).
+it unavailable on purpose. `OpenVinoRuntime` is its entry in the table of runtimes (``edge_client/engines.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.bundle import Bundle
+from edge_client.engine_types import Candidate
 from edge_client.runtime import default_threads
 
 # The precision hint each precision compiles with. A reduced-precision bundle (fp16, int8) compiles with
@@ -50,6 +52,28 @@ def cpu_precisions(bundle_precision: str) -> list[str]:
         return [bundle_precision]
     capabilities = set(load_openvino().Core().get_property(DEVICE, "OPTIMIZATION_CAPABILITIES"))
     return ["fp32", *(p for p, cap in CAPABILITIES.items() if cap in capabilities)]
+
+
+class OpenVinoRuntime:
+    """OpenVINO in the table of runtimes: the CPU plugin, an fp32 bundle also at the reduced precisions
+    the CPU lists (``cpu_precisions``); ONNX Runtime's provider does not apply."""
+
+    label = "fedmvp[openvino]"
+    version_key = "openvino"
+
+    def load(self) -> None:
+        load_openvino()
+
+    def version(self) -> str:
+        return version()
+
+    def offered(self, bundle: Bundle) -> list[str]:
+        return cpu_precisions(bundle.precision)
+
+    def open(self, bundle: Bundle, candidate: Candidate, provider: str, threads: int | None,
+             initializers: Mapping[str, np.ndarray] | None) -> "OpenVinoEngine":
+        return OpenVinoEngine(bundle.file("onnx"), candidate.precision, bundle.precision, set(bundle.lora_shapes),
+                              threads, initializers)
 
 
 class OpenVinoEngine:

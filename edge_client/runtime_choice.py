@@ -39,7 +39,8 @@ from fedmvp_formats.parity_rules import agreement
 
 from edge_client.bundle import Bundle
 from edge_client.check_images import CHECK_COUNT, check_words, id_seed
-from edge_client.engines import Candidate, Engine, candidates, open_engine
+from edge_client.engines import (DEFAULT_RUNTIME, Candidate, Engine, candidates, factory, open_engine, runtime_names,
+                                 unavailable)
 from edge_client.runtime import ProviderError, _one_line, default_threads
 
 CACHE_FORMAT = "fedmvp-runtime-verdicts"
@@ -66,7 +67,7 @@ class Choice:
                 "cached": self.cached, "verdicts": self.verdicts}
 
 
-def choose(bundle: Bundle, runtime: str = "ort", precision: str = "auto", provider: str = "auto",
+def choose(bundle: Bundle, runtime: str = DEFAULT_RUNTIME, precision: str = "auto", provider: str = "auto",
            threads: int | None = None) -> Choice:
     """The candidate to run; ``auto`` in either argument verifies and times what it leaves open."""
     found, notes = candidates(bundle, runtime, precision)
@@ -90,10 +91,10 @@ def _auto(bundle: Bundle, found: list[Candidate], provider: str, threads: int | 
         reference = record.get("reference")
         cpu = None  # the reference's engine: also ONNX Runtime's candidate where that runs on the CPU
         if reference is None:
-            cpu = open_engine(bundle, Candidate("ort", bundle.precision), "cpu", threads)
+            cpu = open_engine(bundle, Candidate(DEFAULT_RUNTIME, bundle.precision), "cpu", threads)
             reference = _logits(cpu, bundle, pixels)[0].tolist()
         for candidate in missing:
-            reuse = cpu if candidate.runtime == "ort" and cpu is not None \
+            reuse = cpu if candidate.runtime == DEFAULT_RUNTIME and cpu is not None \
                 and _first_provider(provider) == "CPUExecutionProvider" else None
             verdicts[candidate.key], engine = _verify(bundle, candidate, provider, threads, pixels,
                                                       np.asarray(reference, dtype=np.float64), reuse)
@@ -116,7 +117,7 @@ def _pick(bundle: Bundle, found: list[Candidate], verdicts: dict[str, dict[str, 
     where = f"; cache {path}" if path is not None else ""
     shown = {c.key: verdicts[c.key] for c in found}
     if not passed:
-        fallback = Candidate("ort", bundle.precision)
+        fallback = Candidate(DEFAULT_RUNTIME, bundle.precision)
         if fallback not in found:
             raise ProviderError(f"no candidate passed verification on {bundle.path}'s check images: "
                                 + "; ".join(f"{c.describe()}: {_why(verdicts[c.key])}" for c in found))
@@ -158,8 +159,7 @@ def _verify(bundle: Bundle, candidate: Candidate, provider: str, threads: int | 
     """Run ``candidate`` (on ``engine`` where one is open already) on the check images: the parity rules'
     verdict and ms per image at CHECK_BATCH."""
     try:
-        engine = engine or open_engine(bundle, candidate, provider if candidate.runtime == "ort" else "auto",
-                                       threads)
+        engine = engine or open_engine(bundle, candidate, provider, threads)
         logits, batch_ms = _logits(engine, bundle, pixels)
     except Exception as err:  # noqa: BLE001 - a runtime that cannot build or run it is a failed candidate
         return {"passed": False, "error": f"cannot run it: {_one_line(err)}"}, None
@@ -210,23 +210,14 @@ def machine_record(provider: str, threads: int | None) -> dict[str, Any]:
     record: dict[str, Any] = {"machine": platform.machine(), "cpu": cpu,
                               "flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16],
                               "threads": default_threads() if threads is None else threads, "provider": provider}
-    for name in ("onnxruntime", "openvino"):
-        record[name] = _version(name)
+    for name in runtime_names():
+        record[factory(name).version_key] = runtime_version(name)
     return record
 
 
-def _version(runtime: str) -> str | None:
-    from edge_client.engines import unavailable
-
-    if unavailable("ort" if runtime == "onnxruntime" else runtime) is not None:
-        return None
-    if runtime == "openvino":
-        from edge_client.openvino_runtime import version
-
-        return version()
-    import onnxruntime
-
-    return str(onnxruntime.__version__)
+def runtime_version(name: str) -> str | None:
+    """The registered runtime ``name``'s version, or None where it cannot run here."""
+    return None if unavailable(name) is not None else factory(name).version()
 
 
 def _cpu() -> tuple[str, str]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from edge_client.engines import DEFAULT_RUNTIME
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainOptions
 from fedmvp_apps.edge_join import runtime_options
 
@@ -321,7 +322,7 @@ def info(bundle: Path | None, provider: str, threads: int | None, runtime: str, 
     else:
         for line in info_lines(report):
             click.echo(line)
-    asked = runtime.lower() != "ort" or precision.lower() != "auto"  # a runtime named and missing: exit 2
+    asked = runtime.lower() != DEFAULT_RUNTIME or precision.lower() != "auto"  # a runtime named and missing: exit 2
     failed = not report["bundle"].get("hashes_ok") or (asked and report["runtime"].get("error"))
     sys.exit(EXIT_INPUT if failed else EXIT_OK)
 

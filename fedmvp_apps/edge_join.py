@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from edge_client.engines import PRECISIONS, RUNTIMES
+from edge_client.engines import DEFAULT_RUNTIME, PRECISIONS, factory, runtime_names
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainInputError, TrainOptions
 from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
 
@@ -60,6 +60,22 @@ def check_runtime(node, bundle) -> None:
     candidates(bundle, node.runtime, node.precision)
 
 
+class RegisteredRuntimes(click.Choice):
+    """--runtime's choices: auto and the runtimes registered when the command line is read
+    (edge_client/engines.py, register_runtime), not those of when the option was declared."""
+
+    def __init__(self) -> None:
+        super().__init__([], case_sensitive=False)
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return ("auto", *runtime_names())
+
+    @choices.setter
+    def choices(self, value: Any) -> None:
+        pass  # click.Choice.__init__ sets it; the table is the one source
+
+
 def runtime_options(f: Any) -> Any:
     """--runtime and --precision (edge_client/runtime_choice.py): one definition for `join`, `infer` and
     `info` (edge_cli.py imports it from here), so all three offer the same choices with the same help."""
@@ -67,9 +83,10 @@ def runtime_options(f: Any) -> Any:
                      default="auto", show_default=True,
                      help="What the model computes in, where the runtime and this machine offer it (int8: the "
                           "bundle's int8 model). auto: the fastest verified against the bundle as exported.")(f)
-    return click.option("--runtime", type=click.Choice(["auto", *RUNTIMES], case_sensitive=False), default="ort",
+    named = ", ".join(f"{name} ({factory(name).label})" for name in runtime_names())
+    return click.option("--runtime", type=RegisteredRuntimes(), default=DEFAULT_RUNTIME,
                         show_default=True,
-                        help="ort (ONNX Runtime), openvino (fedmvp[openvino]) or auto: the fastest runtime and "
+                        help=f"{named} or auto: the fastest runtime and "
                              "precision that pass verification on the bundle's check images (cached per bundle "
                              "and machine). A runtime named and missing is an error.")(f)
 
