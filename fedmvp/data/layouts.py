@@ -4,7 +4,8 @@ Why one return type: partitions, k-shot sampling and evaluation only need ``(pat
 pairs plus the class name of every label, so every layout is reduced to exactly that, with
 class names indexed explicitly by label (never by the order entries happen to appear in).
 
-Layouts (``layout`` key of a preset dataset)::
+Layouts (``layout`` key of a preset dataset; each a ``Layout`` of ``builtin_layouts.py``, named in
+``layout_table.py``, where ``register_layout`` adds others)::
 
     imagefolder  ROOT/<split>/<class>/*.jpg         labels = sorted class folders (torchvision), or
                                                      the order of ``class_names_file``
