@@ -20,14 +20,17 @@ top-level package, outside ``fedmvp_apps``, because its Flower component path
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedmvp_formats.messages import EDGE, IDENTIFY, SITE
-from node_app.round_lines import said
+from fedmvp_formats.class_set import read_class_set
+from fedmvp_formats.messages import CLASS_SET, EDGE, IDENTIFY, SITE
+from node_app.round_lines import MARK, said
 
 ROLES = (SITE, EDGE)
+_TAKEN: set[str] = set()  # the class sets this process took from the server and said so (by digest)
 
 app = ClientApp()
 
@@ -45,18 +48,37 @@ def role(context: Context) -> str:
 def train(msg: Message, context: Context) -> Message:
     if role(context) == EDGE:
         from edge_client.node import train as handler
-    else:
-        from fedmvp.federated.client_app import train as handler
-    return said("train", msg, lambda: handler(msg, context), time.monotonic())
+
+        return said("train", msg, lambda: handler(msg, context), time.monotonic())
+    from fedmvp.federated.client_app import train as site_train
+
+    return said("train", msg, lambda: _site(site_train, msg, context), time.monotonic())
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     if role(context) == EDGE:
         from edge_client.node import evaluate as handler
-    else:
-        from fedmvp.federated.client_app import evaluate as handler
-    return said("evaluate", msg, lambda: handler(msg, context), time.monotonic())
+
+        return said("evaluate", msg, lambda: handler(msg, context), time.monotonic())
+    from fedmvp.federated.client_app import evaluate as site_evaluate
+
+    return said("evaluate", msg, lambda: _site(site_evaluate, msg, context), time.monotonic())
+
+
+def _site(handler: Callable[[Message, Context], Message], msg: Message, context: Context) -> Message:
+    """A site's reply; where the site took the run's class set from the server (`fedmvp join
+    --classes-from-server`), one line says so the first time this process used that set."""
+    from fedmvp.federated.site_classes import FROM_SERVER, taken_line
+
+    reply = handler(msg, context)
+    record = msg.content.config_records.get(CLASS_SET)
+    if context.node_config.get(FROM_SERVER) is True and record is not None:
+        run = read_class_set(dict(record))  # checked by the handler already: it used this set
+        if run.digest not in _TAKEN:
+            _TAKEN.add(run.digest)
+            print(f"{MARK}{taken_line(run)}", flush=True)
+    return reply
 
 
 @app.query(IDENTIFY)
