@@ -22,11 +22,12 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from flwr.app import Context, Message
+from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from fedmvp_formats.class_set import read_class_set
-from fedmvp_formats.messages import CLASS_SET, EDGE, IDENTIFY, SITE
+from fedmvp_formats.messages import CLASS_SET, EDGE, IDENTIFY, SITE, MessageError
 from node_app.round_lines import MARK, said
 
 ROLES = (SITE, EDGE)
@@ -52,7 +53,7 @@ def train(msg: Message, context: Context) -> Message:
         return said("train", msg, lambda: handler(msg, context), time.monotonic())
     from fedmvp.federated.client_app import train as site_train
 
-    return said("train", msg, lambda: _site(site_train, msg, context), time.monotonic())
+    return _site_said("train", site_train, msg, context)
 
 
 @app.evaluate()
@@ -63,7 +64,19 @@ def evaluate(msg: Message, context: Context) -> Message:
         return said("evaluate", msg, lambda: handler(msg, context), time.monotonic())
     from fedmvp.federated.client_app import evaluate as site_evaluate
 
-    return said("evaluate", msg, lambda: _site(site_evaluate, msg, context), time.monotonic())
+    return _site_said("evaluate", site_evaluate, msg, context)
+
+
+def _site_said(kind: str, handler: Callable[[Message, Context], Message], msg: Message, context: Context) -> Message:
+    """A site's reply and its line; a refusal the site explains in one line (a message that does not check,
+    a class set that is not the run's) answered with that line as the error, not a traceback in its log."""
+    from fedmvp.federated.site_classes import ClassSetMismatch
+
+    try:
+        return said(kind, msg, lambda: _site(handler, msg, context), time.monotonic())
+    except (MessageError, ClassSetMismatch) as err:  # said printed the line already
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err).splitlines()[0]),
+                       reply_to=msg)
 
 
 def _site(handler: Callable[[Message, Context], Message], msg: Message, context: Context) -> Message:

@@ -7,6 +7,7 @@ or preset does not fit the run's set, with one line. The real processes: test_op
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from flwr.app import ArrayRecord, Context, Message, RecordDict
 
 from fedmvp_formats import messages as schema
 from fedmvp_formats.class_set import ClassSet
-from fedmvp_formats.messages import Instruction, MessageError
+from fedmvp_formats.messages import Instruction
 
 from fedmvp.federated.site_classes import FROM_SERVER, ClassSetMismatch
 from fedmvp.federated.wire import instruction_content
@@ -136,8 +137,8 @@ def test_a_record_that_does_not_check_refuses_the_round_with_one_line(machines, 
     context = _context(site, server.parent / "sites" / "a")
     msg = Message(content=instruction_content(ArrayRecord(), _instruction(change(_record(server)))),
                   message_type="train", dst_node_id=7)
-    with pytest.raises(MessageError, match=why):
-        train(msg, context)
+    reply = train(msg, context)  # an error reply with the line, not a traceback in the site's log
+    assert reply.has_error() and re.search(why, reply.error.reason) and "\n" not in reply.error.reason
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("[fedmvp] round 1: refused train (the server's message"), lines
     assert not (cache_root() / "classes").exists()  # nothing of it was written, let alone used
