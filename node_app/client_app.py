@@ -10,6 +10,10 @@ nodes are of two kinds:
   trains only the LoRA of its exported bundle with the edge client's own code
   (``edge_client.node``), on an install without open_clip, peft or the training core.
 
+A site's refusal that it explains in one line (a message that does not check, a class set that is not
+the run's) is answered as an error reply with that line, printed once, not a traceback; a site that
+took the run's class set from the server (`fedmvp join --classes-from-server`) says so once per set.
+
 Each side is imported lazily, inside the handler that needs it, so an edge node never imports
 ``fedmvp`` and a site never imports the edge client. This module is an app of the top layer
 (docs/architecture.md "Layers"): it may import both libraries, and none imports it. It stays a

@@ -53,7 +53,8 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
     """Serve one site of PRESET as a Flower SuperNode connected to SUPERLINK.
 
     Prints the address it tries (until the server answers), `connected to ADDRESS` once it did,
-    one line per round it takes part in, and leaves when the run ends (`run R ended on the server;
+    one line per round it takes part in (with --classes-from-server, first `took the class set from the
+    server (digest D, N classes)`), and leaves when the run ends (`run R ended on the server;
     leaving`, exit 0) or when stopped (Ctrl-C). Images stay on this machine: only trained tensors
     and evaluation counts are sent. Exit codes: 0 the run ended; 2 for bad arguments, a bad site
     folder or no --auth-key where the server admits only listed keys; else Flower's."""
