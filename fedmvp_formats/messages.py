@@ -18,7 +18,8 @@ its own record in the RecordDict:
 ``identity``     who replies, for which run and round (``Identity``: one builder, one reader)
 ``classes``      a site's train reply: class name -> training images (``read_class_counts``)
 ``privacy``      the run's ``[privacy]`` settings (``fedmvp_formats.privacy``), train only, when set
-``class-set``    the run's class set: digest, names, one phrases digest per class (``fedmvp_formats.class_set``)
+``class-set``    the run's class set: digest, names, one phrases digest per class and the phrases
+                 themselves (``fedmvp_formats.class_set``: one writer, one checked reader)
 ===============  ======================================================================
 
 Every reader checks what arrives: a wrong type or a missing key raises `MessageError`, one line

@@ -80,3 +80,58 @@ def test_the_run_records_its_digest_and_refuses_an_edited_record(tmp_path):
     old.pop("digest")
     path.write_text(json.dumps(old))
     assert class_set(read_classes(tmp_path)).digest != class_set_digest(RUN)
+
+
+# ---- the phrases travel too: a site may take the run's class set from the server ----------------------------
+def test_the_digest_is_the_same_function_of_the_same_content_with_the_phrases_in_the_record():
+    # the digest of RUN before the phrases travelled: a run made then keeps its digest
+    assert class_set_digest(RUN) == "eb9206a8f38da40c89950d89a481786d78ee21c248f46ee8c1724f4a729d226a"
+    record = ClassSet.of(RUN).record()
+    assert record["texts"] == ["whiskers", "fur", "tail", "feathers"] and record["counts"] == [2, 1, 1]
+    got = read_class_set(record, with_texts=True)
+    assert got == ClassSet.of(RUN) and got.digest == record["digest"] == class_set_digest(RUN)
+    assert got.texts == (("whiskers", "fur"), ("tail",), ("feathers",)) and got.short == got.digest[:12]
+    sent = read_instruction(Instruction(round=1, run_id="r", class_set=record).records()).class_set
+    assert read_class_set(sent, with_texts=True).texts == got.texts  # through the message schema's reader
+    older = {k: v for k, v in record.items() if k not in ("texts", "counts")}  # an older server's record
+    assert read_class_set(older) == got and read_class_set(older).texts is None
+    with pytest.raises(ValueError, match="carries no attribute phrases"):
+        read_class_set(older, with_texts=True)
+
+
+def _hostile(**changes) -> dict:
+    return {**ClassSet.of(RUN).record(), **changes}
+
+
+FAR_TOO_MANY = ["x" * 1000] * 1000  # 1000 phrases of 1000 characters, 9 classes of them: past 8 MiB
+
+
+@pytest.mark.parametrize("record, why", [
+    (_hostile(digest="0" * 64), "digest is not the digest of its classes"),
+    (_hostile(texts=["whiskers", "fur", "tail", "scales"]), "phrases of class owl are not the ones its digest names"),
+    (_hostile(texts=["fur", "whiskers", "tail", "feathers"]), "phrases of class cat are not the ones"),
+    (_hostile(counts=[1, 2, 1]), "phrases of class cat are not the ones"),
+    ({k: v for k, v in _hostile().items() if k != "texts"}, "carries no attribute phrases"),
+    ({k: v for k, v in _hostile().items() if k != "counts"}, "carries no attribute phrases"),
+    ({k: v for k, v in _hostile().items() if k != "phrases"}, "not one sha256 per class"),
+    (_hostile(counts=[10 ** 12, 1, 1]), "not one count of 0 to 1000 phrases per class"),
+    (_hostile(counts=[2, 1]), "not one count"),
+    (_hostile(counts=[2, True, 1]), "not one count"),
+    (_hostile(counts=[2, -1, 2]), "not one count"),
+    (_hostile(counts="2,1,1"), "not one count"),
+    (_hostile(texts=["whiskers", "fur", "tail"]), "texts are not 4 phrases"),
+    (_hostile(texts=["whiskers", 7, "tail", "feathers"]), "texts are not 4 phrases"),
+    (_hostile(texts=["whiskers", b"fur", "tail", "feathers"]), "texts are not 4 phrases"),
+    (_hostile(texts="whiskers fur tail feathers"), "texts are not 4 phrases"),
+    (_hostile(texts=["w" * 1001, "fur", "tail", "feathers"]), "at most 1000 characters"),
+    (_hostile(names=["cat", 3, "owl"]), "names are not a list"),
+    (_hostile(names=["c" * 1001, "dog", "owl"]), "names are not a list"),
+    (_hostile(names=[f"c{i}" for i in range(100_001)]), "names are not a list"),
+    ({**ClassSet.of([(f"c{i}", []) for i in range(9)]).record(), "texts": FAR_TOO_MANY * 9, "counts": [1000] * 9},
+     "exceed 8388608 characters"),
+    ("cat,dog,owl", "not a mapping"),
+])
+def test_a_hostile_class_set_record_is_refused_with_one_line(record, why):
+    with pytest.raises(ValueError, match=why) as refused:
+        read_class_set(record, with_texts=True)
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 300

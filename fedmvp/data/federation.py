@@ -227,6 +227,7 @@ class SiteRequest:
     name: str | None = None
     data: str | None = None
     eval_fraction: float | None = None
+    attributes: str | None = None  # the run's class set as received, in place of the preset's attribute file
 
 
 def load_federation(name_or_path: str, site: SiteRequest | None = None) -> tuple[Preset, Federation]:
@@ -250,6 +251,10 @@ def _federation(path: str, digest: str, site: SiteRequest | None) -> tuple[Prese
     preset = load_preset(path, check_roots=site is None)
     if site is None:
         return preset, build_federation(preset)
+    if site.attributes is not None:  # the run's class set taken from the server (fedmvp join --classes-from-server)
+        from fedmvp.federated.site_classes import with_attributes
+
+        preset = with_attributes(preset, site.attributes)
     if site.data is not None:
         if preset.federation is None:
             raise PresetError(f"{preset.path}: a site folder (--data) needs a [federation] preset; "

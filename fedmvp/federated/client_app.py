@@ -12,6 +12,8 @@ simulation's share of one machine for each node), else torch's default."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -20,12 +22,14 @@ from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity, Instruction
 from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.privacy import PrivacyRecord, privatise
+from fedmvp_formats.shown import name_shown
 
 from fedmvp.data.federation import SiteRequest
 from fedmvp.data.federation_plan import is_open
 from fedmvp.data.site_federation import site_id
+from fedmvp.data.site_folder import SiteFolderError
 from fedmvp.federated.evaluation import site_counts
-from fedmvp.federated.site_classes import site_class_digest
+from fedmvp.federated.site_classes import FROM_SERVER, ClassSetMismatch, SiteClasses, site_classes
 from fedmvp.federated.site_keys import AUTH_KEY, NONCE, PROOF, PROOF_REQUEST, payload, sign
 from fedmvp.presets.schema import load_preset
 from fedmvp.federated.task import LocalSettings, local_train, task_context, train_class_counts
@@ -70,6 +74,28 @@ def _site(context: Context, preset: str, instruction: Instruction, identify: boo
         named = parsed.federation is not None and site < len(parsed.sites)  # a [[sites]] simulation
         return site, parsed.sites[site].name if named else None, None  # its name, as a deployed site's
     return site, None, SiteRequest(site=site)
+
+
+def _classes(context: Context, preset: str, instruction: Instruction) -> SiteClasses:
+    """The run's class set this site uses: its own attribute file's once it is the run's, or the one the
+    message carries where the node took it from the server (`fedmvp join --classes-from-server`)."""
+    return site_classes(preset, instruction, from_server=context.node_config.get(FROM_SERVER) is True)
+
+
+def _context(preset: str, instruction: Instruction, request: SiteRequest | None, classes: SiteClasses):
+    """The task context of this site's data, built with the class set it uses. A folder whose classes do not
+    fit a class set taken from the server (which the join, holding none, could not check) is one line."""
+    method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
+    if request is not None and classes.attributes is not None:
+        request = replace(request, attributes=classes.attributes)
+    try:
+        return task_context(preset, method, _device(instruction.device), request)
+    except SiteFolderError as err:
+        if classes.attributes is None:  # the join checked this folder against the site's own file
+            raise
+        more = f" (and {len(err.problems) - 1} more problems)" if len(err.problems) > 1 else ""
+        raise ClassSetMismatch(f"refused before training: this site's folder does not fit the class set of run "
+                               f"{name_shown(instruction.run_id)}: {err.problems[0]}{more}") from None
 
 
 def _device(device: str | None) -> str:
@@ -119,12 +145,11 @@ def train(msg: Message, context: Context) -> Message:
     _threads(context, instruction)
     preset = str(context.node_config.get("preset", instruction.need("preset")))
     client_id, name, request = _site(context, preset, instruction)
-    digest = site_class_digest(preset, instruction)  # another class set than the run's: refused before training
+    classes = _classes(context, preset, instruction)  # another class set than the run's: refused before training
     # Which site, run, round and class set this reply belongs to: the server checks it before using the reply.
     identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name,
-                        classes_digest=digest)
-    method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
-    ctx = task_context(preset, method, _device(instruction.device), request)
+                        classes_digest=classes.digest)
+    ctx = _context(preset, instruction, request, classes)
     client = ctx.client(client_id)
     lora_active = client_id in instruction.need("lora-clients")
     received = content_torch_state(msg.content)
@@ -155,11 +180,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     _threads(context, instruction)
     preset = str(context.node_config.get("preset", instruction.need("preset")))
     client_id, name, request = _site(context, preset, instruction)
-    digest = site_class_digest(preset, instruction)
+    classes = _classes(context, preset, instruction)
     identity = Identity(round=instruction.round, run_id=instruction.run_id, site=client_id, name=name,
-                        classes_digest=digest)
-    method = FedMVPConfig.from_dict(instruction.need("method"), "the server's method record")
-    ctx = task_context(preset, method, _device(instruction.device), request)
+                        classes_digest=classes.digest)
+    ctx = _context(preset, instruction, request, classes)
     state = content_torch_state(msg.content) if instruction.prompted else None
     counts = site_counts(ctx, client_id, state, instruction.need("assignment"))
     return _reply(msg, identity, schema.count_metrics(counts))

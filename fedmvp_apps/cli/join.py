@@ -5,10 +5,14 @@ preset's site brings its own folder (``--data DIR``, ``--name NAME``), checked b
 connects: each problem one line, exit 2 (docs/architecture.md "Sites that hold their own data"). Its
 name is one of the preset's [[sites]], or, where the preset lists none, any name: the server numbers
 it when it first identifies (docs/architecture.md "Open membership"). ``--threads``: the node config's
-``threads``, torch's CPU threads in the site's ClientApp."""
+``threads``, torch's CPU threads in the site's ClientApp. ``--classes-from-server``: a [federation] site
+without a copy of the run's attribute file takes the class set from the server's messages
+(``fedmvp.federated.site_classes``); its folder is checked here for all but its class names, which are
+matched to the run's when the first message brings them."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -30,6 +34,10 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat, site_folder_error
                                            "preset lists none (open membership: the server numbers it).")
 @click.option("--eval-fraction", type=FiniteFloat(0, 1, min_open=True, max_open=True), default=None,
               help="Share of each class kept for evaluation (default: the preset's eval_fraction, 0.2).")
+@click.option("--classes-from-server", is_flag=True,
+              help="A [federation] site without a copy of the run's attribute file: take the class names and their "
+                   "attribute phrases from the server's messages (checked against the run's class-set digest) and "
+                   "say so once (`took the class set from the server`).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads torch uses for this site's training and evaluation (default: torch's own).")
 @click.option("--root-certificates", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -40,30 +48,35 @@ from fedmvp_apps.cli.common import BadInput, FiniteFloat, site_folder_error
 @click.option("--port", type=click.IntRange(1, 65535), default=None,
               help="Local port of the SuperNode's own API (default: a free one).")
 def join(superlink: str, config: str, site: int | None, data: Path | None, name: str | None,
-         eval_fraction: float | None, threads: int | None, root_certificates: Path | None, auth_key: Path | None,
-         insecure: bool, port: int | None) -> None:
+         eval_fraction: float | None, classes_from_server: bool, threads: int | None, root_certificates: Path | None,
+         auth_key: Path | None, insecure: bool, port: int | None) -> None:
     """Serve one site of PRESET as a Flower SuperNode connected to SUPERLINK.
 
     Prints the address it tries (until the server answers), `connected to ADDRESS` once it did,
-    one line per round it takes part in, and leaves when the run ends (`run R ended on the server;
+    one line per round it takes part in (with --classes-from-server, first `took the class set from the
+    server (digest D, N classes)`), and leaves when the run ends (`run R ended on the server;
     leaving`, exit 0) or when stopped (Ctrl-C). Images stay on this machine: only trained tensors
     and evaluation counts are sent. Exit codes: 0 the run ended; 2 for bad arguments, a bad site
     folder or no --auth-key where the server admits only listed keys; else Flower's."""
     from fedmvp.clip import ClipLoadError
     from fedmvp.presets.schema import PresetError, load_preset
-    from fedmvp.vocabulary_check import check_preset
+    from fedmvp.vocabulary_check import check_preset, load_backbone
     from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
     from fedmvp_formats.messages import THREADS
 
     try:
         preset = load_preset(config, check_roots=False)
-        check_preset(preset)  # the backbone loads offline and tells the classes apart (one warning line if not)
+        if classes_from_server and preset.federation is not None:  # no class set here: the backbone alone
+            load_backbone(preset.model.clip, preset.model.pretrained, preset.seed)
+        else:  # the backbone loads offline and tells the classes apart (one warning line if not)
+            check_preset(preset)
         if preset.federation is not None:
-            node_config = named_site_node_config(config, data, name or socket.gethostname(), eval_fraction)
+            node_config = named_site_node_config(config, data, name or socket.gethostname(), eval_fraction,
+                                                 classes_from_server)
         else:
-            if data is not None or name is not None or eval_fraction is not None:
-                raise BadInput(f"{config}: --data/--name/--eval-fraction need a [federation] preset; "
-                               f"this one's sites are chosen by --site N")
+            if data is not None or name is not None or eval_fraction is not None or classes_from_server:
+                raise BadInput(f"{config}: --data/--name/--eval-fraction/--classes-from-server need a [federation] "
+                               f"preset; this one's sites are chosen by --site N")
             if site is None:
                 raise BadInput("--site N is required: which site of the preset this machine is")
             node_config = site_node_config(config, site)
@@ -90,14 +103,17 @@ def site_node_config(preset: str, site: int) -> str:
     return f"partition-id={site} preset={_preset_value(preset)!r}"
 
 
-def named_site_node_config(preset: str, data: Path | None, name: str, eval_fraction: float | None) -> str:
-    """A named site's node config, once its folder passed every check (each problem one line)."""
+def named_site_node_config(preset: str, data: Path | None, name: str, eval_fraction: float | None,
+                           classes_from_server: bool = False) -> str:
+    """A named site's node config, once its folder passed every check (each problem one line); taking the
+    class set from the server, every check but its class names (`folder_check`)."""
     from fedmvp.data.federation import SiteRequest, load_federation
     from fedmvp.data.site_folder import SiteFolderError
     from fedmvp_formats.messages import SITE_NAME
 
     from fedmvp.data.federation_plan import is_open
     from fedmvp.data.site_federation import site_id
+    from fedmvp.federated.site_classes import FROM_SERVER
     from fedmvp.federated.site_registry import name_problem
     from fedmvp.presets.schema import load_preset
 
@@ -110,10 +126,27 @@ def named_site_node_config(preset: str, data: Path | None, name: str, eval_fract
         raise BadInput("--data DIR is required: this site's folder (DIR/<class>/<image>)")
     folder = data.resolve()
     try:
-        load_federation(preset, SiteRequest(name=name, data=str(folder), eval_fraction=eval_fraction))
+        if classes_from_server:
+            folder_check(folder, parsed.federation.eval_fraction if eval_fraction is None else eval_fraction)
+        else:
+            load_federation(preset, SiteRequest(name=name, data=str(folder), eval_fraction=eval_fraction))
     except SiteFolderError as err:
         raise site_folder_error(err) from None
     parts = [f"{SITE_NAME}={name!r}", f"data={str(folder)!r}", f"preset={_preset_value(preset)!r}"]
     if eval_fraction is not None:
         parts.append(f"eval-fraction={float(eval_fraction)!r}")
+    if classes_from_server:
+        parts.append(f"{FROM_SERVER}=true")
     return " ".join(parts)
+
+
+def folder_check(folder: Path, eval_fraction: float) -> None:
+    """A site folder checked before the run's class set is known: its layout, every class folder not empty,
+    every image decoding (`SiteFolderError`); its class names are matched to the run's with the first message."""
+    from fedmvp.data.site_folder import read_site_folder
+
+    split = (folder / "train").is_dir() and (folder / "test").is_dir()
+    trees = [folder / "train", folder / "test"] if split else [folder]
+    names = sorted({entry.name for tree in trees if tree.is_dir() for entry in os.scandir(tree)
+                    if entry.is_dir() and not entry.name.startswith(".")})
+    read_site_folder(folder, names, [], eval_fraction)

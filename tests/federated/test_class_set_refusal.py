@@ -1,7 +1,8 @@
 """A site whose attribute file is not the run's is refused before it trains (docs/security.md): `fedmvp serve`
 on a [federation] preset, one `fedmvp join --data` site whose copy of attributes.json lists the same classes
 in another order. Its labels would be other indices under the run's names; it refuses the server's first
-message with one line naming what differs and the first differing class, and no round is written."""
+message with one line naming what differs and the first differing class (no traceback), and no round is
+written."""
 
 from __future__ import annotations
 
@@ -38,4 +39,6 @@ def test_a_site_with_the_classes_in_another_order_is_refused_before_it_trains(tm
     lines = [line for line in procs.log("north-ward").splitlines() if "refused before training" in line]
     assert f"other class order (class 0 is {seen[1]} here, {seen[0]} in the run)" in lines[0], lines[0]
     assert "copy the run's attribute file" in lines[0] and "attributes.json" in lines[0]
+    assert "--classes-from-server" in lines[0]  # the other way to the run's class set
+    assert "Traceback" not in procs.log("north-ward"), procs.log("north-ward")[-3000:]  # one line, not a crash
     assert not (run / "round-0001").exists()  # nothing of the site was trained or averaged

@@ -1,7 +1,9 @@
-"""Open membership deployed (issue 24): `fedmvp serve` on a [federation] preset that lists no site, two
+"""Open membership deployed: `fedmvp serve` on a [federation] preset that lists no site, two
 `fedmvp join --data DIR --name NAME` sites whose names are written nowhere before they join, two rounds
 on 127.0.0.1. The server numbers the names in order of first appearance (RUN/sites.json), records each
-site's examples and classes per round under that id, and the run alone exports."""
+site's examples and classes per round under that id, and the run alone exports. One site (north-ward)
+holds no copy of the run's attribute file: it joins with --classes-from-server from its own copy of the
+preset, says it took the class set from the server, and its replies are accepted as the other's."""
 
 from __future__ import annotations
 
@@ -26,9 +28,14 @@ def test_two_unlisted_sites_are_numbered_train_and_the_run_exports(tmp_path, sma
     port, run = free_port(), tmp_path / "runs" / "open"
     procs = Processes(tmp_path)
 
-    def join(name: str) -> None:
-        procs.start(name, ["join", "--superlink", f"127.0.0.1:{port}", "--insecure", "--config", str(preset),
-                           "--data", str(tmp_path / "sites" / name), "--name", name, "--threads", "1"])
+    bare = tmp_path / "north-machine" / preset.name  # the preset without its attributes.json beside it
+    bare.parent.mkdir()
+    bare.write_text(preset.read_text())
+
+    def join(name: str, *flags: str) -> None:
+        procs.start(name, ["join", "--superlink", f"127.0.0.1:{port}", "--insecure", "--config",
+                           str(bare if flags else preset), "--data", str(tmp_path / "sites" / name), "--name", name,
+                           "--threads", "1", *flags], env={**ENV, "FEDMVP_CACHE": str(tmp_path / f"{name}-cache")})
 
     def numbered() -> list[str]:
         path = run / "sites.json"
@@ -40,11 +47,16 @@ def test_two_unlisted_sites_are_numbered_train_and_the_run_exports(tmp_path, sma
                                        "--eval-every", "1", "--json"])
         join("south-ward")  # first to appear: id 0
         procs.wait_for("south-ward numbered", lambda: numbered() == ["south-ward"], 300)
-        join("north-ward")
+        join("north-ward", "--classes-from-server")
         assert server.wait(timeout=600) == 0, procs.log("serve")[-3000:] + procs.log("north-ward")[-2000:]
     finally:
         procs.stop()
     assert numbered() == ["south-ward", "north-ward"]
+    digest = json.loads((run / "classes.json").read_text())["digest"]
+    took = [line for line in procs.log("north-ward").splitlines() if "took the class set" in line]
+    assert took == [f"took the class set from the server (digest {digest[:12]}, 5 classes)"], \
+        procs.log("north-ward")[-3000:]
+    assert [p.name for p in (tmp_path / "north-ward-cache" / "classes").iterdir()] == [f"{digest}.json"]
     # per round, each site under its id and name: its examples (base-class training images: 4 a class, 1 held
     # out) and classes as counts; the new class only evaluated
     expected = {0: ("south-ward", 6, {c: 3 for c in seen[2:4]}), 1: ("north-ward", 6, {c: 3 for c in seen[:2]})}
