@@ -95,3 +95,21 @@ def test_a_round_records_who_was_sent_it_and_never_replied_and_its_seconds():
     assert isinstance(summary["seconds"], float) and 0 <= summary["seconds"] < 60
     strategy.site_names = {0: "north", 1: "south", 2: "east"}  # a [federation] run's sites by name
     assert strategy.timed_out([]) == ["edge node 14", "north", "south", "east"]
+
+
+def test_a_buffered_version_records_its_seconds_and_no_timeouts():
+    """A device that never answers is forgotten at round_timeout (``rejected``): no version waits for it."""
+    import time
+
+    from fedmvp.federated.buffered import BufferedVersions
+    from tests.federated.test_privacy_rounds import THETA, BufferedGrid
+
+    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=1, run_id=RUN,
+                              policy=RoundPolicy(1.0, ServerSpec(min_nodes=1, node_wait=5, concurrency=2,
+                                                                 buffer_size=2)))
+    summaries: list[dict] = []
+    strategy.on_aggregated = lambda number, state, s: summaries.append(s)
+    BufferedVersions(strategy, sleep=lambda s: time.sleep(0.002)).run(BufferedGrid({7: 0, 8: 2}),
+                                                                      array_record(THETA), 0, 2)
+    assert [s["timed_out"] for s in summaries] == [[], []]
+    assert all(isinstance(s["seconds"], float) and 0 <= s["seconds"] < 60 for s in summaries)

@@ -130,6 +130,9 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
     tops = [m.start() for m in re.finditer(r"^\{\n", procs.log("serve"), re.M)]  # the result's top level, not a
     result = json.loads(procs.log("serve")[tops[-1]:])  # nested record (its vocabulary's) that ends a line in "{"
     assert result["status"] == "finished:completed" and result["rounds"] == list(range(1, ROUNDS + 1))
+    # --json: each round as its line tells it (on stderr), and the results table's figures
+    assert [(r["round"], r["replied"]) for r in result["round_log"]] == [(n, list(sites)) for n in range(1, ROUNDS + 1)]
+    assert result["final"]["round"] == ROUNDS and set(result["final"]["tuned"]) >= set(ACCURACIES)
     assert re.search(r"round \d+: node \d+ is sent no work: site 1 'site-b' is bound to node_key "
                      r"'?\.\./certs/node-1\.pub'?; this node's proof does not verify", procs.log("serve")), \
         procs.log("serve")[-3000:]
