@@ -43,6 +43,11 @@ CASES = {
                     "seconds": 4.0, "metrics": EVALUATED},
                    "round 3/3: replied 2 (north-ward, south-ward), left out 0, timed out 0; loss 0.8500; "
                    "Local 50.00, Base 66.67, New -, HM -; 4.0 s"),
+    "trouble": ({"round": 1, "total_rounds": 3, "replies": [SITE_A], "timed_out": ["site 2"], "seconds": 2.0,
+                 "rejected": [{"node": 12, "site": 1, "name": "south-ward", "reason": "the client failed: boom"}],
+                 "metrics": {"train_loss": 0.9}},  # docs/tutorials/across-machines.md shows this one
+                "round 1/3: replied 1 (north-ward), left out 1 (south-ward: the client failed: boom), timed out 1 "
+                "(site 2); loss 0.9000; 2.0 s"),
     "none": ({"round": 4, "replies": [], "rejected": []},  # a round written before timed_out and seconds
              "round 4: replied 0, left out 0, timed out 0"),
     "ingest": ({"round": 5, "total_rounds": 3, "source": "ingest", "replies": [], "rejected": [],
