@@ -105,11 +105,20 @@ class RoundWatch:
         self.seen = (self.run.last_round() or 0) if after is None else after
 
     def new(self) -> list[dict]:
-        """The ``round_record`` of every complete round after the last one returned, in order."""
+        """The ``round_record`` of every complete round after the last one returned, in order. A record that
+        cannot be read is passed over: the ServerApp, which reads its rounds too, says what is wrong."""
+        from fedmvp.runs import RunError
+
         records = []
-        for number in self.run.rounds():
-            if number > self.seen:
+        try:
+            numbers = [n for n in self.run.rounds() if n > self.seen]
+        except RunError:
+            return []
+        for number in numbers:
+            try:
                 state = json.loads((self.run.round_path(number) / "state.json").read_text())
                 records.append(round_record({"round": number, **state}))
-                self.seen = number
+            except (OSError, ValueError, TypeError, AttributeError):
+                pass
+            self.seen = number
         return records

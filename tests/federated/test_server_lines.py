@@ -118,3 +118,44 @@ def test_a_buffered_version_records_its_seconds_and_no_timeouts():
                                                                       array_record(THETA), 0, 2)
     assert [s["timed_out"] for s in summaries] == [[], []]
     assert all(isinstance(s["seconds"], float) and 0 <= s["seconds"] < 60 for s in summaries)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_serve_without_a_terminal_prints_each_round_then_the_table_and_json_adds_them(tmp_path, small_world,
+                                                                                     monkeypatch, as_json):
+    """`fedmvp serve`'s own output around the run (the run itself faked: rounds appear as the ServerApp's
+    would); the real processes' log: tests/federated/test_open_deployment.py."""
+    import torch
+    from click.testing import CliRunner
+
+    import fedmvp.federated.evaluation as evaluation
+    import fedmvp_apps.deploy.superlink as superlink
+    from fedmvp.runs import RunDir
+    from fedmvp_apps.cli import main
+    from tests.federated.conftest import write_preset
+
+    figures = {"run": "r", "round": 2, "zero-shot": {"local": 0.25, "hm": 0.5}, "tuned": {"local": 0.5, "hm": 0.75}}
+    states = {n: {**CASES["evaluation"][0], "round": n, "total_rounds": 2, "replies": [SITE_A], "seconds": float(n)}
+              for n in (1, 2)}
+
+    def fake_serve(options, progress, on_event):
+        run = RunDir(options.run_dir)
+        run.write_config({"rounds": 2})
+        for number, state in states.items():
+            run.save_checkpoint(number, {"lora.a": torch.zeros(2)}, state)
+            progress(number, "running")
+        return "finished:completed"
+
+    monkeypatch.setattr(superlink, "serve", fake_serve)
+    monkeypatch.setattr(evaluation, "evaluate_run", lambda run, round_number=None: figures)
+    run = tmp_path / "runs" / "r"
+    args = ["serve", "--config", str(write_preset(tmp_path, small_world)), "--run-dir", str(run), "--insecure"]
+    done = CliRunner().invoke(main, args + ["--json"] * as_json)
+    assert done.exit_code == 0, done.output
+    lines = [round_line(round_record(state)) for state in states.values()]
+    if as_json:  # the lines on stderr; stdout the JSON alone
+        assert all(line in done.stderr for line in lines) and json.loads(done.stdout)["final"] == figures
+        assert [r["seconds"] for r in json.loads(done.stdout)["round_log"]] == [1.0, 2.0]
+    else:
+        table = evaluation.format_table(figures)
+        assert done.stdout.index(lines[0]) < done.stdout.index(lines[1]) < done.stdout.index(f"\n{table}\n")

@@ -30,7 +30,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from fedmvp_apps.deploy.supernode import free_port
-from tests.federated.processes import ENV, FEDMVP, Processes
+from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 from tests.site_trees import site_preset, world_classes
 
 EXPORT = [*FEDMVP[:2], "fedmvp_apps.export_cli"]
@@ -127,8 +127,7 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
     finally:
         procs.stop()
     print(f"site-c rejoined after {starts} start(s)")
-    tops = [m.start() for m in re.finditer(r"^\{\n", procs.log("serve"), re.M)]  # the result's top level, not a
-    result = json.loads(procs.log("serve")[tops[-1]:])  # nested record (its vocabulary's) that ends a line in "{"
+    result = json_result(procs.log("serve"))
     assert result["status"] == "finished:completed" and result["rounds"] == list(range(1, ROUNDS + 1))
     # --json: each round as its line tells it (on stderr), and the results table's figures
     assert [(r["round"], r["replied"]) for r in result["round_log"]] == [(n, list(sites)) for n in range(1, ROUNDS + 1)]
