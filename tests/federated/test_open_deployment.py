@@ -1,4 +1,4 @@
-"""Open membership deployed (issue 24): `fedmvp serve` on a [federation] preset that lists no site, two
+"""Open membership deployed (docs/howto/open-federation.md): `fedmvp serve` on a [federation] preset that lists no site, two
 `fedmvp join --data DIR --name NAME` sites whose names are written nowhere before they join, two rounds
 on 127.0.0.1. The server numbers the names in order of first appearance (RUN/sites.json), records each
 site's examples and classes per round under that id, and the run alone exports. What the operator reads

@@ -1,4 +1,4 @@
-"""Sites that hold only their own data, deployed (issue 24 §2, §3, §4, §7 and its Tests): `fedmvp serve` on a
+"""Sites that hold only their own data, deployed (docs/tutorials/across-machines.md): `fedmvp serve` on a
 [federation] preset with no image on the server, TLS with node authentication, three `fedmvp join --data`
 sites, each folder holding only its own classes (one also a new class), no shared root. One deployment
 serves every assertion (its cost):
