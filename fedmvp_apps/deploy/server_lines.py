@@ -99,10 +99,13 @@ class RoundWatch:
     def __init__(self, run_dir: Path, after: int | None = None):
         """``after``: the last round already seen (default: the run's last complete round now, so a
         resumed run's earlier rounds are not told again)."""
-        from fedmvp.runs import RunDir
+        from fedmvp.runs import RunDir, RunError
 
         self.run = RunDir(run_dir)
-        self.seen = (self.run.last_round() or 0) if after is None else after
+        try:
+            self.seen = (self.run.last_round() or 0) if after is None else after
+        except RunError:  # a round's record that is no JSON object: the ServerApp refuses the run in one line
+            self.seen = 0
 
     def new(self) -> list[dict]:
         """The ``round_record`` of every complete round after the last one returned, in order. A record that
