@@ -86,6 +86,7 @@ class BufferedVersions:
         self.buffer: list[Contribution] = []
         self.rejected: list[dict] = []
         self.population = 0  # edge devices connected at the last send (recorded with a private version)
+        self.written_at = time.monotonic()  # when the last version was written: a version's seconds
 
     # ---- one version's LoRA and who may be sent it ------------------------------------------------------
     def _lora(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -235,7 +236,7 @@ class BufferedVersions:
         summary = {"train-loss": loss, "train-ce": float("nan"), "train-consistency": float("nan"),
                    "clients": len(taken), "lora-clients": len(strategy.lora_clients), "lora-uploads": len(taken),
                    "edges": len(taken), "sites": [], "replies": replies, "rejected": list(self.rejected),
-                   "mode": "buffered"}
+                   "mode": "buffered", "timed_out": [], "seconds": time.monotonic() - self.written_at}
         if charged is not None:  # who was in it recorded: at most one update per device (``_split``)
             summary |= release(charged, step.privacy, Draw(BUFFERED, self.population), strategy.privacy_events,
                                version + 1, [(c.node, schema.EDGE, None, list(c.arrays)) for c in taken])
@@ -243,6 +244,7 @@ class BufferedVersions:
         strategy.global_state = new
         if strategy.on_aggregated:
             strategy.on_aggregated(version + 1, new, summary)
+        self.written_at = time.monotonic()  # the next version's seconds leave out this one's checkpoint
         log(INFO, "version %s written from %s device updates (staleness %s)", version + 1, len(taken),
             [c.staleness for c in taken])
         return new

@@ -141,6 +141,7 @@ class RoundRecorder:
                                   "lr": strategy.base_lr, "total_rounds": self.total,
                                   "method": self.method, "sites": summary["sites"],
                                   "replies": summary.get("replies", []), "rejected": summary["rejected"],
+                                  "timed_out": summary.get("timed_out", []), "seconds": summary.get("seconds"),
                                   "metrics": row, **({"privacy": privacy} if privacy is not None else {}),
                                   **({"not_private": summary["not_private"]} if "not_private" in summary else {})})
         append_metrics(self.run, row)

@@ -129,6 +129,8 @@ class FedMVPStrategy(Strategy):
         self.privacy_events: list[Event] = list(privacy_events)
         self.charged: dict[str, Any] | None = None  # the round's privacy record once it is charged
         self.draw = Draw()  # how the round's edge devices were drawn ([privacy]: what q it is charged)
+        self.sent_to: list[int] = []  # the nodes sent this try's train message, and when (state.json timed_out, seconds)
+        self.sent_at = time.monotonic()
 
     @property
     def fraction(self) -> float:
@@ -221,8 +223,9 @@ class FedMVPStrategy(Strategy):
                                         privacy=self.privacy.record() if self.privacy else None)
         lora = array_record({k: v for k, v in self.global_state.items() if k.startswith(LORA_PREFIX)})
         content = node_contents(instruction, config, self.registry.open_site_of)
+        self.sent_to, self.sent_at = sorted(sites + edges), time.monotonic()
         return [Message(content=content(node, lora if self.holds(node, digest) else arrays),
-                        message_type=MessageType.TRAIN, dst_node_id=node) for node in sorted(sites + edges)]
+                        message_type=MessageType.TRAIN, dst_node_id=node) for node in self.sent_to]
 
     def charge_privacy(self, round_number: int) -> None:
         """``self.charged``: the round's record at the rate its draw earns; past max_epsilon: `RoundFailed`."""
@@ -255,7 +258,7 @@ class FedMVPStrategy(Strategy):
         rules = ReplyRules(run_id=self.run_id, round=round_number, server=self.policy.server,
                            classes_digest=self.classes_digest)
         expected = self._expected_names()
-        contents, self.rejected = [], []
+        contents, self.rejected, replies = [], [], list(replies)
         for msg in replies:
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
@@ -320,7 +323,8 @@ class FedMVPStrategy(Strategy):
                     "edges": sum(v.role == "edge" for _, v, _, _ in contents),
                     "sites": [v.site for _, v, _, _ in contents if v.role == "site"],
                     "replies": [reply_record(node, v, m, i, w) for (node, v, m, i), w in zip(contents, step.weights)],
-                    "rejected": list(self.rejected)}
+                    "rejected": list(self.rejected), "timed_out": self.timed_out(replies),
+                    "seconds": time.monotonic() - self.sent_at}
         if self.charged is not None:  # charged only where noise was added (private_rounds.release)
             summary |= release(self.charged, step.privacy, self.draw, self.privacy_events, round_number,
                                [(node, v.role, v.site, list(v.arrays)) for node, v, _, _ in contents])
@@ -329,6 +333,13 @@ class FedMVPStrategy(Strategy):
             self.on_aggregated(round_number, self.global_state, summary)
         return array_record(self.global_state), MetricRecord({k: v for k, v in summary.items()
                                                               if isinstance(v, (int, float))})
+
+    def timed_out(self, replies: list[Message]) -> list[str]:
+        """Who was sent this try's train message and never replied: a site by its name (``site N`` where
+        sites have none), an edge device as ``edge node N``."""
+        replied, names = {int(msg.metadata.src_node_id) for msg in replies}, self.site_names or {}
+        return [f"edge node {node}" if (site := self.registry.site_of(node)) == schema.EDGE else
+                names.get(site, f"site {site}") for node in self.sent_to if node not in replied]
 
     def _reject(self, round_number: int, node: int | None, site: int | None, reason: str,
                 role: str | None = None) -> None:

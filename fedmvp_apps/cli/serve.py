@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from fedmvp_apps.cli.common import BadInput, FiniteFloat, break_lock_option, emit_json, quiet_open_clip_logging
+from fedmvp_apps.cli.common import BadInput, FiniteFloat, break_lock_option, echo_run_table, emit_json, \
+    quiet_open_clip_logging
 
 
 @click.command()
@@ -54,7 +55,11 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     SuperLink, within 15 s, with one line.
     Offline: no runtime dependency installation, no telemetry. A reply the server leaves out is one
     line as it happens (round, site, node, reason); the ServerApp keeps Flower's warnings and errors in
-    RUN/flower.log, named at the end when the run added to it. Exit codes: 0 the run completed,
+    RUN/flower.log, named at the end when the run added to it. Without a terminal (a log file, a systemd
+    unit) each round is one line as it completes: who replied, whose reply was left out and why, who
+    timed out, the loss, an evaluated round's figures, its seconds (with --json on stderr, and in the
+    JSON's round_log). A completed run ends with the results table `fedmvp train` prints (--json: final).
+    Exit codes: 0 the run completed,
     1 it failed or stopped (start the same command again to resume), 2 bad arguments, or the run's
     lock (RUN/.lock) is held, or names a process on another host (--break-lock), or is a link."""
     quiet_open_clip_logging()
@@ -84,16 +89,26 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     options = ServeOptions(preset=config, run_dir=run_dir, rounds=rounds, min_nodes=min_nodes, fraction=fraction,
                            round_timeout=round_timeout, mode=mode, eval_every=eval_every, certs=certs, insecure=insecure,
                            node_keys=node_keys, allow_any_node=allow_any_node, address=address)
+    from fedmvp_apps.deploy.server_lines import RoundWatch, round_line
+
     bar = None
     if not as_json and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(desc="rounds", unit="round", file=sys.stderr)
+    # no terminal (a log file, a systemd unit), or no bar: one line per round (--json: on stderr)
+    lines, rounds, loss = as_json or bar is None or not sys.stdout.isatty(), RoundWatch(run_dir), ""
 
     def progress(done: int, status: str) -> None:
+        nonlocal loss
+        for record in rounds.new():
+            if lines:
+                click.echo(round_line(record), err=as_json)
+            if isinstance(record["train_loss"], (int, float)):
+                loss = f", loss {record['train_loss']:.3f}"
         if bar is not None:
             bar.n = done
-            bar.set_postfix_str(status)
+            bar.set_postfix_str(status + loss)
             bar.refresh()
 
     try:
@@ -110,15 +125,34 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
             bar.close()
 
     write_record(run_dir, vocabulary)
+    final = final_results(run_dir) if status == "finished:completed" else None
     result = {"run_dir": str(run_dir), "status": status, "rounds": RunDir(run_dir).rounds(),
-              "vocabulary": vocabulary and vocabulary.record()}
+              "vocabulary": vocabulary and vocabulary.record(), "round_log": RoundWatch(run_dir, 0).new(),
+              "final": final}
     if as_json:
         emit_json(result)
     else:
+        if final is not None:
+            echo_run_table(final, run_dir)  # the table `fedmvp train` ends with, the warnings under it included
         click.echo(f"run {run_dir}: {status}, rounds {result['rounds'][-1] if result['rounds'] else 0}"
                    f"  (fedmvp evaluate --run {run_dir})")
     if status != "finished:completed":
         sys.exit(1)
+
+
+def final_results(run_dir: Path) -> dict | None:
+    """The last round's table figures (``evaluate_run``: what the sites reported when they evaluated it);
+    None, with one warning line, where they cannot be had here (a round the sites did not evaluate and
+    whose data this machine lacks): the run itself completed."""
+    from fedmvp.federated.evaluation import evaluate_run
+    from fedmvp.runs import RunDir
+
+    try:
+        return evaluate_run(RunDir(run_dir))
+    except Exception as err:  # noqa: BLE001 - a missing data root, a round not evaluated: the run is done all the same
+        click.echo(f"warning: no results table: {str(err).splitlines()[0] if str(err) else type(err).__name__} "
+                   f"(fedmvp evaluate --run {run_dir})", err=True)
+        return None
 
 
 def check_run_lock(run_dir: Path, break_lock: bool) -> None:

@@ -325,6 +325,8 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
 
     ``on_event`` hears each milestone as one line (listening, SuperNode keys admitted, run submitted):
     sites should join once the keys are admitted, as Flower refuses a node it does not know yet.
+    ``on_progress(rounds done, status)`` is called about once a second while the run runs, and once more
+    when it ended: `fedmvp serve` reads each new round's state.json there (`server_lines.RoundWatch`).
     Interrupted (Ctrl-C, SIGTERM: `stopping.Stopper`), `serve` stops its run on the SuperLink, then every
     process it started, and raises `stopping.Interrupted` with the one line to print, all within
     `stopping.STOP_BOUND` seconds of the signal."""

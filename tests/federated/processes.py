@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +13,13 @@ from pathlib import Path
 
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "FLWR_TELEMETRY_ENABLED": "0"}
+
+
+def json_result(log: str) -> dict:
+    """What a command printed last with --json, out of its log: from the last line that is a lone "{" (the
+    top level: a nested object's "{" ends a line that holds its key, or is indented) to the end."""
+    tops = [m.start() for m in re.finditer(r"^\{\n", log, re.M)]
+    return json.loads(log[tops[-1]:])
 
 
 class Processes:

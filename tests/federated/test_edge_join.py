@@ -27,7 +27,7 @@ import torch
 from safetensors.numpy import load_file
 
 from tests.federated.conftest import write_preset
-from tests.federated.processes import ENV, FEDMVP, Processes
+from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 
 BLOCKER = '''
 import importlib.abc, sys
@@ -136,7 +136,7 @@ def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_worl
         assert procs.procs["serve"].wait(timeout=300) == 0, procs.log("serve")[-3000:]
     finally:
         procs.stop()
-    result = json.loads(procs.log("serve")[procs.log("serve").rindex("{\n"):])
+    result = json_result(procs.log("serve"))
     assert result["status"] == "finished:completed", result
     assert "not installed on this edge device" not in procs.log("edge-a") + procs.log("edge-b")
 

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from tests.federated.conftest import three_site_preset
-from tests.federated.processes import ENV, FEDMVP, Processes
+from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 
 ROUNDS = 5
 
@@ -61,7 +61,7 @@ def test_a_site_and_the_server_killed_mid_run(tmp_path, world6):
         assert procs.procs["serve"].wait(timeout=240) == 0, procs.log("serve")[-3000:]
     finally:
         procs.stop()
-    result = json.loads(procs.log("serve")[procs.log("serve").rindex("{\n"):])
+    result = json_result(procs.log("serve"))
     assert result["status"] == "finished:completed" and result["rounds"] == list(range(1, ROUNDS + 1))
     # Admitting any node is said at each start and at every round the server saw close.
     assert procs.log("serve").count("serve: warning: --allow-any-node") == 2

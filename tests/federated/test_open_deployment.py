@@ -1,13 +1,15 @@
-"""Open membership deployed: `fedmvp serve` on a [federation] preset that lists no site, two
+"""Open membership deployed (docs/howto/open-federation.md): `fedmvp serve` on a [federation] preset that lists no site, two
 `fedmvp join --data DIR --name NAME` sites whose names are written nowhere before they join, two rounds
 on 127.0.0.1. The server numbers the names in order of first appearance (RUN/sites.json), records each
 site's examples and classes per round under that id, and the run alone exports. One site (north-ward)
 holds no copy of the run's attribute file: it joins with --classes-from-server from its own copy of the
-preset, says it took the class set from the server, and its replies are accepted as the other's."""
+preset, says it took the class set from the server, and its replies are accepted as the other's. What the
+operator reads of `serve` without a terminal: one line per round, then the results table."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -44,7 +46,7 @@ def test_two_unlisted_sites_are_numbered_train_and_the_run_exports(tmp_path, sma
     try:
         server = procs.start("serve", ["serve", "--config", str(preset), "--run-dir", str(run), "--insecure",
                                        "--address", f"127.0.0.1:{port}", "--min-nodes", "2", "--round-timeout", "120",
-                                       "--eval-every", "1", "--json"])
+                                       "--eval-every", "1"])  # its stdout a file: a line per round, the table
         join("south-ward")  # first to appear: id 0
         procs.wait_for("south-ward numbered", lambda: numbered() == ["south-ward"], 300)
         join("north-ward", "--classes-from-server")
@@ -63,7 +65,20 @@ def test_two_unlisted_sites_are_numbered_train_and_the_run_exports(tmp_path, sma
     for number in range(1, ROUNDS + 1):
         state = json.loads((run / f"round-{number:04d}" / "state.json").read_text())
         assert state["rejected"] == [] and sorted(state["sites"]) == [0, 1], state
+        assert state["timed_out"] == [] and 0 < state["seconds"] < 600, state  # sent, never replied; sent to aggregated
         assert {r["site"]: (r["name"], r["examples"], r["classes"]) for r in state["replies"]} == expected
+    # the operator's log (no terminal): one line per round as it completed, then the table `fedmvp train` ends with
+    from fedmvp.federated.evaluation import evaluate_run, format_table
+    from fedmvp.runs import RunDir
+
+    log = procs.log("serve")
+    lines = [re.search(rf"^round {n}/{ROUNDS}: replied 2 \(south-ward, north-ward\), left out 0, timed out 0; "
+                       rf"loss \d+\.\d{{4}}; Local [\d.]+, Base [\d.]+, New [\d.-]+, HM [\d.-]+; \d+\.\d s$", log, re.M)
+             for n in range(1, ROUNDS + 1)]
+    assert all(lines), log[-3000:]
+    table = format_table(evaluate_run(RunDir(run)))
+    assert table.startswith(f"round {ROUNDS} of {run}") and f"\n{table}\n\nrun directory: {run}" in log, log[-3000:]
+    assert lines[0].start() < lines[1].start() < log.index(table)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2]
     assert {k: rows[-1][k] for k in ("clients", "eval_sites", "local_sites", "base_sites", "new_sites")} == \

@@ -1,4 +1,4 @@
-"""Sites that hold only their own data, deployed (issue 24 §2, §3, §4, §7 and its Tests): `fedmvp serve` on a
+"""Sites that hold only their own data, deployed (docs/tutorials/across-machines.md): `fedmvp serve` on a
 [federation] preset with no image on the server, TLS with node authentication, three `fedmvp join --data`
 sites, each folder holding only its own classes (one also a new class), no shared root. One deployment
 serves every assertion (its cost):
@@ -30,7 +30,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from fedmvp_apps.deploy.supernode import free_port
-from tests.federated.processes import ENV, FEDMVP, Processes
+from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 from tests.site_trees import site_preset, world_classes
 
 EXPORT = [*FEDMVP[:2], "fedmvp_apps.export_cli"]
@@ -127,9 +127,11 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
     finally:
         procs.stop()
     print(f"site-c rejoined after {starts} start(s)")
-    tops = [m.start() for m in re.finditer(r"^\{\n", procs.log("serve"), re.M)]  # the result's top level, not a
-    result = json.loads(procs.log("serve")[tops[-1]:])  # nested record (its vocabulary's) that ends a line in "{"
+    result = json_result(procs.log("serve"))
     assert result["status"] == "finished:completed" and result["rounds"] == list(range(1, ROUNDS + 1))
+    # --json: each round as its line tells it (on stderr), and the results table's figures
+    assert [(r["round"], r["replied"]) for r in result["round_log"]] == [(n, list(sites)) for n in range(1, ROUNDS + 1)]
+    assert result["final"]["round"] == ROUNDS and set(result["final"]["tuned"]) >= set(ACCURACIES)
     assert re.search(r"round \d+: node \d+ is sent no work: site 1 'site-b' is bound to node_key "
                      r"'?\.\./certs/node-1\.pub'?; this node's proof does not verify", procs.log("serve")), \
         procs.log("serve")[-3000:]
