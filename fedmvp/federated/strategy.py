@@ -1,9 +1,10 @@
 """FedMVP's Flower strategy: rounds over whoever is there, every reply checked, per-tensor FedAvg.
 
 Each round the strategy picks who trains, sends the global tensors, waits up to the round timeout,
-checks every reply (``replies.py``) and applies them per tensor over the clients that sent it
-(``aggregate.apply_updates``: FedAvg of fresh replies, as all of these are; ``server_lr``, [privacy]).
-Tensors nobody sent keep their value. A round short of ``min_nodes`` usable replies is tried again.
+checks every reply (``replies.py``) and applies them per tensor over the clients that sent it by the
+run's update rule (``round_writer.RoundWriter``; by default ``aggregate.apply_updates``: FedAvg of fresh
+replies, as all of these are; ``server_lr``, [privacy]). Tensors nobody sent keep their value. A round
+short of ``min_nodes`` usable replies is tried again; a written round is evaluated when due, then saved.
 
 Who trains (``fedmvp.federated.sampling``, one way for the simulation and a deployment): a seeded
 sample of *sites* per round (``fraction``; a resumed run replays exactly), sent only to the nodes

@@ -1,4 +1,4 @@
-"""Open membership (issue 24): a [federation] preset without [[sites]]. A site joins by its name; the
+"""Open membership (docs/architecture.md): a [federation] preset without [[sites]]. A site joins by its name; the
 server numbers each new name in order of first appearance and keeps the numbering in RUN/sites.json,
 so a restarted server and a rejoining site keep their id. Two live nodes of one name are both left out."""
 
