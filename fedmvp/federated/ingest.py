@@ -10,8 +10,10 @@ example- and staleness-weighted mean of those deltas (``fedmvp.federated.aggrega
 the bundle's round, s(t) = (1 + t)^(-staleness_exponent); with every file fresh, FedAvg of their
 values, as before). Under ``[privacy]`` the deltas are clipped and noised there (central) or were
 noised by the devices (local), and the round's epsilon is charged first (``privacy_budget``: a round
-past ``max_epsilon`` is refused). Every other tensor is round R's, bit for bit. The round is published whole (``RunDir.save_checkpoint``),
-then its metrics row; nothing is written when no file is accepted. The run's lock
+past ``max_epsilon`` is refused). Every other tensor is round R's, bit for bit. The round is written by
+the run's round lifecycle (``round_writer.RoundWriter``, as an online round is): charged, the run's update
+rule, published whole (``RunDir.save_checkpoint``), then its metrics row; nothing is written when no
+file is accepted. The run's lock
 (``fedmvp.run_lock``) is held from reading round R to writing R+1, so two ingests of one run
 never both build on R: the second is refused, or waits and builds on R+1.
 
