@@ -1,7 +1,7 @@
-"""The server's update rule: deltas weighted by staleness, and (central mode) differential privacy.
+"""The server's default update rule: deltas weighted by staleness, and (central mode) differential privacy.
 
-One rule for the online rounds (``strategy.py``) and `fedmvp ingest` (``ingest.py``), docs/method.md
-§6 and docs/howto/privacy.md. An update is the tensors a client trained (``arrays``) and the tensors it
+``[server] update_rule = "fedavg"`` (``update_rules.py``): the rule of online rounds, buffered versions and
+`fedmvp ingest`, applied by ``round_writer.RoundWriter``; docs/method.md §6 and docs/howto/privacy.md. An update is the tensors a client trained (``arrays``) and the tensors it
 started from (``base``: the round's global state online; for an update file the LoRA of the round its
 bundle was exported from, which the run keeps). With ``t`` the rounds between that base and the state
 the update is applied to, and ``s(t) = (1 + t)^(-a)``:

@@ -33,20 +33,21 @@ from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from fedmvp_formats import messages as schema
 from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
-from fedmvp.federated.aggregate import Update, apply_updates
+from fedmvp.federated.aggregate import Update
 from fedmvp.federated.grid_poll import SeparatePulls
-from fedmvp.federated.privacy_budget import BudgetExceeded, charge
-from fedmvp.federated.private_rounds import BUFFERED, Draw, release
+from fedmvp.federated.private_rounds import BUFFERED, Draw
 from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
-from fedmvp.federated.strategy import RoundFailed, cosine_lr
+from fedmvp.federated.round_writer import RoundFailed, RoundWriter
+from fedmvp.federated.strategy import FedMVPStrategy, StrategyOptions, cosine_lr
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
 
 POLL_SECONDS = (0.05, 0.25)  # first and longest pause between two pulls when nothing arrived
@@ -74,19 +75,22 @@ class Pending:
     sent: float
 
 
-class BufferedVersions:
-    """The buffered loop over a FedMVPStrategy's registry, reply rules and recorder (``on_aggregated``)."""
+class BufferedStrategy(FedMVPStrategy):
+    """[server] mode = "buffered": the strategy's registry, reply rules and round writer, with versions
+    written every ``buffer_size`` device updates instead of rounds with a barrier (``start``)."""
 
-    def __init__(self, strategy, sleep: Callable[[float], None] = time.sleep):
-        self.strategy, self.server, self.sleep = strategy, strategy.policy.server, sleep
+    def __init__(self, options: StrategyOptions, writer: RoundWriter | None = None,
+                 sleep: Callable[[float], None] = time.sleep):
+        super().__init__(options, writer)
+        self.server, self.sleep = self.policy.server, sleep
         self.pulls: SeparatePulls | None = None  # one thread per awaited reply (grid_poll.py)
         self.pending: dict[str, Pending] = {}  # message id -> what it carried
         self.served: dict[int, int] = {}  # node -> train messages sent (the least served is sent first)
         self.bases: dict[int, dict[str, np.ndarray]] = {}  # version -> its LoRA (kept while a delta needs it)
         self.buffer: list[Contribution] = []
-        self.rejected: list[dict] = []
         self.population = 0  # edge devices connected at the last send (recorded with a private version)
-        self.written_at = time.monotonic()  # when the last version was written: a version's seconds
+        self.timed_out: list[str] = []  # devices whose message expired since the last version
+        self.began = time.monotonic()  # when the version being gathered began
 
     # ---- one version's LoRA and who may be sent it ------------------------------------------------------
     def _lora(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -94,24 +98,23 @@ class BufferedVersions:
 
     def _send(self, grid: Grid, state: dict[str, np.ndarray], version: int) -> None:
         """The newest version to free devices, up to ``concurrency`` out at once (least served first)."""
-        strategy = self.strategy
         connected = sorted(grid.get_node_ids())
-        strategy._learn(grid, connected, version + 1)  # new nodes asked who they are (an open site numbered)
+        self._learn(grid, connected, version + 1)  # new nodes asked who they are (an open site numbered)
         busy = {p.node for p in self.pending.values()} | self._waiting()
-        free = sorted((n for n in strategy.registry.edges(connected) if n not in busy),
+        free = sorted((n for n in self.registry.edges(connected) if n not in busy),
                       key=lambda n: (self.served.get(n, 0), n))
         room = max(0, self.server.concurrency - len(self.pending))
-        self.population = len(strategy.registry.edges(connected))
+        self.population = len(self.registry.edges(connected))
         if not free or not room:
             return
         digest = promptformer_digest(state)
-        instruction = strategy._instruction(
-            version + 1, promptformer_digest=digest, lr=cosine_lr(strategy.base_lr, version + 1, strategy.total_rounds),
-            lora_clients=tuple(sorted(strategy.lora_clients)), local=strategy.client_config.get("local"),
-            privacy=strategy.privacy.record() if strategy.privacy else None)
+        instruction = self._instruction(
+            version + 1, promptformer_digest=digest, lr=cosine_lr(self.base_lr, version + 1, self.total_rounds),
+            lora_clients=tuple(sorted(self.lora_clients)), local=self.client_config.get("local"),
+            privacy=self.privacy.record() if self.privacy else None)
         full = instruction_content(array_record(state), instruction, ConfigRecord())
         lora = instruction_content(array_record(self._lora(state)), instruction, ConfigRecord())
-        messages = [Message(content=lora if strategy.holds(node, digest) else full, message_type=MessageType.TRAIN,
+        messages = [Message(content=lora if self.holds(node, digest) else full, message_type=MessageType.TRAIN,
                             dst_node_id=node) for node in free[:room]]
         now = time.monotonic()
         for node, message_id in zip(free[:room], grid.push_messages(messages)):
@@ -122,7 +125,7 @@ class BufferedVersions:
 
     def _waiting(self) -> set[int]:
         """[privacy]: the devices whose update waits in the buffer (one per device a version; none without)."""
-        return {c.node for c in self.buffer} if self.strategy.privacy is not None else set()
+        return {c.node for c in self.buffer} if self.privacy is not None else set()
 
     # ---- what comes back -----------------------------------------------------------------------------
     def _receive(self, grid: Grid, state: dict[str, np.ndarray], version: int) -> int:
@@ -137,28 +140,28 @@ class BufferedVersions:
         return len(replies)
 
     def _take(self, msg: Message, sent: Pending, state: dict[str, np.ndarray], version: int) -> None:
-        strategy, node = self.strategy, sent.node
+        node = sent.node
         if msg.has_error():
-            return self._reject(version, node, f"the device failed: {msg.error.reason}")
+            return self._leave_out(version, node, f"the device failed: {msg.error.reason}")
         fields = reply_fields(msg.content)
         if isinstance(fields, str):
-            return self._reject(version, node, fields)
+            return self._leave_out(version, node, fields)
         arrays, metrics = fields
         base_state = {**state, **self.bases[sent.base]}  # checked against what the device was sent
-        verdict = check_reply(arrays, metrics, rules=ReplyRules(run_id=strategy.run_id, round=sent.base + 1,
+        verdict = check_reply(arrays, metrics, rules=ReplyRules(run_id=self.run_id, round=sent.base + 1,
                                                                 server=self.server,
-                                                                classes_digest=strategy.classes_digest),
+                                                                classes_digest=self.classes_digest),
                               global_state=base_state, expected_names={}, declared_examples={},
-                              site_names=strategy.site_names, class_rules=strategy.class_rules)
+                              site_names=self.site_names, class_rules=self.class_rules)
         if verdict.accepted and verdict.role != schema.EDGE:
             verdict.arrays, verdict.reason = None, "a site's reply in a buffered run (only edge devices train here)"
         if not verdict.accepted:
-            strategy.known.pop(node, None)
-            return self._reject(version, node, verdict.reason or "rejected")
+            self.known.pop(node, None)
+            return self._leave_out(version, node, verdict.reason or "rejected")
         if self._too_stale(node, sent.base, version):
             return
         identity = verdict.identity
-        strategy.known[node] = {schema.ROLE: schema.EDGE, schema.BUNDLE_ID: identity.bundle_id,
+        self.known[node] = {schema.ROLE: schema.EDGE, schema.BUNDLE_ID: identity.bundle_id,
                                 schema.PROMPTFORMER_DIGEST: identity.promptformer_digest}
         self.buffer.append(Contribution(node, sent.base, version - sent.base, int(metrics[schema.NUM_EXAMPLES]),
                                         verdict.arrays, float(metrics.get(schema.TRAIN_LOSS, float("nan"))),
@@ -170,19 +173,9 @@ class BufferedVersions:
         taken: list[Contribution] = []
         rest: list[Contribution] = []
         for c in self.buffer:
-            one_each = self.strategy.privacy is None or all(t.node != c.node for t in taken)
+            one_each = self.privacy is None or all(t.node != c.node for t in taken)
             (taken if len(taken) < self.server.buffer_size and one_each else rest).append(c)
         return taken, rest
-
-    def _charge(self, version: int) -> dict | None:
-        """The version's privacy record (None: no [privacy]); past ``max_epsilon`` the run stops."""
-        privacy = self.strategy.privacy
-        if privacy is None:
-            return None
-        try:
-            return charge(privacy, self.strategy.privacy_events, 1.0, version)
-        except BudgetExceeded as err:
-            raise RoundFailed(str(err)) from None
 
     def _too_stale(self, node: int, base: int, version: int) -> bool:
         """Whether a delta based on ``base`` is beyond ``max_staleness`` for the version after
@@ -190,11 +183,11 @@ class BufferedVersions:
         staleness = version - base
         if staleness <= self.server.max_staleness:
             return False
-        self._reject(version, node, f"based on version {base}, {staleness} versions behind (max_staleness "
+        self._leave_out(version, node, f"based on version {base}, {staleness} versions behind (max_staleness "
                                     f"{self.server.max_staleness})")
         return True
 
-    def _reject(self, version: int, node: int, reason: str) -> None:
+    def _leave_out(self, version: int, node: int, reason: str) -> None:
         log(WARNING, "version %s: reply of node %s (edge device) left out: %s", version + 1, node, reason)
         self.rejected.append({"node": node, "site": None, "reason": reason, "role": schema.EDGE})
 
@@ -204,12 +197,12 @@ class BufferedVersions:
         for message_id, sent in list(self.pending.items()):
             if now - sent.sent > self.server.round_timeout:
                 del self.pending[message_id]
-                self._reject(version, sent.node, f"no reply within round_timeout {self.server.round_timeout:g} s")
+                self.timed_out.append(f"edge node {sent.node}")
+                self._leave_out(version, sent.node, f"no reply within round_timeout {self.server.round_timeout:g} s")
 
     # ---- the versions -----------------------------------------------------------------------------------
-    def _write(self, state: dict[str, np.ndarray], version: int) -> dict[str, np.ndarray]:
-        """The next version from the buffer (``buffer_size`` deltas), recorded through the run's recorder."""
-        strategy = self.strategy
+    def _write(self, grid: Grid, state: dict[str, np.ndarray], version: int) -> dict[str, np.ndarray]:
+        """The next version from the buffer (``buffer_size`` deltas), written by the run's ``RoundWriter``."""
         # Staleness is counted when the delta is used: a reply that waited in the buffer got staler.
         self.buffer = [replace(c, staleness=version - c.base) for c in self.buffer
                        if not self._too_stale(c.node, c.base, version)]
@@ -221,53 +214,57 @@ class BufferedVersions:
         self.buffer = rest
         # Arrival order must not change a bit: the deltas are summed by base version, bundle and node.
         taken.sort(key=lambda c: (c.base, c.bundle_id, c.node))
-        charged = self._charge(version + 1)
-        step = apply_updates(state, [Update(c.arrays, c.examples, c.staleness, self.bases[c.base]) for c in taken],
-                             server_lr=self.server.server_lr, exponent=self.server.staleness_exponent,
-                             privacy=strategy.privacy)
+        charged = self.writer.charge(1.0, version + 1)  # devices are not sampled by the server: q = 1
+        step = self.writer.apply(f"version {version + 1}", state, [
+            Update(c.arrays, c.examples, c.staleness, self.bases[c.base]) for c in taken])
         new = {**state, **step.tensors}
-        bad = next((k for k, v in new.items() if not np.all(np.isfinite(v))), None)
-        if bad is not None:
-            raise RoundFailed(f"version {version + 1}: {bad} holds NaN or infinite values; the run stops")
         total = sum(c.examples for c in taken)
-        loss = sum(c.loss * c.examples for c in taken) / total
-        replies = [{"node": c.node, "role": schema.EDGE, "examples": c.examples, "loss": c.loss,
-                    "bundle_id": c.bundle_id, "base": c.base, **weight} for c, weight in zip(taken, step.weights)]
-        summary = {"train-loss": loss, "train-ce": float("nan"), "train-consistency": float("nan"),
-                   "clients": len(taken), "lora-clients": len(strategy.lora_clients), "lora-uploads": len(taken),
-                   "edges": len(taken), "sites": [], "replies": replies, "rejected": list(self.rejected),
-                   "mode": "buffered", "timed_out": [], "seconds": time.monotonic() - self.written_at}
-        if charged is not None:  # who was in it recorded: at most one update per device (``_split``)
-            summary |= release(charged, step.privacy, Draw(BUFFERED, self.population), strategy.privacy_events,
-                               version + 1, [(c.node, schema.EDGE, None, list(c.arrays)) for c in taken])
-        self.rejected = []
-        strategy.global_state = new
-        if strategy.on_aggregated:
-            strategy.on_aggregated(version + 1, new, summary)
-        self.written_at = time.monotonic()  # the next version's seconds leave out this one's checkpoint
+        summary = {"train-loss": sum(c.loss * c.examples for c in taken) / total, "train-ce": float("nan"),
+                   "train-consistency": float("nan"), "clients": len(taken), "lora-clients": len(self.lora_clients),
+                   "edges": len(taken)}
+        released = self.writer.released(  # who was in it recorded: at most one update per device (``_split``)
+            charged, step, version + 1, Draw(BUFFERED, self.population),
+            [(c.node, schema.EDGE, None, list(c.arrays)) for c in taken])
+        record = self._record(version + 1, summary, released, replies=[
+            {"node": c.node, "role": schema.EDGE, "examples": c.examples, "loss": c.loss, "bundle_id": c.bundle_id,
+             "base": c.base, **weight} for c, weight in zip(taken, step.weights)])
+        record.timed_out, record.seconds = list(self.timed_out), time.monotonic() - self.began
+        self.rejected, self.timed_out = [], []
+        self.global_state = new
+        self.close_round(grid, record, new)
+        self.began = time.monotonic()
         log(INFO, "version %s written from %s device updates (staleness %s)", version + 1, len(taken),
             [c.staleness for c in taken])
         return new
 
-    def run(self, grid: Grid, initial: ArrayRecord, start: int, total: int) -> dict[str, np.ndarray]:
-        """Versions ``start+1`` .. ``total``; raises RoundFailed when no device is connected for
-        ``node_wait`` seconds or a version would hold non-finite values."""
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = None,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start`` for buffered versions: versions ``round_offset + 1`` ..
+        ``round_offset + num_rounds``, each evaluated when due and saved (``close_round``); ``evaluate_fn``
+        is called before the first version, as Flower calls it. RoundFailed when no device is connected
+        for ``node_wait`` seconds or a version would hold non-finite values."""
+        result = Result(arrays=initial_arrays)
+        if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
+            result.evaluate_metrics_serverapp[0] = res
         self.pulls = SeparatePulls(grid, self.server.concurrency)
         try:
-            return self._run(grid, initial, start, total)
+            state = self._versions(grid, initial_arrays, self.round_offset, self.round_offset + num_rounds)
         finally:
             self.pulls.close()
+        result.arrays = array_record(state)
+        return result
 
-    def _run(self, grid: Grid, initial: ArrayRecord, start: int, total: int) -> dict[str, np.ndarray]:
+    def _versions(self, grid: Grid, initial: ArrayRecord, start: int, total: int) -> dict[str, np.ndarray]:
         state, version = numpy_state(initial), start
-        self.strategy.global_state = state
+        self.global_state, self.began = state, time.monotonic()
         idle_since, pause = time.monotonic(), POLL_SECONDS[0]
         while version < total:
             self._send(grid, state, version)
             arrived = self._receive(grid, state, version)
             self._expire(version)
             while len(self.buffer) >= self.server.buffer_size and version < total:
-                written = self._write(state, version)
+                written = self._write(grid, state, version)
                 if written is state:  # stale deltas were dropped: the buffer is short again
                     break
                 state, version = written, version + 1

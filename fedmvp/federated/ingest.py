@@ -10,8 +10,10 @@ example- and staleness-weighted mean of those deltas (``fedmvp.federated.aggrega
 the bundle's round, s(t) = (1 + t)^(-staleness_exponent); with every file fresh, FedAvg of their
 values, as before). Under ``[privacy]`` the deltas are clipped and noised there (central) or were
 noised by the devices (local), and the round's epsilon is charged first (``privacy_budget``: a round
-past ``max_epsilon`` is refused). Every other tensor is round R's, bit for bit. The round is published whole (``RunDir.save_checkpoint``),
-then its metrics row; nothing is written when no file is accepted. The run's lock
+past ``max_epsilon`` is refused). Every other tensor is round R's, bit for bit. The round is written by
+the run's round lifecycle (``round_writer.RoundWriter``, as an online round is): charged, the run's update
+rule, published whole (``RunDir.save_checkpoint``), then its metrics row; nothing is written when no
+file is accepted. The run's lock
 (``fedmvp.run_lock``) is held from reading round R to writing R+1, so two ingests of one run
 never both build on R: the second is refused, or waits and builds on R+1.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,12 +44,12 @@ from fedmvp_formats.shown import shown
 from fedmvp_formats.tensors import shapes_of, tensor_problem
 from fedmvp_formats.update import UpdateFormatError
 
-from fedmvp.federated.aggregate import Update, apply_updates
-from fedmvp.federated.privacy_budget import BudgetExceeded, charge, run_events
+from fedmvp.federated.aggregate import Update
+from fedmvp.federated.privacy_budget import run_events
 from fedmvp.federated.replies import ReplyRules, bound_update
+from fedmvp.federated.round_writer import RoundRecord, RoundWriter
 from fedmvp.federated.wire import to_numpy_state, to_torch_state
 from fedmvp.run_lock import run_lock
-from fedmvp.run_metrics import append_metrics
 from fedmvp.runs import RunDir, RunError
 
 SOURCE = "ingest"  # state.json "source" and the metrics row's "source" of an ingested round
@@ -149,6 +152,7 @@ def ingest(run: RunDir | str | Path, files: Sequence[str | Path], *, max_stalene
 def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Path],
                    max_staleness: int | None) -> IngestResult:
     """`ingest` with the run's lock held: no one else writes a round between reading R and writing R+1."""
+    began = time.monotonic()
     base = run.last_round()
     if base is None:
         raise RunError(f"{run.path}: no complete round to add updates to")
@@ -172,34 +176,29 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
     if not accepted:
         return result
     privacy = run.privacy()
-    try:
-        spent = None if privacy is None else charge(privacy, run_events(run), INGEST_SAMPLING_RATE, base + 1)
-    except BudgetExceeded as err:
-        raise RunError(f"{run.path}: {err}") from None
+    writer = RoundWriter(run, rules.server, privacy, run_events(run) if privacy is not None else (),
+                         fail=lambda line: RunError(f"{run.path}: {line}"))
+    spent = writer.charge(INGEST_SAMPLING_RATE, base + 1)
     updates = [Update(v.arrays, int(v.num_examples), base - int(v.bundle_round),
                       None if v.bundle_round == base else bases(int(v.bundle_round))) for v in accepted]
-    server = rules.server
-    step = apply_updates(lora, updates, server_lr=server.server_lr, exponent=server.staleness_exponent,
-                         privacy=privacy)
+    step = writer.apply(f"round {base + 1}", lora, updates)
     for verdict, weight, clipped in zip(accepted, step.weights, step.clipped):
         verdict.staleness, verdict.s, verdict.weight = weight["staleness"], weight["s"], weight["weight"]
         verdict.clipped_from = verdict.clipped_from if clipped is None else clipped
-    averaged = step.tensors
     result.examples = sum(int(v.num_examples) for v in accepted)
     result.mean_loss = sum(float(v.mean_loss) * int(v.num_examples) for v in accepted) / result.examples
     result.round = base + 1
     row = {"round": result.round, "source": SOURCE, "updates": len(accepted), "examples": result.examples,
            "train_loss": result.mean_loss, **({"epsilon": spent["epsilon"]} if spent else {})}
-    state = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete", "privacy", "not_private")}
+    carried = {k: v for k, v in checkpoint.state.items() if k not in ("round", "complete", "privacy", "not_private")}
     # Those describe a Flower round's replies: round R's sites did not train round R+1 (an open federation's
     # sites by id and name, in state.json "replies"); the round's senders are its update files ("ingest").
-    state |= {key: [] for key in ("sites", "rejected", "replies") if key in state}
-    state |= {"source": SOURCE, "ingested_onto": base, "metrics": row,
-              "ingest_rules": rules.server.subset(INGEST_RULES), "ingest": [v.record() for v in verdicts]}
-    if spent is not None:
-        state["privacy"] = {**spent, **(step.privacy or {})}
-    run.save_checkpoint(result.round, {**checkpoint.tensors, **to_torch_state(averaged)}, state, replace=False)
-    append_metrics(run, row)
+    carried |= {key: [] for key in ("sites", "rejected", "replies") if key in carried}
+    record = RoundRecord(result.round, row, carried=carried, seconds=time.monotonic() - began,
+                         ingest={"source": SOURCE, "ingested_onto": base, "ingest_rules": rules.server.subset(
+                             INGEST_RULES), "ingest": [v.record() for v in verdicts]},
+                         privacy=writer.released(spent, step, result.round, None).get("privacy"))
+    writer.save(record, {**checkpoint.tensors, **to_torch_state(step.tensors)}, replace=False)
     return result
 
 

@@ -22,7 +22,7 @@ from flwr.supercore import log
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.privacy import CENTRAL, PrivacyRecord
 
-from fedmvp.federated.privacy_budget import Event, charge
+from fedmvp.federated.privacy_budget import Event
 from fedmvp.federated.sampling import poisson_edges, poisson_fits, sample_edges
 
 POISSON, FIXED, REDRAWN, BUFFERED = "poisson", "fixed", "redrawn", "buffered"  # how a release's devices came
@@ -52,14 +52,6 @@ def round_rate(privacy: PrivacyRecord, fraction: float, draw: Draw, lora_sites: 
     if privacy.mode == CENTRAL and draw.kind == POISSON and not lora_sites:
         return float(fraction)
     return 1.0
-
-
-def charge_round(privacy: PrivacyRecord | None, events: Sequence[Event], fraction: float, draw: Draw,
-                 lora_sites: Collection[int], round_number: int) -> dict[str, Any] | None:
-    """The round's record charged at ``round_rate`` (None: no [privacy]); `BudgetExceeded` past max_epsilon."""
-    if privacy is None:
-        return None
-    return charge(privacy, events, round_rate(privacy, fraction, draw, lora_sites), round_number)
 
 
 def _sends(arrays: Iterable[str], prefix: str) -> bool:

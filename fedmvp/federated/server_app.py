@@ -15,11 +15,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedmvp.federated.buffered import BufferedVersions
 from fedmvp.federated.flower_log import flower_log
 from fedmvp.federated.grid_poll import bound_reply_pulls
 from fedmvp.federated.prepare import check_same_preset, prepare_run
@@ -28,12 +26,14 @@ from fedmvp.data.federation_plan import is_open, plan_record
 from fedmvp.federated.replies import ClassRules
 from fedmvp.federated.site_keys import SiteKeyError, SiteKeys
 from fedmvp.federated.site_registry import OpenSites, SiteRegistry, SiteRegistryError
-from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
+from fedmvp.federated.round_writer import Progress, RoundWriter
+from fedmvp.federated.server_modes import server_mode
+from fedmvp.federated.strategy_options import RoundPolicy, StrategyOptions
 from fedmvp.federated.task import LocalSettings
-from fedmvp.federated.wire import array_record, to_numpy_state, to_torch_state
+from fedmvp.federated.wire import array_record, to_numpy_state
 from fedmvp.model import FedMVP
 from fedmvp.run_lock import lock_existing, run_lock
-from fedmvp.run_metrics import append_metrics, plot, truncate_metrics_after
+from fedmvp.run_metrics import truncate_metrics_after
 from fedmvp.runs import RunDir, RunError
 
 log = logging.getLogger("fedmvp.server")
@@ -110,52 +110,6 @@ def client_preset(preset_path: str) -> str:
     return preset_path
 
 
-class RoundRecorder:
-    """Called after every aggregation: checkpoint, metrics, plot, progress."""
-
-    def __init__(self, run: RunDir, evaluate, total_rounds: int, settings: ServerSettings, strategy_ref: list,
-                 method: dict):
-        """``evaluate(round, state)``: the paper's metrics of a global state, evaluated by the nodes."""
-        self.run, self.evaluate, self.total, self.method = run, evaluate, total_rounds, method
-        self.settings, self.strategy_ref = settings, strategy_ref
-        self.bar = None
-        if settings.progress:
-            from tqdm import tqdm
-
-            start = run.last_round() or 0
-            self.bar = tqdm(total=total_rounds, initial=start, desc="rounds", unit="round")
-
-    def __call__(self, round_number: int, state: dict[str, np.ndarray], summary: dict) -> None:
-        strategy = self.strategy_ref[0]
-        row = {"round": round_number, "train_loss": summary["train-loss"], "train_ce": summary["train-ce"],
-               "train_consistency": summary["train-consistency"], "clients": summary["clients"],
-               "lora_clients": summary["lora-clients"], "edges": summary.get("edges", 0)}
-        due = round_number == self.total or (self.settings.eval_every and round_number % self.settings.eval_every == 0)
-        privacy = summary.get("privacy")  # [privacy]: the round's epsilon so far (privacy_budget)
-        if privacy is not None:
-            row["epsilon"] = privacy["epsilon"]
-        if due:
-            row |= self.evaluate(round_number, state)
-        self.run.save_checkpoint(round_number, {k: t for k, t in to_torch_state(state).items()},
-                                 {"lora_clients": sorted(strategy.lora_clients), "seed": strategy.seed,
-                                  "lr": strategy.base_lr, "total_rounds": self.total,
-                                  "method": self.method, "sites": summary["sites"],
-                                  "replies": summary.get("replies", []), "rejected": summary["rejected"],
-                                  "timed_out": summary.get("timed_out", []), "seconds": summary.get("seconds"),
-                                  "metrics": row, **({"privacy": privacy} if privacy is not None else {}),
-                                  **({"not_private": summary["not_private"]} if "not_private" in summary else {})})
-        append_metrics(self.run, row)
-        if "hm" in row:
-            plot(self.run)
-        if self.bar is not None:
-            if "not_private" in summary:  # the log line the progress bar hides (docs/howto/privacy.md)
-                self.bar.write(f"round {round_number}: {summary['not_private']}")
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{row['train_loss']:.3f}", lora=row["lora_clients"])
-            if round_number == self.total:
-                self.bar.close()
-
-
 SERVER_COMMAND = "fedmvp ServerApp"  # the lock holder's name when the deployed ServerApp takes it
 
 
@@ -210,12 +164,6 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     else:  # round 0: the initial model, no weights; this machine needs no site's data (the nodes evaluate)
         model = FedMVP.from_run(run, 0, config.get("server_device", "cpu"))
         initial, lora_clients = to_numpy_state(model.state("all")), []
-    strategy_ref: list = []
-
-    def evaluate(round_number: int, state: dict[str, np.ndarray] | None) -> dict:
-        return strategy_ref[0].evaluate_round(grid, state, round_number)
-
-    recorder = RoundRecorder(run, evaluate, total, settings, strategy_ref, method.to_dict())
     client_config = {"preset": client_preset(preset_path), "device": config.get("client_device", "cpu"),
                      "method": method.to_dict(), "local": LocalSettings.from_train(config["train"]).to_record(),
                      "threads": settings.client_threads, "class_set": _class_set_record(run)}
@@ -231,21 +179,23 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
     except SiteKeyError as err:
         raise RunError(str(err)) from None
     policy = round_policy(run, config, settings)
-    strategy = FedMVPStrategy(
+    options = StrategyOptions(
         client_config=client_config, seed=int(config["seed"]), total_rounds=total, base_lr=float(config["lr"]),
         num_clients=int(config["num_clients"]), run_id=str(config.get("run_id", run.path.name)),
         declared_examples=declared, site_names=site_names, federation=federation,
         class_rules=ClassRules.from_record(federation), policy=policy, round_offset=start,
-        lora_clients=lora_clients, open_sites=open_sites, site_keys=site_keys, on_aggregated=recorder,
-        privacy=run.privacy(),
-        privacy_events=run_events(run, start))
-    strategy_ref.append(strategy)
-    if start == 0 and run.read_json("zero_shot.json") is None:
-        run.write_json("zero_shot.json", evaluate(0, None))
-    if policy.server.mode == "buffered":  # edge devices without a barrier (FedBuff): fedmvp/federated/buffered.py
-        BufferedVersions(strategy).run(grid, array_record(initial), start, total)
-    else:
-        strategy.start(grid, array_record(initial), num_rounds=total - start)
+        lora_clients=lora_clients, open_sites=open_sites, site_keys=site_keys, privacy=run.privacy(),
+        privacy_events=run_events(run, start), eval_every=settings.eval_every)
+    writer = RoundWriter(run, policy.server, options.privacy, options.privacy_events,
+                         progress=Progress(start, total) if settings.progress else None)
+    strategy = server_mode(policy.server.mode)(options, writer)
+
+    def zero_shot(server_round: int, arrays) -> None:
+        """Flower's central evaluation hook before round 1: a new run's zero-shot row (the nodes evaluate)."""
+        if server_round == 0 and start == 0 and run.read_json("zero_shot.json") is None:
+            run.write_json("zero_shot.json", strategy.evaluate_round(grid, None, 0))
+
+    strategy.start(grid, array_record(initial), num_rounds=total - start, evaluate_fn=zero_shot)
 
 
 def server_app_for(settings: ServerSettings, failures: list | None = None) -> ServerApp:

@@ -1,9 +1,10 @@
 """FedMVP's Flower strategy: rounds over whoever is there, every reply checked, per-tensor FedAvg.
 
 Each round the strategy picks who trains, sends the global tensors, waits up to the round timeout,
-checks every reply (``replies.py``) and applies them per tensor over the clients that sent it
-(``aggregate.apply_updates``: FedAvg of fresh replies, as all of these are; ``server_lr``, [privacy]).
-Tensors nobody sent keep their value. A round short of ``min_nodes`` usable replies is tried again.
+checks every reply (``replies.py``) and applies them per tensor over the clients that sent it by the
+run's update rule (``round_writer.RoundWriter``; by default ``aggregate.apply_updates``: FedAvg of fresh
+replies, as all of these are; ``server_lr``, [privacy]). Tensors nobody sent keep their value. A round
+short of ``min_nodes`` usable replies is tried again; a written round is evaluated when due, then saved.
 
 Who trains (``fedmvp.federated.sampling``, one way for the simulation and a deployment): a seeded
 sample of *sites* per round (``fraction``; a resumed run replays exactly), sent only to the nodes
@@ -26,8 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from logging import INFO, WARNING
+from logging import WARNING
 from typing import Any
 
 import numpy as np
@@ -42,20 +42,20 @@ from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
 from fedmvp_formats.privacy import PrivacyRecord
 from fedmvp_formats.promptformer import promptformer_digest
 
-from fedmvp.federated.aggregate import Update, apply_updates
-from fedmvp.federated.eval_replies import combine_eval_replies
+from fedmvp.federated.aggregate import Update
 from fedmvp.federated.flower_log import log_left_out
 from fedmvp.federated.grid_poll import send_and_receive
-from fedmvp.federated.metrics import evaluation_sites, loss_summary
-from fedmvp.federated.privacy_budget import BudgetExceeded, Event
-from fedmvp.federated.private_rounds import Draw, charge_round, draw_edges, release
-from fedmvp.federated.replies import (ClassRules, ReplyRules, check_reply, left_out_line, left_out_record,
-                                     reply_fields, reply_record, round_failed, too_few_nodes)
-from fedmvp.federated.site_keys import SiteKeys
+from fedmvp.federated.metrics import loss_summary
+from fedmvp.federated.private_rounds import Draw, draw_edges, round_rate
+from fedmvp.federated.replies import (ReplyRules, check_reply, left_out_line, left_out_record, reply_fields,
+                                     reply_record, round_failed, too_few_nodes)
+from fedmvp.federated.round_writer import RoundFailed, RoundRecord, RoundWriter, finite_loss
 from fedmvp.federated.sampling import NodeRegistry, sample_among, sample_sites
-from fedmvp.federated.site_registry import OpenSites
+from fedmvp.federated.strategy_eval import NodeEvaluation
+from fedmvp.federated.strategy_options import RoundPolicy, StrategyOptions
 from fedmvp.federated.wire import array_record, node_contents, numpy_state
-from fedmvp.presets.server import ServerSpec
+
+__all__ = ["FedMVPStrategy", "RoundFailed", "RoundPolicy", "StrategyOptions", "cosine_lr"]
 
 
 # ---- server maths ----------------------------------------------------------------------------------
@@ -66,71 +66,53 @@ def cosine_lr(base_lr: float, round_number: int, total_rounds: int) -> float:
     return 0.5 * base_lr * (1 + math.cos(math.pi * (round_number - 1) / total_rounds))
 
 
-@dataclass(frozen=True)
-class RoundPolicy:
-    """How rounds run: the fraction of sites asked each round and the run's server rules (the run
-    record's ``server``, one definition: fedmvp/presets/server.py; docs/architecture.md)."""
-
-    fraction: float = 1.0
-    server: ServerSpec = field(default_factory=ServerSpec)
-
-
-class RoundFailed(RuntimeError):
-    """A round could not gather enough usable replies (or nodes); the message says why."""
-
-
-class FedMVPStrategy(Strategy):
+class FedMVPStrategy(NodeEvaluation, Strategy):
     """Rounds of per-tensor FedAvg over heterogeneous, checked replies (full PromptFormer or LoRA only),
     in the shape of Flower's message-based ``Strategy``: ``configure_train``/``aggregate_train`` and
-    ``configure_evaluate``/``aggregate_evaluate`` with Flower's signatures, ``start`` running the rounds."""
+    ``configure_evaluate``/``aggregate_evaluate`` with Flower's signatures, ``start`` running the rounds,
+    each written by the run's ``RoundWriter`` (``round_writer.py``)."""
 
-    def __init__(self, *, client_config: dict[str, Any], seed: int, total_rounds: int, base_lr: float,
-                 num_clients: int, run_id: str = "", declared_examples: dict[int, int | None] | None = None,
-                 site_names: dict[int, str] | None = None, federation: dict | None = None,
-                 class_rules: ClassRules | None = None,
-                 policy: RoundPolicy | None = None, round_offset: int = 0, lora_clients: Iterable[int] = (),
-                 open_sites: OpenSites | None = None, site_keys: SiteKeys | None = None,
-                 on_aggregated: Callable[[int, dict[str, np.ndarray], dict], None] | None = None,
-                 privacy: PrivacyRecord | None = None, privacy_events: Iterable[Event] = ()):
-        """``client_config``: what every round's message carries besides the round's own values
-        (``preset``, ``device``, ``threads``; ``method`` and ``local``, records as dicts:
-        ``fedmvp_formats.messages``); ``declared_examples[site]``: the most training images a site can
-        report (run record; None: its folder's, bounded by [server] site_max_examples); ``site_names``: a
-        [federation] run's site names by id, the one each site's reply must carry (``replies.check_reply``);
-        ``federation``: the run record's federation (which site evaluates which set); ``class_rules``:
-        the classes each site may claim (``replies.check_reply``); ``open_sites``: an open federation (no
-        [[sites]]), whose sites, names, record and class rules are the registry's as it grows; ``site_keys``:
-        the listed sites bound to a node key (``site_keys.py``); ``privacy``:
-        the run's [privacy] (None: none), ``privacy_events`` the recorded rounds' (``privacy_budget.run_events``)."""
-        self.client_config = dict(client_config)
-        self.seed = seed
-        self.total_rounds = total_rounds
-        self.base_lr = base_lr
-        self.num_clients = num_clients
-        self.run_id = run_id
-        self.declared_examples = dict(declared_examples) if declared_examples is not None else \
-            {site: 1 << 62 for site in range(num_clients)}
-        self.site_names = dict(site_names) if site_names is not None else None
-        self.federation, self.class_rules = federation, class_rules
-        self.policy, self.round_offset = policy or RoundPolicy(), round_offset
-        self.lora_clients: set[int] = set(lora_clients)
+    def __init__(self, options: StrategyOptions, writer: RoundWriter | None = None):
+        """``writer``: the run's round lifecycle (None: rounds computed, nothing saved)."""
+        self.options = options
+        self.client_config = dict(options.client_config)
+        self.seed, self.total_rounds, self.base_lr = options.seed, options.total_rounds, options.base_lr
+        self.num_clients, self.run_id = options.num_clients, options.run_id
+        self.declared_examples = dict(options.declared_examples) if options.declared_examples is not None else \
+            {site: 1 << 62 for site in range(options.num_clients)}
+        self.site_names = dict(options.site_names) if options.site_names is not None else None
+        self.federation, self.class_rules = options.federation, options.class_rules
+        self.policy, self.round_offset = options.policy, options.round_offset
+        self.lora_clients: set[int] = set(options.lora_clients)
         self.global_state: dict[str, np.ndarray] = {}
-        self.on_aggregated = on_aggregated
         self.rejected: list[dict] = []  # this round's left-out replies (node, site, reason)
         self.known: dict[int, dict] = {}  # node id -> what its last accepted reply said (role, digest, ...)
-        self.open_sites = open_sites
+        self.open_sites = options.open_sites
         self.live_sites: list[int] = []  # an open federation: its numbered sites connected at the last count
-        self.registry = NodeRegistry(num_clients, run_id, self.site_names,  # node id -> its site, or edge
-                                     open_sites.registry if open_sites is not None else None, site_keys)
+        self.registry = NodeRegistry(self.num_clients, self.run_id, self.site_names,  # node -> its site, or edge
+                                     self.open_sites.registry if self.open_sites is not None else None,
+                                     options.site_keys)
         self._sync_sites(force=True)
         self.asked_edges = 0  # edge devices sent this round's work
         self.evaluation: dict[str, Any] = {}  # the last evaluation, None for a metric no site could compute
-        self.privacy = privacy
-        self.privacy_events: list[Event] = list(privacy_events)
+        self.writer = writer or RoundWriter(None, self.policy.server, options.privacy, options.privacy_events)
         self.charged: dict[str, Any] | None = None  # the round's privacy record once it is charged
         self.draw = Draw()  # how the round's edge devices were drawn ([privacy]: what q it is charged)
-        self.sent_to: list[int] = []  # the nodes sent this try's train message, and when (state.json timed_out, seconds)
-        self.sent_at = time.monotonic()
+        self.written: RoundRecord | None = None  # the last round aggregated, until it is saved
+
+    @property
+    def privacy(self) -> PrivacyRecord | None:
+        """The run's [privacy] (None: none): the writer's, which charges and noises every round."""
+        return self.writer.privacy
+
+    @privacy.setter
+    def privacy(self, value: PrivacyRecord | None) -> None:
+        self.writer.privacy = value
+
+    @property
+    def privacy_events(self) -> list:
+        """The privacy events of the rounds recorded so far (the writer's: it appends each release)."""
+        return self.writer.events
 
     @property
     def fraction(self) -> float:
@@ -223,17 +205,15 @@ class FedMVPStrategy(Strategy):
                                         privacy=self.privacy.record() if self.privacy else None)
         lora = array_record({k: v for k, v in self.global_state.items() if k.startswith(LORA_PREFIX)})
         content = node_contents(instruction, config, self.registry.open_site_of)
-        self.sent_to, self.sent_at = sorted(sites + edges), time.monotonic()
         return [Message(content=content(node, lora if self.holds(node, digest) else arrays),
-                        message_type=MessageType.TRAIN, dst_node_id=node) for node in self.sent_to]
+                        message_type=MessageType.TRAIN, dst_node_id=node) for node in sorted(sites + edges)]
 
     def charge_privacy(self, round_number: int) -> None:
         """``self.charged``: the round's record at the rate its draw earns; past max_epsilon: `RoundFailed`."""
-        try:
-            self.charged = charge_round(self.privacy, self.privacy_events, self.fraction, self.draw,
-                                        set(self.selected_clients(round_number)) & self.lora_clients, round_number)
-        except BudgetExceeded as err:
-            raise RoundFailed(str(err)) from None
+        if self.privacy is not None:
+            lora_sites = set(self.selected_clients(round_number)) & self.lora_clients
+            self.charged = self.writer.charge(round_rate(self.privacy, self.fraction, self.draw, lora_sites),
+                                              round_number)
 
     @property
     def classes_digest(self) -> str | None:
@@ -258,7 +238,7 @@ class FedMVPStrategy(Strategy):
         rules = ReplyRules(run_id=self.run_id, round=round_number, server=self.policy.server,
                            classes_digest=self.classes_digest)
         expected = self._expected_names()
-        contents, self.rejected, replies = [], [], list(replies)
+        contents, self.rejected = [], []
         for msg in replies:
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
@@ -301,45 +281,46 @@ class FedMVPStrategy(Strategy):
                       else (1, 0, str(c[3].bundle_id or ""), c[0]))
         if self.privacy is not None and self.charged is None:
             self.charge_privacy(round_number)
-        server = self.policy.server  # every reply of a synchronous round is fresh: t = 0, its base the global state
-        step = apply_updates(self.global_state, [Update(v.arrays, int(m[schema.NUM_EXAMPLES])) for _, v, m, _ in
-                                                 contents], server_lr=server.server_lr,
-                             exponent=server.staleness_exponent, privacy=self.privacy)
-        averaged = step.tensors
-        bad = next((k for k, v in averaged.items() if not np.all(np.isfinite(v))), None)
-        if bad is not None:  # never publish (or train on) a NaN global state
-            raise RoundFailed(f"round {round_number}: the averaged tensor {bad} holds NaN or infinite values; "
-                              f"the run stops")
-        self.global_state = {**self.global_state, **averaged}
+        # every reply of a synchronous round is fresh: t = 0, its base the global state
+        step = self.writer.apply(f"round {round_number}", self.global_state,
+                                 [Update(v.arrays, int(m[schema.NUM_EXAMPLES])) for _, v, m, _ in contents])
+        self.global_state = {**self.global_state, **step.tensors}
         for _, verdict, metrics, _ in contents:
             if verdict.role == schema.SITE and int(metrics.get(schema.SWITCH_NEXT, 0)):
                 self.lora_clients.add(verdict.site)
         summary = loss_summary([m for _, _, m, _ in contents])
-        if not math.isfinite(summary["train-loss"]):
-            raise RoundFailed(f"round {round_number}: the training loss is {summary['train-loss']}; the run stops "
-                              f"(check the preset's lr and the last checkpoint)")
+        finite_loss(f"round {round_number}", summary["train-loss"])
         summary |= {"clients": len(contents), "lora-clients": len(self.lora_clients),
                     "lora-uploads": sum(int(m.get(schema.LORA_ACTIVE, 1)) for _, _, m, _ in contents),
-                    "edges": sum(v.role == "edge" for _, v, _, _ in contents),
-                    "sites": [v.site for _, v, _, _ in contents if v.role == "site"],
-                    "replies": [reply_record(node, v, m, i, w) for (node, v, m, i), w in zip(contents, step.weights)],
-                    "rejected": list(self.rejected), "timed_out": self.timed_out(replies),
-                    "seconds": time.monotonic() - self.sent_at}
-        if self.charged is not None:  # charged only where noise was added (private_rounds.release)
-            summary |= release(self.charged, step.privacy, self.draw, self.privacy_events, round_number,
-                               [(node, v.role, v.site, list(v.arrays)) for node, v, _, _ in contents])
-            self.charged = None
-        if self.on_aggregated:
-            self.on_aggregated(round_number, self.global_state, summary)
+                    "edges": sum(v.role == "edge" for _, v, _, _ in contents)}
+        released = self.writer.released(self.charged, step, round_number, self.draw,  # charged where noise was added
+                                        [(node, v.role, v.site, list(v.arrays)) for node, v, _, _ in contents])
+        self.charged = None
+        self.written = self._record(round_number, summary, released, sites=[
+            v.site for _, v, _, _ in contents if v.role == "site"], replies=[
+            reply_record(node, v, m, i, w) for (node, v, m, i), w in zip(contents, step.weights)])
         return array_record(self.global_state), MetricRecord({k: v for k, v in summary.items()
                                                               if isinstance(v, (int, float))})
 
-    def timed_out(self, replies: list[Message]) -> list[str]:
-        """Who was sent this try's train message and never replied: a site by its name (``site N`` where
-        sites have none), an edge device as ``edge node N``."""
-        replied, names = {int(msg.metadata.src_node_id) for msg in replies}, self.site_names or {}
-        return [f"edge node {node}" if (site := self.registry.site_of(node)) == schema.EDGE else
-                names.get(site, f"site {site}") for node in self.sent_to if node not in replied]
+    def _record(self, round_number: int, summary: dict[str, Any], released: dict[str, Any], **parts: Any
+                ) -> RoundRecord:
+        """The round's record (its metrics row from ``summary``, the losses and counts) before evaluation."""
+        privacy = released.get("privacy")
+        row = {"round": round_number, "train_loss": summary["train-loss"], "train_ce": summary["train-ce"],
+               "train_consistency": summary["train-consistency"], "clients": summary["clients"],
+               "lora_clients": summary["lora-clients"], "edges": summary.get("edges", 0),
+               **({"epsilon": privacy["epsilon"]} if privacy is not None else {})}
+        return RoundRecord(round_number, row, seed=self.seed, lr=self.base_lr, total_rounds=self.total_rounds,
+                           method=self.client_config.get("method"), rejected=list(self.rejected), privacy=privacy,
+                           not_private=released.get("not_private"), **parts)
+
+    def close_round(self, grid: Grid, record: RoundRecord, state: dict[str, np.ndarray]) -> None:
+        """A written round evaluated by the nodes when due, then saved (``RoundWriter.save``)."""
+        record.lora_clients = sorted(self.lora_clients)
+        if self.options.due(record.round):
+            record.metrics |= self.evaluate_round(grid, state, record.round)
+        self.writer.save(record, state)
+        self.written = None
 
     def _reject(self, round_number: int, node: int | None, site: int | None, reason: str,
                 role: str | None = None) -> None:
@@ -347,59 +328,21 @@ class FedMVPStrategy(Strategy):
         log_left_out(left_out_line(round_number, entry))
         self.rejected.append(entry)
 
-    # ---- evaluation: every site on its own data (docs/method.md §7) ------------------------------------------
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> list[Message]:
-        """One evaluate message to every connected node the registry knows (each site evaluates its Local
-        set and the evaluation sets assigned to it; an edge device its held-out images). ``arrays``
-        empty: the zero-shot CLIP."""
-        round_number = self.global_round(server_round)
-        state = numpy_state(arrays)
-        nodes = sorted(grid.get_node_ids())
-        self._learn(grid, nodes, round_number)
-        instruction = self._instruction(round_number, prompted=bool(state), assignment=self._assignment(),
-                                        promptformer_digest=promptformer_digest(state) if state else "")
-        content = node_contents(instruction, config, self.registry.open_site_of)
-        return [Message(content=content(node, arrays), message_type=MessageType.EVALUATE, dst_node_id=node)
-                for node in nodes if self.registry.site_of(node) is not None]
-
-    def _assignment(self) -> dict[str, int]:
-        if self.federation is None:
-            raise RuntimeError("this strategy was built without the run's federation record: it cannot evaluate")
-        return evaluation_sites(self.federation)
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """The paper's metrics from the sites' counts, combined as one process would (``eval_replies``);
-        the whole result, None for a metric no site could compute, is kept as ``evaluation``."""
-        self.evaluation = combine_eval_replies(replies, run_id=self.run_id, round_number=self.global_round(
-            server_round), record=self.federation, num_sites=self.num_clients, site_names=self.site_names)
-        return MetricRecord({k: v for k, v in self.evaluation.items() if isinstance(v, (int, float))})
-
-    def evaluate_round(self, grid: Grid, state: dict[str, np.ndarray] | None, round_number: int) -> dict[str, Any]:
-        """Evaluate ``state`` (None: zero-shot) on the nodes as of global round ``round_number``."""
-        server_round = round_number - self.round_offset
-        if state is None:  # the zero-shot row, before any round: wait, as round 1 will, for the nodes it needs
-            self._targets(grid, round_number + 1, 0)  # else it covers whoever connected first (one site, say)
-        messages = self.configure_evaluate(server_round, array_record(state) if state is not None else ArrayRecord(),
-                                           ConfigRecord(), grid)
-        self.aggregate_evaluate(server_round, send_and_receive(grid, messages, self.policy.server.round_timeout))
-        return dict(self.evaluation)
-
     # ---- the rounds ---------------------------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = None,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
         """Flower's ``Strategy.start``, with FedMVP's rules: a round short of usable replies is tried again
         (``round_retries``) and never skipped; ``timeout`` (default: [server] round_timeout) bounds each
-        try. The run's own evaluation schedule and checkpoints happen in ``on_aggregated`` (the
-        ServerApp's recorder); ``evaluate_fn`` is called as Flower calls it, before the first round and
-        after each one. ``evaluate_config`` is not used (evaluation goes by ``evaluate_round``)."""
+        try. Each round is then evaluated by the nodes when due (``eval_every``, the last round) and saved
+        (``close_round``); ``evaluate_fn`` is called as Flower calls it, before the first round and after
+        each one. ``evaluate_config`` is not used (evaluation goes by ``evaluate_round``)."""
         timeout = self.policy.server.round_timeout if timeout is None else timeout
         result, arrays = Result(arrays=initial_arrays), initial_arrays
         if evaluate_fn is not None and (res := evaluate_fn(0, arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         for server_round in range(1, num_rounds + 1):
-            round_number = self.global_round(server_round)
+            round_number, began = self.global_round(server_round), time.monotonic()
             left_out: list[dict] = []  # every try's left-out replies: what the failure names
             for attempt in range(self.policy.server.round_retries):
                 messages = self.configure_train(server_round, arrays, ConfigRecord(train_config or {}), grid, attempt)
@@ -416,6 +359,28 @@ class FedMVPStrategy(Strategy):
             else:
                 raise RoundFailed(round_failed(round_number, self.needed_replies(round_number),
                                                self.policy.server.round_retries, left_out))
+            record = self.written
+            record.timed_out = self.unanswered(messages, replies)
+            record.seconds = time.monotonic() - began
+            self.close_round(grid, record, self.global_state)
+            if self.options.due(round_number):
+                result.evaluate_metrics_clientapp[server_round] = MetricRecord(
+                    {k: v for k, v in self.evaluation.items() if isinstance(v, (int, float))})
             if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
         return result
+
+    def unanswered(self, messages: Iterable[Message], replies: Iterable[Message]) -> list[str]:
+        """Who was sent the round's work and never replied: a site by its name (else ``site N``), an edge
+        device as ``edge node N``."""
+        answered = {int(r.metadata.src_node_id) for r in replies}
+        out = []
+        for node in sorted(int(m.metadata.dst_node_id) for m in messages):
+            if node in answered:
+                continue
+            site = self.registry.site_of(node)
+            if site is None or site == schema.EDGE:
+                out.append(f"edge node {node}")
+            else:
+                out.append((self.site_names or {}).get(site) or f"site {site}")
+        return out

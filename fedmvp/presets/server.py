@@ -55,6 +55,8 @@ class ServerSpec:
     mode: str = spec_field("'sync': rounds with a barrier (sites and devices); 'buffered': edge devices "
                            "train asynchronously and a version is written every buffer_size updates "
                            "(FedBuff; `fedmvp serve` only)", "sync")
+    update_rule: str = spec_field("the server's update rule by name (fedmvp/federated/update_rules.py): 'fedavg', "
+                                  "the staleness-weighted FedAvg of the updates' deltas", "fedavg")
     concurrency: int = spec_field("mode = 'buffered': edge devices kept training at once", 4)
     buffer_size: int = spec_field("mode = 'buffered': accepted device updates that make the next version", 2)
 

@@ -8,7 +8,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from fedmvp.federated.metrics import harmonic_mean
 from fedmvp.federated.aggregate import weighted_average
-from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, cosine_lr
+from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, StrategyOptions, cosine_lr
 from fedmvp.presets.server import ServerSpec
 from fedmvp.federated.wire import content_state, state_records
 
@@ -85,8 +85,8 @@ def test_weighted_average_is_exact_per_tensor():
 
 
 def test_lora_only_and_full_clients_aggregate_in_the_same_round():
-    strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=0, total_rounds=4, base_lr=0.003,
-                              num_clients=3, run_id=RUN, lora_clients=[2])
+    strategy = FedMVPStrategy(StrategyOptions(client_config={"preset": "p.toml"}, seed=0, total_rounds=4, base_lr=0.003,
+                              num_clients=3, run_id=RUN, lora_clients=[2]))
     strategy.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(3, np.float32)}
     rng = np.random.default_rng(0)
     full0 = {"promptformer.w": rng.normal(size=2).astype(np.float32)}  # before the switch: the PromptFormer only
@@ -111,8 +111,8 @@ def test_reply_order_does_not_change_the_result():
     states = [{"lora.a": rng.normal(size=64).astype(np.float32)} for _ in range(5)]
     outs = []
     for order in ([0, 1, 2, 3, 4], [4, 2, 0, 3, 1]):
-        strategy = FedMVPStrategy(client_config={"preset": "p"}, seed=0, total_rounds=2, base_lr=0.1,
-                                  num_clients=5, run_id=RUN, lora_clients=range(5))
+        strategy = FedMVPStrategy(StrategyOptions(client_config={"preset": "p"}, seed=0, total_rounds=2, base_lr=0.1,
+                                  num_clients=5, run_id=RUN, lora_clients=range(5)))
         strategy.global_state = {"lora.a": np.zeros(64, np.float32)}
         arrays, _ = strategy.aggregate_train(1, [reply(i, states[i], 7 + i, lora=True) for i in order])
         outs.append(arrays["lora.a"].numpy())
@@ -121,9 +121,9 @@ def test_reply_order_does_not_change_the_result():
 
 def test_configure_sends_flags_schedule_and_a_replayable_sample():
     grid = SiteGrid({11: 0, 12: 1, 13: 2, 14: 3})
-    strategy = FedMVPStrategy(client_config={"preset": "p.toml", "threads": 3}, seed=5, total_rounds=10,
+    strategy = FedMVPStrategy(StrategyOptions(client_config={"preset": "p.toml", "threads": 3}, seed=5, total_rounds=10,
                               base_lr=0.003, num_clients=4, run_id=RUN, policy=RoundPolicy(fraction=0.5),
-                              round_offset=4, lora_clients=[3, 1])
+                              round_offset=4, lora_clients=[3, 1]))
     assert strategy.selected_clients(7) == strategy.selected_clients(7)
     assert len(strategy.selected_clients(7)) == 2
     messages = list(strategy.configure_train(2, ArrayRecord(), ConfigRecord(), grid))
@@ -144,8 +144,8 @@ def test_configure_sends_flags_schedule_and_a_replayable_sample():
 def test_site_sampling_is_the_same_in_simulation_and_deployment_and_replays():
     """The sites of a round depend on (seed, round) alone, whatever node ids serve them."""
     def sent(roles: dict[int, int | str], round_number: int, attempt: int = 0) -> list[int | str]:
-        strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=30, base_lr=0.1, num_clients=8, run_id=RUN,
-                                  policy=RoundPolicy(fraction=0.25, server=ServerSpec(min_nodes=1)))
+        strategy = FedMVPStrategy(StrategyOptions(client_config={}, seed=1, total_rounds=30, base_lr=0.1, num_clients=8, run_id=RUN,
+                                  policy=RoundPolicy(fraction=0.25, server=ServerSpec(min_nodes=1))))
         messages = strategy.configure_train(round_number, ArrayRecord(), ConfigRecord(), SiteGrid(roles), attempt)
         return [roles[m.metadata.dst_node_id] for m in messages]
 
@@ -162,9 +162,9 @@ def test_site_sampling_is_the_same_in_simulation_and_deployment_and_replays():
 
 def test_the_registry_refuses_an_identity_it_cannot_use_and_checks_replies_against_it():
     grid = SiteGrid({11: 0, 12: 7, 13: 1, 14: "edge"})  # node 12 claims a site the run does not have
-    strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=2, run_id=RUN,
+    strategy = FedMVPStrategy(StrategyOptions(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=2, run_id=RUN,
                               declared_examples={0: 10, 1: 10}, lora_clients=[0, 1],
-                              policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=1))))
     messages = strategy.configure_train(1, ArrayRecord({}), ConfigRecord(), grid)
     assert sorted(m.metadata.dst_node_id for m in messages) == [11, 13, 14]
     assert strategy.registry.roles == {11: 0, 13: 1, 14: "edge"} and "site 7" in strategy.registry.refused[12]
@@ -181,8 +181,8 @@ def test_too_few_connected_nodes_fail_with_a_clear_message():
         def send_and_receive(self, messages, timeout=None):
             return [r for r in super().send_and_receive(messages, timeout) if r.metadata.src_node_id != 23]
 
-    strategy = FedMVPStrategy(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=4, run_id=RUN,
-                              policy=RoundPolicy(server=ServerSpec(min_nodes=3, node_wait=0.01, round_timeout=0.05)))
+    strategy = FedMVPStrategy(StrategyOptions(client_config={}, seed=1, total_rounds=3, base_lr=0.1, num_clients=4, run_id=RUN,
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=3, node_wait=0.01, round_timeout=0.05))))
     with pytest.raises(RoundFailed, match="only 1 of the 3 nodes a round needs connected") as failed:
         strategy.configure_train(1, ArrayRecord(), ConfigRecord(), Silent({21: 2, 22: 7, 23: 1}))
     assert str(failed.value).splitlines()[1:] == [
@@ -191,9 +191,9 @@ def test_too_few_connected_nodes_fail_with_a_clear_message():
 
 
 def test_bad_replies_are_left_out_and_recorded_and_the_round_goes_on():
-    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=4, run_id=RUN,
+    strategy = FedMVPStrategy(StrategyOptions(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=4, run_id=RUN,
                               declared_examples={0: 10, 1: 10, 2: 10, 3: 10}, lora_clients=range(4),
-                              policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=1))))
     strategy.global_state = {"lora.a": np.zeros(3, np.float32)}
     good = {"lora.a": np.ones(3, np.float32)}
     replies = [reply(0, good, 5, lora=True), reply(1, {"lora.a": np.array([np.nan, 0, 0], np.float32)}, 5, True),
@@ -228,9 +228,9 @@ def edge_reply(node: int, arrays: dict[str, np.ndarray], n: int, digest: str = "
 def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node():
     from fedmvp.federated.wire import promptformer_digest
 
-    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=2, run_id=RUN,
+    strategy = FedMVPStrategy(StrategyOptions(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=2, run_id=RUN,
                               declared_examples={0: 50, 1: 50}, lora_clients=[1],
-                              policy=RoundPolicy(1.0, ServerSpec(min_nodes=1, edge_max_examples=40)))
+                              policy=RoundPolicy(1.0, ServerSpec(min_nodes=1, edge_max_examples=40))))
     strategy.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(3, np.float32)}
     rng = np.random.default_rng(3)
     site0 = {"promptformer.w": rng.normal(size=2).astype(np.float32)}  # the PromptFormer: no LoRA
@@ -260,15 +260,14 @@ def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node(
 
 
 def test_edge_replies_record_what_the_round_state_lists():
-    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
-                              policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
+    strategy = FedMVPStrategy(StrategyOptions(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=1))))
     strategy.global_state = {"lora.a": np.zeros(3, np.float32)}
-    summary = {}
-    strategy.on_aggregated = lambda number, state, s: summary.update(s)
     strategy.aggregate_train(1, [edge_reply(5, {"lora.a": np.ones(3, np.float32)}, 12)])
+    summary = strategy.written.to_json()  # the round's state.json, before it is saved
     assert summary["replies"] == [{"node": 5, "role": "edge", "examples": 12, "loss": 0.5, "bundle_id": "b5",
                                    "refreshed": False, "refresh_bytes": 0, "staleness": 0, "s": 1.0, "weight": 1.0}]
-    assert summary["sites"] == [] and summary["edges"] == 1
+    assert summary["sites"] == [] and summary["metrics"]["edges"] == 1
 
 
 @pytest.mark.parametrize("what", ["loss", "tensor"])
@@ -276,8 +275,8 @@ def test_a_non_finite_round_stops_the_run_naming_the_round(monkeypatch, what):
     """Never publish or train on a NaN global state; the run stops with one line naming the round."""
     import fedmvp.federated.strategy as strategy_module
 
-    strategy = FedMVPStrategy(client_config={"preset": "p.toml"}, seed=0, total_rounds=4, base_lr=0.003,
-                              num_clients=1, run_id=RUN, round_offset=4)
+    strategy = FedMVPStrategy(StrategyOptions(client_config={"preset": "p.toml"}, seed=0, total_rounds=4, base_lr=0.003,
+                              num_clients=1, run_id=RUN, round_offset=4))
     strategy.global_state = {"promptformer.w": np.zeros(2, np.float32)}
     if what == "loss":
         monkeypatch.setattr(strategy_module, "loss_summary", lambda metrics: {
@@ -285,11 +284,9 @@ def test_a_non_finite_round_stops_the_run_naming_the_round(monkeypatch, what):
     else:
         from fedmvp.federated.aggregate import Aggregate
 
-        monkeypatch.setattr(strategy_module, "apply_updates", lambda theta, updates, **_: Aggregate(
+        monkeypatch.setattr(strategy.writer, "rule", lambda theta, updates, **_: Aggregate(
             {"promptformer.w": np.full(2, np.inf, np.float32)}, [{}] * len(updates)))
-    calls = []
-    strategy.on_aggregated = lambda *args: calls.append(args)
     with pytest.raises(RoundFailed, match="round 5: the (training loss|averaged tensor promptformer.w)"):
         strategy.aggregate_train(1, [reply(0, {"promptformer.w": np.ones(2, np.float32)}, 10, lora=False,
                                            round_number=5)])
-    assert calls == []
+    assert strategy.written is None  # nothing to save

@@ -1,4 +1,4 @@
-"""Open membership (issue 24): a [federation] preset without [[sites]]. A site joins by its name; the
+"""Open membership (docs/architecture.md): a [federation] preset without [[sites]]. A site joins by its name; the
 server numbers each new name in order of first appearance and keeps the numbering in RUN/sites.json,
 so a restarted server and a rejoining site keep their id. Two live nodes of one name are both left out."""
 
@@ -20,7 +20,7 @@ from fedmvp_formats.messages import Instruction, MessageError
 
 from fedmvp.federated.sampling import IDENTIFY, sample_among, sample_sites
 from fedmvp.federated.site_registry import REGISTRY_FILE, SiteRegistry, SiteRegistryError
-from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
+from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy, StrategyOptions
 from fedmvp.federated.wire import array_record, instruction_content, state_records
 from fedmvp.presets.server import ServerSpec
 from tests.site_trees import site_preset, world_classes
@@ -160,9 +160,9 @@ class NameGrid:
 
 def _strategy(run, open_sites, min_nodes: int | None = None, fraction: float = 1.0) -> FedMVPStrategy:
     config = run.read_config()
-    return FedMVPStrategy(client_config={"preset": "p"}, seed=3, total_rounds=2, base_lr=0.1, num_clients=0,
+    return FedMVPStrategy(StrategyOptions(client_config={"preset": "p"}, seed=3, total_rounds=2, base_lr=0.1, num_clients=0,
                           run_id=config["run_id"], federation=config["federation"], open_sites=open_sites,
-                          policy=RoundPolicy(fraction, ServerSpec(min_nodes=min_nodes, node_wait=0.1)))
+                          policy=RoundPolicy(fraction, ServerSpec(min_nodes=min_nodes, node_wait=0.1))))
 
 
 def _reply(node: int, site: int, name: str, run_id: str, classes: dict[str, int]) -> Message:

@@ -189,22 +189,21 @@ def test_an_online_round_carries_the_settings_and_a_small_population_is_charged_
     from dp_accounting.rdp import RdpAccountant
     from flwr.app import ConfigRecord
 
-    from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy
+    from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, StrategyOptions
     from fedmvp.federated.wire import array_record, content_instruction
     from fedmvp.presets.server import ServerSpec
     from tests.federated.test_aggregation import RUN, SiteGrid, edge_reply
 
     settings = PrivacyRecord(clip_norm=0.1, noise_multiplier=1.0, max_epsilon=None)
-    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
-                              policy=RoundPolicy(0.5, ServerSpec(min_nodes=1, node_wait=5)), privacy=settings)
+    strategy = FedMVPStrategy(StrategyOptions(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
+                              policy=RoundPolicy(0.5, ServerSpec(min_nodes=1, node_wait=5)), privacy=settings))
     theta = {"lora.a": np.zeros(6, np.float32)}
     messages = strategy.configure_train(1, array_record(theta), ConfigRecord(), SiteGrid({7: "edge", 8: "edge",
                                                                                          100: 0}))
     for message in messages:  # what a sender clips and noises by: the run's record
         assert PrivacyRecord.from_record(content_instruction(message.content).privacy, "message") == settings
-    summary = {}
-    strategy.on_aggregated = lambda number, state, s: summary.update(s)
     arrays, _ = strategy.aggregate_train(1, [edge_reply(7, {"lora.a": np.ones(6, np.float32)}, 10)])
+    summary = strategy.written.to_json()
     assert not np.array_equal(arrays["lora.a"].numpy(), theta["lora.a"])
     accountant = RdpAccountant()
     accountant.compose(dp_accounting.GaussianDpEvent(1.0))

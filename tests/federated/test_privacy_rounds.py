@@ -1,6 +1,6 @@
 """Epsilon recomputed from who was in each release (docs/howto/privacy.md, "Accounting").
 
-Rounds and buffered versions run through the real strategy and its recorder into a run directory; each
+Rounds and buffered versions run through the real strategy and its round writer into a run directory; each
 test then reads every round's state.json (the nodes its LoRA release holds, ``replies``), composes the
 mechanism each device actually went through with dp-accounting itself, and compares that with the
 epsilon the run recorded: one device at fraction 0.1 trains every round, so each round is a Gaussian
@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message
 
-from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy
+from fedmvp.federated.buffered import BufferedStrategy
+from fedmvp.federated.round_writer import RoundWriter
+from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, StrategyOptions
 from fedmvp.federated.wire import array_record
 from fedmvp.presets.server import ServerSpec
 from fedmvp.runs import RunDir
@@ -42,15 +44,6 @@ def dp_epsilon(rates: list[float], z: float = Z, delta: float = DELTA) -> float:
     return float(accountant.get_epsilon(delta))
 
 
-def recorder(run: Path, strategy, total: int):
-    """The server's own recorder (state.json per round), on a run directory holding the [privacy] record."""
-    from fedmvp.federated.server_app import RoundRecorder, ServerSettings
-
-    RunDir(run).write_config({"privacy": strategy.privacy.record(), "rounds": total})
-    return RoundRecorder(RunDir(run), lambda number, state: {}, total, ServerSettings(str(run), progress=False),
-                         [strategy], {})
-
-
 def states(run: Path) -> list[dict]:
     return [json.loads((RunDir(run).round_path(n) / "state.json").read_text()) for n in RunDir(run).rounds()]
 
@@ -60,10 +53,20 @@ def edges_in(state: dict) -> list[int]:
     return sorted(r["node"] for r in state["replies"] if r.get("role") == "edge")
 
 
-def strategy_for(fraction: float, privacy: PrivacyRecord, total: int = 20, **server) -> FedMVPStrategy:
-    return FedMVPStrategy(client_config={}, seed=0, total_rounds=total, base_lr=0.1, num_clients=1, run_id=RUN,
-                          policy=RoundPolicy(fraction, ServerSpec(**{"min_nodes": 1, "node_wait": 5, **server})),
-                          privacy=privacy)
+def strategy_for(fraction: float, privacy: PrivacyRecord, total: int = 20, run: Path | None = None,
+                 mode: type = FedMVPStrategy, **server) -> FedMVPStrategy:
+    """The real strategy (``mode``: a server mode's class); ``run``: its rounds written there by the
+    server's own ``RoundWriter`` (state.json per round), the run directory holding the [privacy] record."""
+    options = StrategyOptions(client_config={}, seed=0, total_rounds=total, base_lr=0.1, num_clients=1, run_id=RUN,
+                              policy=RoundPolicy(fraction, ServerSpec(**{"min_nodes": 1, "node_wait": 5, **server})),
+                              privacy=privacy)
+    writer = None
+    if run is not None:
+        RunDir(run).write_config({"privacy": privacy.record(), "rounds": total})
+        writer = RoundWriter(RunDir(run), options.policy.server, privacy)
+    made = mode(options, writer) if mode is FedMVPStrategy else mode(options, writer, sleep=lambda s: time.sleep(0.002))
+    made.evaluate_round = lambda grid, state, number: {}  # a due round's evaluation is not what is tested here
+    return made
 
 
 def sync_round(strategy: FedMVPStrategy, grid: SiteGrid, number: int) -> list[int]:
@@ -80,14 +83,15 @@ def sync_round(strategy: FedMVPStrategy, grid: SiteGrid, number: int) -> list[in
             replies.append(reply(0, {"promptformer.w": rng.normal(size=2).astype(np.float32)}, 10, lora=False,
                                  round_number=number))
     strategy.aggregate_train(number, replies)
+    if strategy.written is not None:  # what the server's start does next: evaluate when due, save
+        strategy.close_round(grid, strategy.written, strategy.global_state)
     return sorted(m.metadata.dst_node_id for m in messages if grid.roles[m.metadata.dst_node_id] == "edge")
 
 
 def test_one_device_at_fraction_0_1_is_charged_q_1_each_round_and_max_epsilon_stops_it(tmp_path):
     """The defect: one connected device and fraction 0.1 trained every round, charged q = 0.1 (epsilon
     4.2 recorded after 20 rounds, about 30 spent); max_epsilon 8 never stopped it."""
-    strategy = strategy_for(0.1, PrivacyRecord(noise_multiplier=Z, max_epsilon=8.0))
-    strategy.on_aggregated = recorder(tmp_path, strategy, 20)
+    strategy = strategy_for(0.1, PrivacyRecord(noise_multiplier=Z, max_epsilon=8.0), run=tmp_path)
     grid = SiteGrid({7: "edge", 100: 0})
     with pytest.raises(RoundFailed, match=r"privacy budget: round \d+ would take epsilon to .* max_epsilon 8"):
         for number in range(1, 21):
@@ -103,13 +107,11 @@ def test_one_device_at_fraction_0_1_is_charged_q_1_each_round_and_max_epsilon_st
 
 
 def test_a_large_population_is_drawn_by_poisson_sampling_from_os_entropy_and_charged_its_rate(tmp_path):
-    strategy = strategy_for(0.25, PrivacyRecord(noise_multiplier=Z, max_epsilon=None))
-    strategy.on_aggregated = recorder(tmp_path, strategy, 20)
+    strategy = strategy_for(0.25, PrivacyRecord(noise_multiplier=Z, max_epsilon=None), run=tmp_path)
     grid = SiteGrid({**{node: "edge" for node in range(1, 41)}, 100: 0})
     drawn = [sync_round(strategy, grid, number) for number in range(1, 5)]
     # the draw is not the seed's: the same seed and rounds, drawn again, differ (P(equal) < 1e-6)
     again = strategy_for(0.25, PrivacyRecord(noise_multiplier=Z, max_epsilon=None))
-    again.on_aggregated = lambda *args: None
     assert [sync_round(again, grid, number) for number in range(1, 5)] != drawn
     recorded = states(tmp_path)
     for state, sent in zip(recorded, drawn):
@@ -135,8 +137,7 @@ def test_a_round_that_added_no_noise_is_charged_nothing_and_says_it_is_not_priva
     from fedmvp.federated.evaluation import format_table
     from fedmvp.federated.privacy_budget import round_privacy
 
-    strategy = strategy_for(1.0, PrivacyRecord(noise_multiplier=Z, max_epsilon=None))
-    strategy.on_aggregated = recorder(tmp_path, strategy, 2)
+    strategy = strategy_for(1.0, PrivacyRecord(noise_multiplier=Z, max_epsilon=None), 2, run=tmp_path)
     grid = SiteGrid({100: 0})  # the site trains the PromptFormer: no LoRA, no noise
     sync_round(strategy, grid, 1)
     state = states(tmp_path)[0]
@@ -198,13 +199,10 @@ class BufferedGrid(SiteGrid):
 
 def test_a_fast_device_is_in_a_buffered_version_at_most_once_and_epsilon_follows(tmp_path):
     """The defect: one fast device filled the whole buffer, noise z C / m against a sensitivity of C."""
-    from fedmvp.federated.buffered import BufferedVersions
-
     strategy = strategy_for(1.0, PrivacyRecord(noise_multiplier=Z, clip_norm=0.1, max_epsilon=None), total=3,
-                            concurrency=3, buffer_size=3, max_staleness=20)
-    strategy.on_aggregated = recorder(tmp_path, strategy, 3)
+                            run=tmp_path, mode=BufferedStrategy, concurrency=3, buffer_size=3, max_staleness=20)
     grid = BufferedGrid({7: 0, 8: 6, 9: 6})  # 7 replies at once, 8 and 9 after six pulls
-    BufferedVersions(strategy, sleep=lambda s: time.sleep(0.002)).run(grid, array_record(THETA), 0, 3)
+    strategy.start(grid, array_record(THETA), num_rounds=3)
     recorded = states(tmp_path)
     assert len(recorded) == 3
     for state in recorded:
@@ -239,13 +237,9 @@ def test_fedmvp_train_says_which_rounds_are_not_private_and_charges_only_the_noi
 
 
 def test_a_buffered_private_run_with_fewer_devices_than_buffer_size_stops_in_one_line(tmp_path):
-    from fedmvp.federated.buffered import BufferedVersions
-
-    strategy = strategy_for(1.0, PrivacyRecord(noise_multiplier=Z, max_epsilon=None), total=2, concurrency=2,
-                            buffer_size=2, node_wait=0.5)
-    strategy.on_aggregated = recorder(tmp_path, strategy, 2)
+    strategy = strategy_for(1.0, PrivacyRecord(noise_multiplier=Z, max_epsilon=None), total=2, run=tmp_path,
+                            mode=BufferedStrategy, concurrency=2, buffer_size=2, node_wait=0.5)
     with pytest.raises(RoundFailed, match=r"version 1: only 1 different devices sent an update within node_wait "
                                           r"0.5 s; under \[privacy\] a version takes one update per device"):
-        BufferedVersions(strategy, sleep=lambda s: time.sleep(0.002)).run(BufferedGrid({7: 0}), array_record(THETA),
-                                                                          0, 2)
+        strategy.start(BufferedGrid({7: 0}), array_record(THETA), num_rounds=2)
     assert states(tmp_path) == []  # the lone device never made a version by itself

@@ -21,7 +21,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from fedmvp_formats.class_set import ClassSet
 from fedmvp.federated.replies import ClassRules
-from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
+from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy, StrategyOptions
 from fedmvp.presets.server import ServerSpec
 
 RUN = "run-1"
@@ -213,10 +213,10 @@ CLASS_RULES = ClassRules.from_record({"clients": [{"id": 0, "classes": ["cat", "
 
 
 def strategy() -> FedMVPStrategy:
-    made = FedMVPStrategy(client_config={"class_set": ClassSet.of([("cat", ["fur"]), ("dog", ["tail"])]).record()},
+    made = FedMVPStrategy(StrategyOptions(client_config={"class_set": ClassSet.of([("cat", ["fur"]), ("dog", ["tail"])]).record()},
                           seed=0, total_rounds=2, base_lr=0.1, num_clients=2, run_id=RUN,
                           declared_examples={0: 10, 1: 10}, lora_clients=[0, 1], class_rules=CLASS_RULES,
-                          policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
+                          policy=RoundPolicy(server=ServerSpec(min_nodes=1))))
     made.global_state = {"promptformer.w": np.zeros(2, np.float32), "lora.a": np.zeros(SHAPE, np.float32)}
     return made
 
@@ -258,12 +258,11 @@ def test_the_good_reply_alone_is_accepted() -> None:
 def test_each_sites_classes_are_recorded_with_its_reply_and_an_edge_device_need_not_say() -> None:
     """The round's state.json lists each accepted reply with what it trained on (class -> images)."""
     server = strategy()
-    summary: dict = {}
-    server.on_aggregated = lambda number, state, s: summary.update(s)
     edge = message(102, 0, packed(wire()), Hostile("edge", "", edge=True))
     with_classes = message(101, 1, packed(wire()), Hostile("two-classes", "",
                                                                 records={"classes": ConfigRecord({"dog": 3, "cat": 5})}))
     server.aggregate_train(1, [message(100, 0, packed(Array(GOOD.ravel()))), with_classes, edge])
+    summary = server.written.to_json()
     assert server.rejected == []
     assert [(r["role"], r.get("classes")) for r in summary["replies"]] == [
         ("site", {"cat": 8}), ("site", {"dog": 3, "cat": 5}), ("edge", None)]

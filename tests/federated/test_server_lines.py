@@ -6,15 +6,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from flwr.app import ConfigRecord
 
-from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
-from fedmvp.federated.wire import array_record
-from fedmvp.presets.server import ServerSpec
 from fedmvp_apps.deploy.server_lines import RoundWatch, round_line, round_record
-from tests.federated.test_aggregation import RUN, SiteGrid, _flower_run_identity, reply  # noqa: F401 (fixture)
 
 SITE_A = {"node": 11, "role": "site", "site": 0, "name": "north-ward", "examples": 6, "loss": 0.9}
 SITE_B = {"node": 12, "role": "site", "site": 1, "name": "south-ward", "examples": 6, "loss": 0.8}
@@ -83,41 +77,6 @@ def test_a_name_a_site_gave_itself_reaches_the_line_escaped():
     state = {"round": 1, "replies": [{**SITE_A, "name": "evil\x1b[2Jname\nround 9: forged"}], "rejected": []}
     line = round_line(round_record(state))
     assert "\x1b" not in line and "\n" not in line
-
-
-def test_a_round_records_who_was_sent_it_and_never_replied_and_its_seconds():
-    """state.json's ``timed_out`` (names; ``site N`` where sites have none; ``edge node N``) and ``seconds``."""
-    grid = SiteGrid({100: 0, 101: 1, 102: 2, 14: "edge"})
-    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=3, run_id=RUN,
-                              declared_examples={0: 10, 1: 10, 2: 10}, lora_clients=range(3),
-                              policy=RoundPolicy(server=ServerSpec(min_nodes=1)))
-    summary: dict = {}
-    strategy.on_aggregated = lambda number, state, s: summary.update(s)
-    messages = strategy.configure_train(1, array_record({"lora.a": np.zeros(3, np.float32)}), ConfigRecord(), grid)
-    assert sorted(m.metadata.dst_node_id for m in messages) == [14, 100, 101, 102]
-    strategy.aggregate_train(1, [reply(0, {"lora.a": np.ones(3, np.float32)}, 5, lora=True)])
-    assert summary["timed_out"] == ["edge node 14", "site 1", "site 2"]
-    assert isinstance(summary["seconds"], float) and 0 <= summary["seconds"] < 60
-    strategy.site_names = {0: "north", 1: "south", 2: "east"}  # a [federation] run's sites by name
-    assert strategy.timed_out([]) == ["edge node 14", "north", "south", "east"]
-
-
-def test_a_buffered_version_records_its_seconds_and_no_timeouts():
-    """A device that never answers is forgotten at round_timeout (``rejected``): no version waits for it."""
-    import time
-
-    from fedmvp.federated.buffered import BufferedVersions
-    from tests.federated.test_privacy_rounds import THETA, BufferedGrid
-
-    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=2, base_lr=0.1, num_clients=1, run_id=RUN,
-                              policy=RoundPolicy(1.0, ServerSpec(min_nodes=1, node_wait=5, concurrency=2,
-                                                                 buffer_size=2)))
-    summaries: list[dict] = []
-    strategy.on_aggregated = lambda number, state, s: summaries.append(s)
-    BufferedVersions(strategy, sleep=lambda s: time.sleep(0.002)).run(BufferedGrid({7: 0, 8: 2}),
-                                                                      array_record(THETA), 0, 2)
-    assert [s["timed_out"] for s in summaries] == [[], []]
-    assert all(isinstance(s["seconds"], float) and 0 <= s["seconds"] < 60 for s in summaries)
 
 
 @pytest.mark.parametrize("as_json", [False, True])

@@ -12,7 +12,7 @@ import pytest
 
 from fedmvp.federated.aggregate import Update, apply_updates, staleness_weight, weighted_average
 from fedmvp.federated.ingest import ingest
-from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy
+from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy, StrategyOptions
 from fedmvp.presets.server import ServerSpec
 from fedmvp.runs import RunDir
 from tests.federated.test_aggregation import RUN, _flower_run_identity, edge_reply  # noqa: F401 (fixture)
@@ -105,12 +105,11 @@ def test_each_server_key_reaches_the_ingested_weights(run, tmp_path, key, value,
 def test_server_lr_scales_an_online_rounds_step(server_lr):
     theta = {"lora.a": np.linspace(-1, 1, 6).astype(np.float32)}
     edges = [{"lora.a": theta["lora.a"] + np.float32(d)} for d in (0.2, -0.1)]
-    strategy = FedMVPStrategy(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
-                              policy=RoundPolicy(server=ServerSpec(min_nodes=1, server_lr=server_lr)))
+    strategy = FedMVPStrategy(StrategyOptions(client_config={}, seed=0, total_rounds=3, base_lr=0.1, num_clients=1, run_id=RUN,
+                              policy=RoundPolicy(server=ServerSpec(min_nodes=1, server_lr=server_lr))))
     strategy.global_state = dict(theta)
-    summary = {}
-    strategy.on_aggregated = lambda number, state, s: summary.update(s)
     arrays, _ = strategy.aggregate_train(1, [edge_reply(5, edges[0], 10), edge_reply(6, edges[1], 30)])
+    summary = strategy.written.to_json()
     mean_delta = (10 * 0.2 + 30 * -0.1) / 40
     np.testing.assert_allclose(arrays["lora.a"].numpy() - theta["lora.a"], server_lr * mean_delta, atol=1e-6)
     assert [r["weight"] for r in summary["replies"]] == pytest.approx([server_lr * 0.25, server_lr * 0.75])

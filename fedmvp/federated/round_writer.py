@@ -1,0 +1,178 @@
+"""One round's lifecycle, the same for synchronous rounds, buffered versions and `fedmvp ingest`.
+
+Whatever produced the updates (a Flower round's checked replies, a buffer of device deltas, update
+files), a round is written the same way: the updates are checked (every tensor finite and shaped as
+the tensor it updates), the round is charged to the privacy budget (``privacy_budget.charge``; past
+``max_epsilon`` nothing is written), the run's update rule (``update_rules``: [server] update_rule) is
+applied, the result must be finite, the round is summarised into one `RoundRecord` (its ``to_json`` is
+the round's state.json) and saved whole (``RunDir.save_checkpoint``, atomic), then its metrics row is
+appended and the progress shown. docs/method.md §6 (the rule), docs/howto/privacy.md (the charge).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedmvp_formats.privacy import PrivacyRecord
+
+from fedmvp.federated.aggregate import Aggregate, Update
+from fedmvp.federated.privacy_budget import BudgetExceeded, Event, charge
+from fedmvp.federated.private_rounds import Draw, release
+from fedmvp.federated.update_rules import update_rule
+from fedmvp.presets.server import ServerSpec
+
+
+class RoundFailed(RuntimeError):
+    """A round could not gather enough usable replies (or nodes), or would not be finite or within the
+    privacy budget; the message says why."""
+
+
+@dataclass
+class RoundRecord:
+    """What one written round is: its metrics row (metrics.csv, and state.json ``metrics``) and what
+    state.json keeps of how it came about. ``to_json`` is the round's state.json content (``round`` and
+    ``complete`` are added by ``RunDir.save_checkpoint``)."""
+
+    round: int
+    metrics: dict[str, Any]  # the metrics row; evaluation results are added to it when the round is due
+    lora_clients: list[int] = field(default_factory=list)  # sites that train the LoRA from the next round
+    seed: int | None = None  # the run's seed (its sampling replays from it)
+    lr: float | None = None  # the base learning rate of the cosine schedule
+    total_rounds: int | None = None
+    method: dict[str, Any] | None = None  # the run's method record
+    sites: list[int] = field(default_factory=list)  # sites whose update is in the round
+    replies: list[dict] = field(default_factory=list)  # per accepted update: node, role, examples, weight, ...
+    rejected: list[dict] = field(default_factory=list)  # per left-out reply: node, site, reason
+    privacy: dict[str, Any] | None = None  # [privacy]: the round's charge (None: nothing charged)
+    not_private: str | None = None  # why the round is not differentially private (None: it is, or no [privacy])
+    timed_out: list[str] = field(default_factory=list)  # who was sent the round's work and never replied
+    seconds: float = 0.0  # wall-clock seconds the round took (training, checks and the update rule)
+    carried: dict[str, Any] | None = None  # an ingested round: its base round's state.json, keys in place
+    ingest: dict[str, Any] | None = None  # an ingested round: source, ingested_onto, ingest_rules, ingest
+
+    def to_json(self) -> dict[str, Any]:
+        if self.carried is not None:  # `fedmvp ingest`: the base round's record with this round's parts
+            out = _ingest_order(self.carried, self.ingest or {}, self.metrics)
+        else:
+            out = {"lora_clients": list(self.lora_clients), "seed": self.seed, "lr": self.lr,
+                   "total_rounds": self.total_rounds, "method": self.method, "sites": list(self.sites),
+                   "replies": list(self.replies), "rejected": list(self.rejected), "metrics": self.metrics}
+        if self.privacy is not None:
+            out["privacy"] = self.privacy
+        if self.not_private is not None:
+            out["not_private"] = self.not_private
+        return {**out, "timed_out": list(self.timed_out), "seconds": self.seconds}
+
+
+def _ingest_order(carried: dict[str, Any], ingest: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+    """The base round's keys where they were, then ``source``, ``ingested_onto``, ``metrics``, the rules and
+    the files (a key the base had keeps its place)."""
+    out = dict(carried)
+    out |= {"source": ingest.get("source"), "ingested_onto": ingest.get("ingested_onto"), "metrics": metrics,
+            **{k: v for k, v in ingest.items() if k not in ("source", "ingested_onto")}}
+    return out
+
+
+class Progress:
+    """The rounds' progress bar (``fedmvp train``): a round per save, its loss and LoRA clients, and the
+    not-private line the bar would hide."""
+
+    def __init__(self, start: int, total: int):
+        from tqdm import tqdm
+
+        self.total = total
+        self.bar = tqdm(total=total, initial=start, desc="rounds", unit="round")
+
+    def __call__(self, record: RoundRecord) -> None:
+        if record.not_private is not None:  # the log line the progress bar hides (docs/howto/privacy.md)
+            self.bar.write(f"round {record.round}: {record.not_private}")
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record.metrics['train_loss']:.3f}", lora=record.metrics["lora_clients"])
+        if record.round == self.total:
+            self.bar.close()
+
+
+class RoundWriter:
+    """The lifecycle of every round of a run: ``charge``, ``apply`` (check, the update rule, finite),
+    ``released`` (the privacy part of the record) and ``save`` (state.json, weights, metrics row, progress).
+
+    ``run`` None: rounds are computed but not saved (a strategy driven by tests); ``events``: the run's
+    recorded privacy events, appended as rounds are released; ``fail``: the error a failed check raises
+    (online: `RoundFailed`; `fedmvp ingest`: its own one-line RunError)."""
+
+    def __init__(self, run=None, server: ServerSpec | None = None, privacy: PrivacyRecord | None = None,
+                 events: Sequence[Event] = (), *, fail: Callable[[str], Exception] = RoundFailed,
+                 progress: Callable[[RoundRecord], None] | None = None):
+        self.run, self.server, self.privacy = run, server or ServerSpec(), privacy
+        self.events: list[Event] = list(events)
+        self.fail, self.progress = fail, progress
+        try:
+            self.rule = update_rule(self.server.update_rule)
+        except ValueError as err:  # a rule this fedmvp does not know (a run of a newer one, a typo)
+            raise fail(str(err)) from None
+
+    def charge(self, rate: float, round_number: int) -> dict[str, Any] | None:
+        """The round's privacy record at sampling rate ``rate`` (None: no [privacy]); past max_epsilon the
+        round is refused (``fail``) before anything is written."""
+        if self.privacy is None:
+            return None
+        try:
+            return charge(self.privacy, self.events, rate, round_number)
+        except BudgetExceeded as err:
+            raise self.fail(str(err)) from None
+
+    def apply(self, label: str, theta: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Aggregate:
+        """The update rule over checked ``updates`` applied to ``theta``; ``label`` ("round 3") names the
+        round in a failure. A non-finite result is never published: the run stops."""
+        for i, update in enumerate(updates):
+            base = update.base if update.base is not None else theta
+            for key, value in update.arrays.items():
+                if key not in base or np.shape(value) != np.shape(base[key]):
+                    raise self.fail(f"{label}: update {i} sends {key} with shape {np.shape(value)}, which the "
+                                    f"state it updates does not hold")
+                if not np.all(np.isfinite(value)):
+                    raise self.fail(f"{label}: update {i} holds NaN or infinite values in {key}")
+        step = self.rule(theta, updates, server_lr=self.server.server_lr, exponent=self.server.staleness_exponent,
+                         privacy=self.privacy)
+        bad = next((k for k, v in step.tensors.items() if not np.all(np.isfinite(v))), None)
+        if bad is not None:  # never publish (or train on) a NaN global state
+            raise self.fail(f"{label}: the averaged tensor {bad} holds NaN or infinite values; the run stops")
+        return step
+
+    def released(self, charged: dict[str, Any] | None, step: Aggregate, round_number: int, draw: Draw | None,
+                 contents: Sequence[tuple[int | None, str, int | None, Collection[str]]] = ()) -> dict[str, Any]:
+        """The record's privacy part (``privacy``, ``not_private``): an online release's (``draw``: how its
+        devices came; ``contents``: per update node, role, site, tensor names; ``private_rounds.release``)
+        or an ingest's (``draw`` None: the charge and the noise step)."""
+        if charged is None:
+            return {}
+        if draw is None:
+            return {"privacy": {**charged, **(step.privacy or {})}}
+        return release(charged, step.privacy, draw, self.events, round_number, contents)
+
+    def save(self, record: RoundRecord, state: Mapping[str, Any], *, replace: bool = True) -> None:
+        """Publish the round whole (``state``: every global tensor), then its metrics row and progress."""
+        if self.run is None:
+            return
+        from fedmvp.federated.wire import to_torch_state
+        from fedmvp.run_metrics import append_metrics, plot
+
+        tensors = {k: to_torch_state({k: v})[k] if isinstance(v, np.ndarray) else v for k, v in state.items()}
+        self.run.save_checkpoint(record.round, tensors, record.to_json(), replace=replace)
+        append_metrics(self.run, record.metrics)
+        if "hm" in record.metrics:
+            plot(self.run)
+        if self.progress is not None:
+            self.progress(record)
+
+
+def finite_loss(label: str, loss: float) -> None:
+    """A synchronous round whose training loss is not finite stops the run (its replies were finite)."""
+    if not math.isfinite(loss):
+        raise RoundFailed(f"{label}: the training loss is {loss}; the run stops "
+                          f"(check the preset's lr and the last checkpoint)")
