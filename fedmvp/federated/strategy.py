@@ -86,6 +86,7 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
         self.lora_clients: set[int] = set(options.lora_clients)
         self.global_state: dict[str, np.ndarray] = {}
         self.rejected: list[dict] = []  # this round's left-out replies (node, site, reason)
+        self.sent_to: dict[str, int] = {}  # this try's message id -> the node it went to (once pushed)
         self.known: dict[int, dict] = {}  # node id -> what its last accepted reply said (role, digest, ...)
         self.open_sites = options.open_sites
         self.live_sites: list[int] = []  # an open federation: its numbered sites connected at the last count
@@ -240,7 +241,7 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
         expected = self._expected_names()
         contents, self.rejected = [], []
         for msg in replies:
-            node = int(msg.metadata.src_node_id)
+            node = self.sender(msg)
             if msg.has_error():
                 self._reject(round_number, node, None, f"the client failed: {msg.error.reason}")
                 continue
@@ -347,6 +348,7 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
             for attempt in range(self.policy.server.round_retries):
                 messages = self.configure_train(server_round, arrays, ConfigRecord(train_config or {}), grid, attempt)
                 replies = list(send_and_receive(grid, messages, timeout))
+                self.sent_to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages}
                 aggregated, metrics = self.aggregate_train(server_round, replies)
                 if aggregated is not None:
                     result.arrays = arrays = aggregated
@@ -370,10 +372,15 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
                 result.evaluate_metrics_serverapp[server_round] = res
         return result
 
+    def sender(self, reply: Message) -> int:
+        """The node a reply answers for: the node its message was sent to. The SuperLink answers itself
+        (node 1, ``Node Unavailable``) for a node that stopped its heartbeat; that reply is the node's."""
+        return self.sent_to.get(reply.metadata.reply_to_message_id, int(reply.metadata.src_node_id))
+
     def unanswered(self, messages: Iterable[Message], replies: Iterable[Message]) -> list[str]:
         """Who was sent the round's work and never replied: a site by its name (else ``site N``), an edge
         device as ``edge node N``."""
-        answered = {int(r.metadata.src_node_id) for r in replies}
+        answered = {self.sender(r) for r in replies}
         out = []
         for node in sorted(int(m.metadata.dst_node_id) for m in messages):
             if node in answered:

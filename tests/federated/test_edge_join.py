@@ -158,6 +158,8 @@ def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_worl
         np.testing.assert_allclose(global3[key], mean.astype(np.float32), rtol=1e-6, atol=1e-7)
     # Round 4: B was killed; the round closed at its timeout with the site and A alone.
     assert sorted(r["role"] for r in round4["replies"]) == ["edge", "site"]
+    # B counted once: timed out, or left out under its own node id when the SuperLink (node 1) answered for it
+    assert len(round4["rejected"]) + len(round4["timed_out"]) == 1 and all(r["node"] != 1 for r in round4["rejected"])
     global4 = load_file(str(run / "round-0004" / "global.safetensors"))
     update4 = load_file(str(files["a"][1]))
     for key, value in update4.items():

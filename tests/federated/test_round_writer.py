@@ -53,3 +53,33 @@ def test_an_update_that_does_not_fit_the_state_is_refused_before_the_rule():
         writer.apply("round 4", theta, [Update({"lora.a": np.zeros(2, np.float32)}, 1)])
     with pytest.raises(RoundFailed, match="round 4: update 0 holds NaN or infinite values in lora.a"):
         writer.apply("round 4", theta, [Update({"lora.a": np.full(3, np.nan, np.float32)}, 1)])
+
+
+class SuperLinkAnswers(BufferedGrid):
+    """Node 8 stopped its heartbeat: the SuperLink (node 1) answers its message with an error, as Flower does."""
+
+    def pull_messages(self, ids):
+        ids = list(ids)
+        gone = [i for i in ids if i in self.out and self.out[i].metadata.dst_node_id == 8]
+        replies = list(super().pull_messages([i for i in ids if i not in gone]))
+        for message_id in gone:
+            from flwr.app import Error, Message
+
+            answer = Message(Error(code=3, reason="Node Unavailable"), reply_to=self.out.pop(message_id))
+            answer.metadata._src_node_id = 1
+            replies.append(answer)
+        return replies
+
+
+def test_a_node_the_superlink_answers_for_is_left_out_under_its_own_id_and_not_also_timed_out(tmp_path):
+    run = RunDir(tmp_path)
+    run.write_config({"rounds": 1})
+    options = StrategyOptions(client_config={"method": {"m": 1}}, seed=0, total_rounds=1, base_lr=0.1,
+                              num_clients=1, run_id=RUN,
+                              policy=RoundPolicy(1.0, ServerSpec(min_nodes=1, node_wait=5, round_timeout=5)))
+    strategy = FedMVPStrategy(options, RoundWriter(run, options.policy.server))
+    strategy.evaluate_round = lambda grid, state, number: {}
+    strategy.start(SuperLinkAnswers({7: 0, 8: 0}), array_record(THETA), num_rounds=1)
+    state = json.loads((run.round_path(1) / "state.json").read_text())
+    assert [(r["node"], "Node Unavailable" in r["reason"]) for r in state["rejected"]] == [(8, True)]
+    assert state["timed_out"] == [] and [r["node"] for r in state["replies"]] == [7]
