@@ -239,8 +239,8 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
         privacy=run.privacy(),
         privacy_events=run_events(run, start))
     strategy_ref.append(strategy)
-    if start == 0 and run.read_json("zero_shot.json") is None:
-        run.write_json("zero_shot.json", evaluate(0, None))
+    if start == 0 and run.read_zero_shot() is None:
+        run.write_zero_shot(evaluate(0, None))
     if policy.server.mode == "buffered":  # edge devices without a barrier (FedBuff): fedmvp/federated/buffered.py
         BufferedVersions(strategy).run(grid, array_record(initial), start, total)
     else:

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "edge_client"))
 from disk import Hostile, assert_one_line_error, run, tree_digest  # noqa: E402
 from edge_helpers import class_image, write_local_data  # noqa: E402
+from fedmvp_formats.files import RUN_FORMAT  # noqa: E402
 
 ROOT_IGNORES_PERMISSIONS = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -100,7 +101,7 @@ def _existing(root: Path) -> None:
 
 def _run_dir(root: Path) -> None:
     (root / "myrun").mkdir()
-    (root / "myrun" / "config.json").write_text(json.dumps({"preset": "x", "model": {"clip": "fedmvp-tiny"}}))
+    (root / "myrun" / "config.json").write_text(json.dumps({"format": RUN_FORMAT, "preset": "x"}))  # a run's marker
 
 
 def _link_into_bundle(root: Path) -> None:
