@@ -1,4 +1,5 @@
-"""Buffered (FedBuff) against synchronous rounds for edge devices of different speeds (issue 26 §4).
+"""Buffered (FedBuff) against synchronous rounds for edge devices of different speeds
+(docs/benchmarks.md, "Buffered against synchronous rounds").
 
 A real deployment on 127.0.0.1 each time (`fedmvp serve`, TLS, and `edge-client join` devices), the
 demo's edge task: every device holds 8 training images of half of the demo's 16 new classes (the

@@ -1,4 +1,5 @@
-"""A real deployment's steady round against the same local training in process (issue 24 §5).
+"""A real deployment's steady round against the same local training in process (docs/benchmarks.md,
+"Goals, prompts, communication, Flower, deployment").
 
 Deployment: `fedmvp certs`, `fedmvp serve` (TLS, on 127.0.0.1) and 2 sites by `fedmvp join`, the
 demo preset (``benchmarks.flower.preset_file``: with --quick its smallest federation), all real

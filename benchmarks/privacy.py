@@ -1,4 +1,5 @@
-"""Edge accuracy against epsilon: the demo's edge task, private at three noise levels and not (issue 26 §4).
+"""Edge accuracy against epsilon: the demo's edge task, private at three noise levels and not
+(docs/benchmarks.md, "Edge accuracy against epsilon").
 
 The demo's edge task (fedmvp_apps/cli/demo.py): a trained run's last round is exported, a device
 trains the LoRA on 8 local images of each new class (128 on the demo) and its update is ingested
