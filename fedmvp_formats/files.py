@@ -124,7 +124,8 @@ def read_json_object(path: str | os.PathLike, follow_links: bool = False) -> dic
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise JsonRecordError(path, NOT_A_FILE)
-        os.set_blocking(fd, True)
+        if NONBLOCK:
+            os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as handle:
             data = handle.read()
     except OSError as err:
