@@ -1,4 +1,5 @@
-"""Buffered (FedBuff) against synchronous rounds for edge devices of different speeds (issue 26 §4).
+"""Buffered (FedBuff) against synchronous rounds for edge devices of different speeds
+(docs/benchmarks.md, "Buffered against synchronous rounds").
 
 A real deployment on 127.0.0.1 each time (`fedmvp serve`, TLS, and `edge-client join` devices), the
 demo's edge task: every device holds 8 training images of half of the demo's 16 new classes (the
@@ -24,7 +25,6 @@ FedBuff reports 3.3x).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -132,14 +132,15 @@ def device_folders(local: Path, classes: list[str], count: int, work: Path) -> l
 def deploy(mode: Mode, template: Path, bundle: Path, folders: list[Path], speeds: tuple[int, ...],
            work: Path) -> tuple[Path, float]:
     """One deployment of ``mode``: (its run directory, the time every device was connected)."""
+    from fedmvp.runs import RunDir
     from fedmvp_apps.deploy.supernode import free_port
 
     base = work / mode.name
     base.mkdir(parents=True)
     run = base / "run"
     shutil.copytree(template, run)
-    config = json.loads((run / "config.json").read_text())
-    (run / "config.json").write_text(json.dumps({**config, "rounds": mode.rounds}, indent=2))
+    copy = RunDir(run)
+    copy.write_config({**copy.read_config(), "rounds": mode.rounds})  # atomic, as every write of a run
     subprocess.run([*FEDMVP, "certs", "--out", str(base / "certs")], check=True, capture_output=True)
     superlink = f"127.0.0.1:{free_port()}"
     procs, throttles = Deployment(base), []
@@ -186,6 +187,7 @@ def accuracies(run: Path, bundle: Path, held_out: Path, rounds: range) -> dict[i
 
     from edge_client.infer import Predictor
     from edge_client.lora_store import ActiveLora
+    from fedmvp.runs import RunDir
 
     predictor = Predictor(bundle, personalised=False)
     files = sorted(held_out.glob("*/*.png"))
@@ -193,7 +195,7 @@ def accuracies(run: Path, bundle: Path, held_out: Path, rounds: range) -> dict[i
     labels = np.array([predictor.classes.index(path.parent.name) for path in files])
     out = {}
     for number in rounds:
-        path = run / f"round-{number:04d}" / "global.safetensors"
+        path = RunDir(run).round_weights_path(number)
         tensors = {k: v for k, v in load_file(str(path)).items() if k in predictor.bundle.lora_shapes}
         predictor.use_lora(ActiveLora(tensors=tensors, source="global", file=path))
         logits = np.concatenate([predictor.run(pixels[i:i + 64])["logits"] for i in range(0, len(pixels), 64)])
@@ -207,6 +209,8 @@ def time_to(accuracy: dict[int, float], seconds: dict[int, float], target: float
 
 
 def run(options: Options) -> Section:
+    from fedmvp.runs import RunDir
+
     began = time.perf_counter()
     kind = "quick" if options.quick else "full"
     speeds, sync_rounds = SPEEDS[kind], ROUNDS[kind]
@@ -229,7 +233,7 @@ def run(options: Options) -> Section:
             run_dir, connected = deploy(mode, template, bundle, folders, speeds, work)
             measured = range(1, mode.rounds)  # the last one also holds the final evaluation
             acc = accuracies(run_dir, bundle, held_out, measured)
-            seconds = {n: max(0.0, (run_dir / f"round-{n:04d}" / "state.json").stat().st_mtime - connected)
+            seconds = {n: max(0.0, RunDir(run_dir).round_state_path(n).stat().st_mtime - connected)
                        for n in measured}
             seconds[1] = 0.0
             results[mode.name] = (acc, seconds)

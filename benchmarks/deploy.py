@@ -1,4 +1,5 @@
-"""A real deployment's steady round against the same local training in process (issue 24 §5).
+"""A real deployment's steady round against the same local training in process (docs/benchmarks.md,
+"Goals, prompts, communication, Flower, deployment").
 
 Deployment: `fedmvp certs`, `fedmvp serve` (TLS, on 127.0.0.1) and 2 sites by `fedmvp join`, the
 demo preset (``benchmarks.flower.preset_file``: with --quick its smallest federation), all real
@@ -144,12 +145,14 @@ def site_command(superlink: str, preset: Path, site: int, ca: Path, warm: bool) 
 
 def deploy(preset: Path, work: Path, rounds: int, warm: bool, timeout: float) -> dict:
     """One deployment of ``rounds`` rounds; each round's seconds from its checkpoint's time."""
+    from fedmvp.runs import RunDir
     from fedmvp_apps.deploy.supernode import free_port
 
     work.mkdir(parents=True)
     subprocess.run([*FEDMVP, "certs", "--out", str(work / "certs")], check=True, capture_output=True)
     superlink = f"127.0.0.1:{free_port()}"
     run = work / "run"
+    run_dir = RunDir(run)
     procs = Deployment(work)
     try:
         procs.start("serve", [*FEDMVP, "serve", "--config", str(preset), "--run-dir", str(run), "--certs",
@@ -172,7 +175,7 @@ def deploy(preset: Path, work: Path, rounds: int, warm: bool, timeout: float) ->
             if time.time() > deadline:
                 raise RuntimeError(f"the deployment did not finish in {timeout:.0f} s")
             for mark in (1, rounds - 1):
-                if mark not in cpu and (run / f"round-{mark:04d}" / "state.json").exists():
+                if mark not in cpu and run_dir.round_state_path(mark).exists():
                     cpu[mark] = cpu_by_process(sessions)
             if 1 in cpu and rounds - 1 not in cpu and time.time() - looked > 0.25:
                 looked = time.time()
@@ -182,7 +185,7 @@ def deploy(preset: Path, work: Path, rounds: int, warm: bool, timeout: float) ->
             raise RuntimeError(f"serve exited {code}: {procs.log('serve')[-500:]}")
     finally:
         procs.stop()
-    marks = [began] + [(run / f"round-{r:04d}" / "state.json").stat().st_mtime for r in range(1, rounds + 1)]
+    marks = [began] + [run_dir.round_state_path(r).stat().st_mtime for r in range(1, rounds + 1)]
     tasks = [TASK_LINE.findall(procs.log(f"site-{site}")) for site in SITES]
     steady_cpu = {}
     if len(cpu) == 2 and rounds > 2:  # CPU seconds per steady round, by role

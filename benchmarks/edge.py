@@ -178,7 +178,9 @@ def goals(r: dict, batches: list[int], int8_bytes_fraction: float | None) -> lis
 
 
 def newest_demo_run(root: Path) -> Path | None:
-    runs = sorted((p for p in (root / "runs").glob("demo-*") if (p / "config.json").is_file()),
+    from fedmvp.runs import RunDir
+
+    runs = sorted((p for p in (root / "runs").glob("demo-*") if RunDir(p).exists()),
                   key=lambda p: p.stat().st_mtime)
     return runs[-1] if runs else None
 

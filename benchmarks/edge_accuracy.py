@@ -1,4 +1,4 @@
-"""What `auto` and OpenVINO bf16 cost in task accuracy on a trained run (issue 25: where auto's top-1
+"""What `auto` and OpenVINO bf16 cost in task accuracy on a trained run (the goal: where auto's top-1
 agreement with fp32 is not 100%, it must stay within 1 point of fp32's accuracy on the trained demo run).
 
 The run's round is exported as an fp32 bundle (its check images the run's test images, as a device

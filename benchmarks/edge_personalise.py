@@ -28,6 +28,7 @@ from edge_client.train import train_local  # noqa: E402
 from export.bundle_writer import export_bundle  # noqa: E402
 from fedmvp_apps.cli.demo import EDGE_BATCH, EDGE_TRAIN, new_class_folders  # noqa: E402
 from fedmvp.runs import RunDir  # noqa: E402
+from fedmvp_formats.atomic import write_text  # noqa: E402
 
 # name -> train_local keywords (epochs, lr, optimizer, alpha); the demo's own recipe comes last.
 RECIPES = {
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['recipe']:<48} {row['seed']:>4} {row['loss_first']:8.3f} -> {row['loss_last']:5.3f} "
               f"{row['after'] * 100:7.2f}%")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        write_text(args.json, json.dumps(rows, indent=2) + "\n")  # atomic: a reader never sees half of it
     return 0
 
 

@@ -34,6 +34,7 @@ from export.class_set import ClassSet  # noqa: E402
 from export.run_inputs import synthetic_images  # noqa: E402
 from fedmvp.clip import load_clip  # noqa: E402
 from fedmvp.model import FedMVP  # noqa: E402
+from fedmvp_formats.atomic import write_text  # noqa: E402
 
 PHRASES = ["a round outline", "a striped surface", "a bright colour", "a long tail", "sharp corners",
            "a smooth texture", "four legs", "a pointed top", "a shiny finish", "small spots"]
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += bundle_sizes(name, args.precisions, args.classes, images, Path(work), not args.inference_only)
     show(rows)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")
+        write_text(args.json, json.dumps(rows, indent=2, sort_keys=True) + "\n")  # atomic
     return 0
 
 

@@ -84,7 +84,7 @@ def flower_rounds(preset: Path, work: Path, rounds: int, device: str) -> dict:
     began = time.time()
     simulate(run, eval_every=0, progress=False)
     total = time.time() - began
-    marks = [began] + [(run.round_path(r) / "state.json").stat().st_mtime for r in range(1, rounds + 1)]
+    marks = [began] + [run.round_state_path(r).stat().st_mtime for r in range(1, rounds + 1)]
     return {"round_seconds": [b - a for a, b in zip(marks, marks[1:])], "total_seconds": total,
             "clients": int(config["num_clients"]), "local": config["train"]}
 

@@ -1,4 +1,5 @@
-"""Edge accuracy against epsilon: the demo's edge task, private at three noise levels and not (issue 26 §4).
+"""Edge accuracy against epsilon: the demo's edge task, private at three noise levels and not
+(docs/benchmarks.md, "Edge accuracy against epsilon").
 
 The demo's edge task (fedmvp_apps/cli/demo.py): a trained run's last round is exported, a device
 trains the LoRA on 8 local images of each new class (128 on the demo) and its update is ingested
@@ -100,12 +101,12 @@ def trained_run(options: Options, work: Path) -> tuple[Path, str]:
 def copy_run(source: Path, dest: Path, privacy) -> "RunDir":  # noqa: F821 - fedmvp imported lazily
     """The run's record and its last round only, under ``[privacy]`` ``privacy`` (None: none): the
     experiment writes its rounds there, never into the run it was given."""
-    from fedmvp.runs import RunDir, round_dir_name
+    from fedmvp.runs import ROUND_PREFIX, RunDir, round_dir_name
 
     run = RunDir(source)
     keep = {round_dir_name(trained_round(run))}
     shutil.copytree(source, dest, ignore=lambda folder, names: [
-        n for n in names if Path(folder) == source and (n.startswith("round-") and n not in keep
+        n for n in names if Path(folder) == source and (n.startswith(ROUND_PREFIX) and n not in keep
                                                          or n in ("edge", "bundle") or n.startswith("bundle-"))])
     copy = RunDir(dest)
     config = {k: v for k, v in copy.read_config().items() if k != "privacy"}
@@ -116,12 +117,10 @@ def copy_run(source: Path, dest: Path, privacy) -> "RunDir":  # noqa: F821 - fed
 def trained_round(run) -> int:
     """The run's last trained round: the last whose state.json is not an ingest's (a `fedmvp demo` run ends
     with its device's ingested round; the edge task starts from the round the demo exported)."""
-    import json
-
     from fedmvp.federated.ingest import SOURCE
 
     for number in reversed(run.rounds()):
-        if json.loads((run.round_path(number) / "state.json").read_text()).get("source") != SOURCE:
+        if run.round_state(number).get("source") != SOURCE:
             return number
     raise RuntimeError(f"{run.path}: no complete trained round to start from")
 

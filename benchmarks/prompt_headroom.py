@@ -1,9 +1,9 @@
 """How much can prompts help the tiny CLIP at all? A centralised upper bound for `fedmvp demo`.
 
-Why: issue 4's acceptance asks the federated demo to beat zero-shot on Base and HM. If even
-one PromptFormer trained centrally on ALL base clients' images (pooled, the full base label
-space, Adam, no consistency loss) cannot beat zero-shot, no federated schedule can, and
-the bottleneck is the world / tiny CLIP, not the federation.
+Why: the federated demo must beat zero-shot on Base and HM (docs/benchmarks.md, "Goals, prompts,
+communication, Flower, deployment"). If even one PromptFormer trained centrally on ALL base clients'
+images (pooled, the full base label space, Adam, no consistency loss) cannot beat zero-shot, no
+federated schedule can, and the bottleneck is the world / tiny CLIP, not the federation.
 
     python benchmarks/prompt_headroom.py [--preset demo] [--steps 400] [--lr 1e-3] [--alpha 0]
 """

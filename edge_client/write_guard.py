@@ -2,7 +2,7 @@
 
 Why: ``--out BUNDLE/weights.safetensors`` once replaced a bundle's frozen weights with a 25 KB
 update and reported success. An output path inside a bundle directory (any directory above it
-holding a fedmvp bundle ``manifest.json``) or a run directory (holding a fedmvp ``config.json``)
+holding a fedmvp bundle ``manifest.json``) or a run directory (`is_run_dir`: its config.json's marker)
 is refused, an existing file is never overwritten (the command did not create it), and every
 directory that will be written is probed (a file created and removed) so a read-only or
 missing target is one line before minutes of training, not a traceback after. Standard library only.
@@ -11,14 +11,13 @@ missing target is one line before minutes of training, not a traceback after. St
 from __future__ import annotations
 
 import errno
-import json
 import os
 from pathlib import Path
 
 from fedmvp_formats.bundle_manifest import FORMAT, MANIFEST
-from fedmvp_formats.files import nearest_existing, probe_writable as probe_writable_folder
-
-RUN_CONFIG = "config.json"
+from fedmvp_formats.files import (ROUND_PREFIX, ROUND_STATE, RUN_CONFIG, RUN_FILES_BEFORE_FORMAT, RUN_FORMAT_KEY,
+                                  JsonRecordError, is_run_format, nearest_existing, read_json_object)
+from fedmvp_formats.files import probe_writable as probe_writable_folder
 
 
 class WriteTargetError(ValueError):
@@ -26,22 +25,34 @@ class WriteTargetError(ValueError):
 
 
 def _json_object(path: Path) -> dict | None:
-    """The JSON object in ``path``, or None (absent, unreadable, not an object)."""
+    """The JSON object in ``path`` (through a link: a link may lead into a bundle or a run), or None."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_object(path, follow_links=True)
+    except JsonRecordError:
         return None
-    return value if isinstance(value, dict) else None
+
+
+def is_run_dir(directory: Path) -> bool:
+    """Whether ``directory`` is a fedmvp run: its config.json carries the run marker (``format``, written by
+    ``fedmvp.runs.RunDir``), or, for a run made before the marker, it has a config.json and one of the files
+    every such run wrote beside it (``fedmvp_formats.files``: preset.toml, classes.json, metrics.jsonl, a
+    round-NNNN/state.json). Keys a config.json happens to hold prove nothing: any tool writes a config.json."""
+    config = _json_object(directory / RUN_CONFIG)
+    if config is None:
+        return False
+    if RUN_FORMAT_KEY in config:
+        return is_run_format(config[RUN_FORMAT_KEY])
+    return (any((directory / name).is_file() for name in RUN_FILES_BEFORE_FORMAT)
+            or any((folder / ROUND_STATE).is_file() for folder in directory.glob(f"{ROUND_PREFIX}[0-9]*")))
 
 
 def protected_owner(path: Path) -> tuple[Path, str] | None:
     """(directory, "bundle" | "run") of the first bundle or run directory at or above ``path``."""
     for directory in [path, *path.parents]:
-        manifest = _json_object(directory / MANIFEST) if (directory / MANIFEST).is_file() else None
+        manifest = _json_object(directory / MANIFEST)
         if manifest is not None and manifest.get("format") == FORMAT:
             return directory, "bundle"
-        config = _json_object(directory / RUN_CONFIG) if (directory / RUN_CONFIG).is_file() else None
-        if config is not None and ("preset" in config or "model" in config or (directory / "rounds").is_dir()):
+        if is_run_dir(directory):
             return directory, "run"
     return None
 

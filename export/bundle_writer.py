@@ -375,7 +375,7 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
     classes = file_class_set(Path(attributes), domain) if attributes else run_class_set(run_dir)
     model = rebuild_model(run_dir, checkpoint)  # FedMVP.from_run: the run's seed, CLIP, method record, weights
     clip = model.clip_info
-    ckpt_path = run_dir.round_path(checkpoint.round) / "global.safetensors"
+    ckpt_path = run_dir.round_weights_path(checkpoint.round)
     chosen = export_images(run_dir, clip.preprocess, clip.image_size, parity_images,
                            folder, int8=precision == "int8", class_names=list(classes.names))
     scheme_why = int8_scheme_for(int8_scheme or "auto", chosen.calibration_real)[1]  # the same call decides

@@ -17,17 +17,17 @@ every train and evaluate message carries it, and a site or device with another s
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedmvp_formats.class_set import ClassSet
+from fedmvp_formats.files import MISSING, RUN_CLASSES, JsonRecordError, read_json_object
 
 from fedmvp import atomic
 from fedmvp.attributes.sentences import SentenceStyle
 
-CLASSES_FILE = "classes.json"
+CLASSES_FILE = RUN_CLASSES  # ``RunDir.CLASSES``: the one spelling is the leaf's
 FORMAT = "fedmvp-classes"
 FORMAT_VERSION = 2  # 2: the class-set digest (``digest``)
 
@@ -101,12 +101,12 @@ def read_classes(run_path: Path) -> list[RunClass] | None:
     A file that is there but unusable is refused (ClassRecordError, one line naming it)."""
     path = Path(run_path) / CLASSES_FILE
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ClassRecordError(f"{path}: unreadable class record ({err})") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        record = read_json_object(path)  # the run's one rule for its JSON records (never through a link)
+    except JsonRecordError as err:
+        if err.problem == MISSING:
+            return None
+        raise ClassRecordError(str(err)) from None
+    if record.get("format") != FORMAT:
         raise ClassRecordError(f"{path}: not a {FORMAT} record")
     version = record.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:

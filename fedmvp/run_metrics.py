@@ -17,14 +17,14 @@ from fedmvp import atomic
 from fedmvp.federated.metrics import SITE_COUNT_KEYS
 from fedmvp.runs import RunDir, warn
 
-METRICS = "metrics.jsonl"
+METRICS = RunDir.METRICS
 METRIC_COLUMNS = ["round", "train_loss", "train_ce", "train_consistency", "lora_clients", "clients",
                   "local", "base", "new", "hm", "domain", "edges", "edge_acc", "source", "updates", "examples",
                   "epsilon", *SITE_COUNT_KEYS]  # how many sites each metric is a mean over (docs/method.md §7)
 
 
 def metrics_path(run: RunDir) -> Path:
-    return run.path / METRICS
+    return run.path / run.METRICS
 
 
 def read_metrics(run: RunDir) -> list[dict[str, Any]]:
@@ -57,19 +57,16 @@ def append_metrics(run: RunDir, row: dict[str, Any]) -> None:
     writer = csv.DictWriter(buffer, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    atomic.write_text(run.path / "metrics.csv", buffer.getvalue())
+    atomic.write_text(run.path / run.METRICS_CSV, buffer.getvalue())
 
 
 def truncate_metrics_after(run: RunDir, round_number: int) -> None:
     """On resume, forget metrics of rounds that never completed; rows missing from metrics.jsonl (a
-    line cut short) come back from their round's state.json."""
+    line cut short) come back from their round's state.json (``RunDir.round_state``: one refused is named)."""
     kept = {r.get("round"): r for r in read_metrics(run) if r.get("round", 0) <= round_number}
     for number in run.rounds():
         if number <= round_number and number not in kept:
-            try:
-                row = json.loads((run.round_path(number) / "state.json").read_text()).get("metrics")
-            except (OSError, ValueError):
-                row = None
+            row = run.round_state(number).get("metrics")
             if isinstance(row, dict):
                 kept[number] = row
     rows = [kept[k] for k in sorted(kept, key=lambda k: k or 0)]
@@ -86,7 +83,7 @@ def plot(run: RunDir) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    zero_shot = run.read_json("zero_shot.json") or {}
+    zero_shot = run.read_zero_shot() or {}
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for key, colour in (("local", "C0"), ("base", "C1"), ("new", "C2"), ("hm", "C3"), ("domain", "C4")):
         points = [(r["round"], 100 * r[key]) for r in rows if r.get(key) is not None]
@@ -100,7 +97,7 @@ def plot(run: RunDir) -> Path | None:
     ax.set_title(f"{run.path.name} (dashed: zero-shot)")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
-    target = run.path / "accuracy.png"
+    target = run.path / run.PLOT
     with atomic.atomic_path(target) as tmp:
         fig.savefig(tmp, format="png", bbox_inches="tight")
     plt.close(fig)

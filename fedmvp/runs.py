@@ -2,12 +2,15 @@
 
 ``RunDir`` owns a run: it answers what the record says (the method, the preset, the federation, the
 server rules, the CLIP, the seed) so no caller re-derives them, and ``FedMVP.from_run`` rebuilds the
-model from those answers. The metrics rows and the plot are written by ``fedmvp.run_metrics``.
+model from those answers. Each name below is spelled once: a ``RunDir`` constant (those the device knows
+too: ``fedmvp_formats.files``) or its module's (vocabulary.json, flower.log). Each JSON record is read by one
+rule (``read_record``; a round's: ``RunDir.round_state``). ``fedmvp.run_metrics`` writes the rows and plot.
 
 ```
 runs/<name>/
   classes.json                the federation's whole class set: names in order, phrases, styles (run_classes.py)
-  config.json                 resolved preset + overrides + the preset's text and sha256 (what was run)
+  config.json                 resolved preset + overrides + the preset's text and sha256 (what was run);
+                              "format": "fedmvp-run/1" marks it a run (a run made before the marker has none)
   preset.toml                 the preset's text as recorded in config.json, plus base_dir (its folder);
                               a resume reads it when the original file changed (RunDir.preset_file)
   round-0003/global.safetensors   global trainable tensors (promptformer.*, lora.*)
@@ -26,7 +29,9 @@ are written into a hidden temp folder that is then renamed (``atomic.atomic_dir`
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
+from fedmvp_formats.files import (LINK, MISSING, NOT_AN_OBJECT, ROUND_PREFIX, ROUND_STATE, ROUND_WEIGHTS, RUN_CLASSES,
+                                  RUN_CONFIG, RUN_FORMAT, RUN_FORMAT_KEY, RUN_METRICS, RUN_PRESET_COPY,
+                                  JsonRecordError, is_run_format, read_json_object)
 from fedmvp_formats.names import PROMPTFORMER_PREFIX
 from fedmvp_formats.privacy import RECORD as PRIVACY
 from fedmvp_formats.privacy import PrivacyError, PrivacyRecord
@@ -49,12 +57,28 @@ if TYPE_CHECKING:  # the lazy imports below, for type checkers
     from fedmvp.presets.schema import Preset
     from fedmvp.run_classes import RunClass
 
-ROUND_PREFIX = "round-"
 MIGRATIONS = "docs/architecture.md, Migrations"
 
 
 class RunError(RuntimeError):
     """A run directory or checkpoint that cannot be used; the message names the path."""
+
+
+class RecordError(RunError):
+    """A run's JSON record `read_record` refused; ``problem``: one of ``fedmvp_formats.files``'s wordings."""
+
+    def __init__(self, error: JsonRecordError) -> None:
+        super().__init__(str(error))
+        self.path, self.problem, self.errno = error.path, error.problem, error.errno
+
+
+def read_record(path: str | os.PathLike, follow_links: bool = False) -> dict[str, Any]:
+    """THE reader of a run's JSON records (config.json, state.json, zero_shot.json): the leaf's one rule
+    (``read_json_object``); anything but a JSON object is a `RecordError` naming the file and the problem."""
+    try:
+        return read_json_object(path, follow_links)
+    except JsonRecordError as err:
+        raise RecordError(err) from None
 
 
 def warn(message: str) -> None:
@@ -85,7 +109,17 @@ class Checkpoint:
 
 
 class RunDir:
-    """One training run on disk."""
+    """One training run on disk: the one owner of its files' names and of their readers and writers."""
+
+    CONFIG = RUN_CONFIG
+    PRESET_COPY = RUN_PRESET_COPY
+    CLASSES = RUN_CLASSES
+    METRICS = RUN_METRICS
+    METRICS_CSV = "metrics.csv"
+    ZERO_SHOT = "zero_shot.json"
+    PLOT = "accuracy.png"
+    ROUND_STATE = ROUND_STATE
+    ROUND_WEIGHTS = ROUND_WEIGHTS
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -93,31 +127,43 @@ class RunDir:
     # ---- layout --------------------------------------------------------------------------------
     @property
     def config_path(self) -> Path:
-        return self.path / "config.json"
+        return self.path / self.CONFIG
+
+    @property
+    def preset_copy_path(self) -> Path:  # the preset's recorded text (preset.toml)
+        return self.path / self.PRESET_COPY
 
     def round_path(self, round_number: int) -> Path:
         return self.path / round_dir_name(round_number)
+
+    def round_state_path(self, round_number: int) -> Path:
+        return self.round_path(round_number) / self.ROUND_STATE
+
+    def round_weights_path(self, round_number: int) -> Path:
+        return self.round_path(round_number) / self.ROUND_WEIGHTS
 
     def exists(self) -> bool:
         return self.config_path.is_file()
 
     # ---- config --------------------------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> None:
-        atomic.write_json(self.config_path, config)
+        """config.json, atomically, marked a run (``format``): what the device checks before it writes."""
+        atomic.write_json(self.config_path, {RUN_FORMAT_KEY: RUN_FORMAT} | config | {RUN_FORMAT_KEY: RUN_FORMAT})
 
     def read_config(self) -> dict[str, Any]:
+        """config.json (through a link, as ever). Without the marker it is a run made before the marker and
+        opens as it is: the marker changed no other key, so nothing migrates. A newer or foreign one: refused."""
         try:
-            config = json.loads(self.config_path.read_text())
-        except FileNotFoundError as err:
-            raise RunError(f"{self.path}: not a fedmvp run (no config.json)") from err
-        except NotADirectoryError as err:
-            raise RunError(f"{self.path}: not a directory") from err
-        except IsADirectoryError as err:
-            raise RunError(f"{self.config_path}: a directory, not a file") from err
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise RunError(f"{self.config_path}: corrupt JSON ({err})") from err
-        if not isinstance(config, dict):
-            raise RunError(f"{self.config_path}: not a JSON object (got {type(config).__name__})")
+            config = read_record(self.config_path, follow_links=True)
+        except RecordError as err:
+            if err.problem == MISSING:
+                raise RunError(f"{self.path}: not a fedmvp run (no {self.CONFIG})") from None
+            if err.errno == errno.ENOTDIR:
+                raise RunError(f"{self.path}: not a directory") from None
+            raise
+        if (marker := config.get(RUN_FORMAT_KEY, RUN_FORMAT)) != RUN_FORMAT:
+            why = "made by a newer fedmvp" if is_run_format(marker) else "not a fedmvp run's record"
+            raise RunError(f"{self.config_path}: {RUN_FORMAT_KEY} {marker!r} ({why}; this fedmvp reads {RUN_FORMAT})")
         return config
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -129,27 +175,30 @@ class RunDir:
             raise RunError(f"{self.round_path(round_number)}: round {round_number} already exists")
         bad = nonfinite_tensor(tensors)
         if bad is not None:
-            raise RunError(f"{self.round_path(round_number) / 'global.safetensors'}: tensor {bad} holds NaN or "
+            raise RunError(f"{self.round_weights_path(round_number)}: tensor {bad} holds NaN or "
                            f"infinite values; round {round_number} not written")
         with atomic.atomic_dir(self.round_path(round_number)) as folder:
-            atomic.save_safetensors(tensors, folder / "global.safetensors", {"round": str(round_number)})
-            atomic.write_json(folder / "state.json", {**state, "round": round_number, "complete": True})
+            atomic.save_safetensors(tensors, folder / self.ROUND_WEIGHTS, {"round": str(round_number)})
+            atomic.write_json(folder / self.ROUND_STATE, {**state, "round": round_number, "complete": True})
+
+    def round_state(self, round_number: int) -> dict[str, Any]:
+        """Round ``round_number``'s record (round-NNNN/state.json), THE reader of it: `read_record`'s rule."""
+        return read_record(self.round_state_path(round_number))
 
     def rounds(self) -> list[int]:
-        """Complete rounds, ascending. A state.json that parses but is no JSON object is corruption,
-        not an unfinished round: it stops the reader with one line naming it."""
+        """Complete rounds, ascending. A state.json missing, unreadable or cut short: an unfinished round;
+        a link or no JSON object: corruption, which stops the reader with one line naming it."""
         found = []
         for child in self.path.glob(f"{ROUND_PREFIX}*"):
-            state = child / "state.json"
             try:
                 number = int(child.name[len(ROUND_PREFIX):])
-                record = json.loads(state.read_text()) if state.is_file() else {}
-            except (ValueError, OSError):  # not a round folder, or a state.json cut short (JSON errors)
+                if self.round_state(number).get("complete"):
+                    found.append(number)
+            except ValueError:  # not a round folder
                 continue
-            if not isinstance(record, dict):
-                raise RunError(f"{state}: not a JSON object (got {type(record).__name__}); move {child} aside")
-            if record.get("complete"):
-                found.append(number)
+            except RecordError as err:
+                if err.problem in (NOT_AN_OBJECT, LINK):
+                    raise
         return sorted(found)
 
     def last_round(self) -> int | None:
@@ -165,13 +214,12 @@ class RunDir:
         if round_number not in rounds:
             listed = ", ".join(map(str, rounds)) or "none"
             raise RunError(f"{self.path}: round {round_number} not found (complete rounds: {listed})")
-        folder = self.round_path(round_number)
-        weights = folder / "global.safetensors"
+        weights = self.round_weights_path(round_number)
         try:
             tensors = load_file(str(weights))
-            state = json.loads((folder / "state.json").read_text())
         except Exception as err:  # safetensors raises its own error types
             raise RunError(f"{weights}: corrupt checkpoint ({err.__class__.__name__}: {err})") from err
+        state = self.round_state(round_number)
         bad = nonfinite_tensor(tensors)
         if bad is not None:
             raise RunError(f"{weights}: tensor {bad} holds NaN or infinite values")
@@ -180,7 +228,7 @@ class RunDir:
     def load_weights(self, model: FedMVP, checkpoint: Checkpoint) -> None:
         """A round's tensors into a model built from the run's record (``FedMVP.from_run``): a checkpoint of
         another model, or one lacking PromptFormer tensors, is refused with one line naming its file."""
-        where = self.round_path(checkpoint.round) / "global.safetensors"
+        where = self.round_weights_path(checkpoint.round)
         try:
             missing = model.load_state(checkpoint.tensors)
         except (KeyError, ValueError) as err:
@@ -215,7 +263,7 @@ class RunDir:
 
         own = checkpoint.state.get("method") if checkpoint is not None else None
         record = own if own is not None else self.read_config().get("method")
-        where = self.round_path(checkpoint.round) / "state.json" if own is not None else self.config_path
+        where = self.round_state_path(checkpoint.round) if own is not None else self.config_path
         if record is None:
             raise RunError(f"{where}: no method record (a run made by an older fedmvp); train it again")
         try:
@@ -289,7 +337,7 @@ class RunDir:
             current = None
         if current == text:
             return original
-        copy = self.path / "preset.toml"
+        copy = self.preset_copy_path
         wanted = recorded_copy(text, Path(config.get("preset_dir") or Path(original).parent))
         if not copy.is_file() or copy.read_text(encoding="utf-8", errors="replace") != wanted:
             atomic.write_text(copy, wanted)
@@ -317,12 +365,18 @@ class RunDir:
         except Exception as err:  # noqa: BLE001 - a PresetError, a missing data root, ...: one line naming it
             raise RunError(f"{path}: cannot rebuild the run's data ({str(err).splitlines()[0]})") from None
 
-    def read_json(self, name: str) -> dict[str, Any] | None:
-        path = self.path / name
-        return json.loads(path.read_text()) if path.is_file() else None
+    # ---- zero-shot ---------------------------------------------------------------------------------
+    def read_zero_shot(self) -> dict[str, Any] | None:
+        """The frozen CLIP's metrics on the run's data (zero_shot.json); None: not measured yet."""
+        try:
+            return read_record(self.path / self.ZERO_SHOT)
+        except RecordError as err:
+            if err.problem == MISSING:
+                return None
+            raise
 
-    def write_json(self, name: str, obj: dict[str, Any]) -> None:
-        atomic.write_json(self.path / name, obj)
+    def write_zero_shot(self, metrics: dict[str, Any]) -> None:
+        atomic.write_json(self.path / self.ZERO_SHOT, metrics)
 
 
 def recorded_copy(text: str, folder: Path) -> str:

@@ -112,7 +112,7 @@ def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
     config = run.read_config()
     checkpoint = run.load_checkpoint(round_number)
     privacy = round_privacy(run, checkpoint.round)  # [privacy]: what its weights spent; a bad record before any work
-    zero_shot = run.read_json("zero_shot.json")
+    zero_shot = run.read_zero_shot()
     tuned = checkpoint.state.get("metrics", {})
     if zero_shot is None or tuned.get("hm") is None:
         if is_open(run.preset()):
@@ -124,7 +124,7 @@ def evaluate_run(run: RunDir, round_number: int | None = None) -> dict:
             record = ctx.federation.record()
             if zero_shot is None:
                 zero_shot = counted(record, federation_counts(ctx, None))
-                run.write_json("zero_shot.json", zero_shot)
+                run.write_zero_shot(zero_shot)
             if tuned.get("hm") is None:
                 tuned = counted(record, federation_counts(ctx, checkpoint.tensors))
     result = {"run": str(run.path), "round": checkpoint.round,  # a key not recorded: None

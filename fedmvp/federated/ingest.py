@@ -29,7 +29,6 @@ this run's round ``bundle_round``, and the class set its labels index (``classes
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,11 +221,7 @@ def accepted_before(run: RunDir) -> dict[str, str]:
     """sha256 -> where it was accepted, over every earlier ingest of the run (its rounds' state.json)."""
     seen: dict[str, str] = {}
     for number in run.rounds():
-        try:
-            state = json.loads((run.round_path(number) / "state.json").read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise RunError(f"{run.round_path(number) / 'state.json'}: unreadable ({err})") from None
-        for record in state.get("ingest") or []:
+        for record in run.round_state(number).get("ingest") or []:
             if record.get("accepted") and record.get("sha256"):
                 seen.setdefault(record["sha256"], f"accepted in round {number} ({record.get('file')})")
     return seen

@@ -15,7 +15,6 @@ docs/howto/privacy.md.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
@@ -87,12 +86,8 @@ def _recorded(run: RunDir, through: int | None) -> Iterator[tuple[Event | None, 
     for number in run.rounds():
         if through is not None and number > through:
             break
-        path = run.round_path(number) / "state.json"
-        try:
-            state = json.loads(path.read_text())
-            record = state.get(RECORD)
-        except (OSError, ValueError, AttributeError) as err:
-            raise RunError(f"{path}: unreadable ({err})") from None
+        path, state = run.round_state_path(number), run.round_state(number)
+        record = state.get(RECORD)
         event = None
         if isinstance(record, dict):
             if "noise_multiplier" not in record and settings is None:

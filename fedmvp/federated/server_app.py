@@ -192,8 +192,8 @@ def _run_rounds(grid: Grid, settings: ServerSettings) -> None:
 
     def zero_shot(server_round: int, arrays) -> None:
         """Flower's central evaluation hook before round 1: a new run's zero-shot row (the nodes evaluate)."""
-        if server_round == 0 and start == 0 and run.read_json("zero_shot.json") is None:
-            run.write_json("zero_shot.json", strategy.evaluate_round(grid, None, 0))
+        if server_round == 0 and start == 0 and run.read_zero_shot() is None:
+            run.write_zero_shot(strategy.evaluate_round(grid, None, 0))
 
     strategy.start(grid, array_record(initial), num_rounds=total - start, evaluate_fn=zero_shot)
 

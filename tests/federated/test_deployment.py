@@ -170,7 +170,7 @@ def test_superlink_and_supernodes_train_and_checkpoint(deployment, small_world, 
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
     assert all(r["clients"] == 2 and math.isfinite(r["train_loss"]) and r["train_loss"] > 0 for r in rows)
     assert all(0.0 <= rows[-1][k] <= 1.0 for k in ("local", "base", "new", "hm"))
-    assert set(run_dir.read_json("zero_shot.json")) >= {"local", "base", "new", "hm"}
+    assert set(run_dir.read_zero_shot()) >= {"local", "base", "new", "hm"}
     assert (run_dir.path / "metrics.csv").read_text().startswith("round,train_loss")
 
     # The same command again resumes the run directory: it is complete, so nothing is redone.

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "edge_client"))
 from disk import Hostile, assert_one_line_error, run, tree_digest  # noqa: E402
 from edge_helpers import class_image, write_local_data  # noqa: E402
+from fedmvp_formats.files import RUN_FORMAT  # noqa: E402
 
 ROOT_IGNORES_PERMISSIONS = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -100,7 +101,13 @@ def _existing(root: Path) -> None:
 
 def _run_dir(root: Path) -> None:
     (root / "myrun").mkdir()
-    (root / "myrun" / "config.json").write_text(json.dumps({"preset": "x", "model": {"clip": "fedmvp-tiny"}}))
+    (root / "myrun" / "config.json").write_text(json.dumps({"format": RUN_FORMAT, "preset": "x"}))  # a run's marker
+
+
+def _lookalike_config(root: Path) -> None:
+    """A folder whose config.json merely has a run's keys: not a run (no marker, none of a run's files)."""
+    (root / "lookalike").mkdir()
+    (root / "lookalike" / "config.json").write_text(json.dumps({"preset": "x", "model": {"clip": "fedmvp-tiny"}}))
 
 
 def _link_into_bundle(root: Path) -> None:
@@ -179,6 +186,7 @@ SETUPS: dict[str, Callable[[Path], None]] = {
     "out-symlink-into-bundle": _link_into_bundle,
     "out-exists": _existing,
     "out-inside-run": _run_dir,
+    "out-beside-a-lookalike-config": _lookalike_config,
     "out-below-a-file": _file_named("afile"),
     "out-read-only": _read_only_out,
     "rollback-keeps-foreign-temp": _foreign_temp,
@@ -218,6 +226,8 @@ ROWS = [
             ["mine.safetensors", "bundle"]),
     Hostile("out-inside-run", [*_TRAIN, "--data", "local", "--out", "myrun/updates"], 2,
             "inside a fedmvp run directory", ["myrun", "bundle"]),
+    Hostile("out-beside-a-lookalike-config", [*_TRAIN, "--data", "local", "--no-apply", "--out", "lookalike/updates"],
+            0, "lookalike/updates", ["bundle"]),
     # 7: unwritable targets, checked before training
     Hostile("out-below-a-file", [*_TRAIN, "--data", "local", "--out", "afile/updates"], 2, "not a directory",
             ["afile", "bundle"]),

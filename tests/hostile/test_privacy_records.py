@@ -48,7 +48,7 @@ def root(tmp_path_factory) -> Path:
             RunDir(path).save_checkpoint(number, {"promptformer.w": torch.zeros(2)}, {
                 "method": method, "metrics": {"hm": 0.5, "local": 0.5, "base": 0.5, "new": 0.5},
                 **({"privacy": record} if number == 2 else {})})
-        RunDir(path).write_json("zero_shot.json", {"hm": 0.4, "local": 0.4, "base": 0.4, "new": 0.4})
+        RunDir(path).write_zero_shot({"hm": 0.4, "local": 0.4, "base": 0.4, "new": 0.4})
     return base
 
 
