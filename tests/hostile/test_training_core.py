@@ -169,6 +169,7 @@ def test_hostile_input_is_one_line_and_changes_nothing(root, row):
     assert not (root / "r").exists()  # a refused run leaves no run directory behind
 
 
+@pytest.mark.processes
 def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
     """kill -9 of `fedmvp train` (the process, not its group) used to leave ray::DashboardAgent and
     ray::RuntimeEnvAgent running (~90 MB each): the watchdog (fedmvp_apps/watchdog.py) ends them."""
