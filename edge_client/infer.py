@@ -173,7 +173,7 @@ class Predictor:
         per run instead of opening the model again.
 
         Why: a federation node evaluates the round's global LoRA every round; a new ONNX Runtime session
-        each time re-reads and re-optimises the whole model (docs/architecture.md, warm nodes)."""
+        each time re-reads and re-optimises the whole model (docs/architecture.md, "Layers": the warm executor)."""
         check_lora(lora.tensors, self.bundle.lora_shapes, self.bundle.path, BundleError)
         missing = sorted(set(self.bundle.lora_shapes) - set(self.engine.lora_dtypes))
         if missing:  # a model whose LoRA the runtime folded into constants: it cannot be fed
