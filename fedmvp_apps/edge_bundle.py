@@ -12,7 +12,8 @@ from typing import Union
 from edge_client.bundle import DEFAULT_BUNDLE, ChosenBundleDir
 
 BUNDLE_ENV = "FEDMVP_BUNDLE"  # where `--bundle` is not given
-BUNDLE_HELP = f"Bundle directory (default: ${BUNDLE_ENV}, then ./{DEFAULT_BUNDLE})."
+BUNDLE_DEFAULT = f"default: ${BUNDLE_ENV}, then ./{DEFAULT_BUNDLE}"  # what --bundle's help says of its default
+BUNDLE_HELP = f"Bundle directory ({BUNDLE_DEFAULT})."
 BundleDir = Union[Path, ChosenBundleDir]  # what --bundle becomes: a directory given, or the default's
 
 

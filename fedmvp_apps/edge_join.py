@@ -21,7 +21,7 @@ import click
 from edge_client.engines import PRECISIONS, RUNTIMES
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainInputError, TrainOptions
 from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
-from fedmvp_apps.edge_bundle import BUNDLE_HELP, BundleDir, bundle_option_callback
+from fedmvp_apps.edge_bundle import BUNDLE_DEFAULT, BundleDir, bundle_option_callback
 
 # What an edge device installs to join (pyproject's edge-join extra: flwr and torch, no training core).
 EDGE_JOIN_INSTALL = "fedmvp[edge-join]"
@@ -85,7 +85,7 @@ def _option(*decls: str, name: str, **kwargs):
 @click.option("--superlink", required=True, metavar="HOST:PORT", help="The federation server's address (`fedmvp serve`).")
 @click.option("--bundle", type=click.Path(path_type=Path, file_okay=False), default=None,
               callback=bundle_option_callback,
-              help=f"{BUNDLE_HELP[:-1]}; refreshed in place when the "
+              help=f"Bundle directory ({BUNDLE_DEFAULT}); refreshed in place when the "
                    "server's PromptFormer has moved on (the previous one kept: `edge-client rollback --refresh`).")
 @click.option("--data", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="Local labelled images, DATA/<class>/<image> (classes must be the bundle's); they never "
