@@ -2,9 +2,10 @@
 
 Inference (no torch): ``bundle`` (the format, `Bundle`: identity, round, method config),
 ``infer``, ``runtime``, ``preprocess``, ``images``, ``lora_store`` (which LoRA runs,
-rollback), ``update`` (the update file), ``atomic`` (every file write).
+rollback), ``update`` (the update file); every file write is ``fedmvp_formats.atomic``'s.
 Training (torch, imported lazily): ``train`` (the loop), ``train_options`` (`TrainOptions`),
-``local_data``, ``batch_fit``, ``program``. Imports neither `fedmvp` nor open_clip.
+``local_data``, ``batch_fit``, ``program``. Imports neither `fedmvp` nor open_clip, and reads no
+environment variable: the device commands (``fedmvp_apps.edge_cli``) read theirs and pass the values.
 """
 
 from __future__ import annotations

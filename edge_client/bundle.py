@@ -75,8 +75,23 @@ from edge_client.check_images import CheckImages, check_header, generated_check_
 from edge_client.preprocess import PreprocessSpec
 from edge_client.safetensors_check import check_safetensors, load_safetensors
 
-BUNDLE_ENV = "FEDMVP_BUNDLE"  # where `--bundle` is not given
-DEFAULT_BUNDLE = "bundle"  # where neither --bundle nor $FEDMVP_BUNDLE is given
+DEFAULT_BUNDLE = "bundle"  # where no bundle directory is given
+
+
+@dataclass(frozen=True)
+class ChosenBundleDir:
+    """A bundle directory the caller chose by its own default rule, not one the user named: ``looked``
+    says where it looked, for the line when it is not there (`edge-client` without --bundle:
+    ``$FEDMVP_BUNDLE``, then ./bundle; the app reads the environment, the library never does)."""
+
+    path: Path
+    looked: str
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
 
 
 @dataclass
@@ -88,11 +103,12 @@ class Bundle:
 
     @staticmethod
     def resolve_dir(bundle: str | os.PathLike | None = None) -> Path:
-        """``bundle`` if given (`--bundle`), else ``$FEDMVP_BUNDLE``, else ``./bundle``."""
+        """``bundle`` if given, else ``./bundle``."""
+        if isinstance(bundle, ChosenBundleDir):
+            return bundle.path
         if bundle is not None and str(bundle) != "":
             return Path(bundle)
-        env = os.environ.get(BUNDLE_ENV)
-        return Path(env) if env else Path(DEFAULT_BUNDLE)
+        return Path(DEFAULT_BUNDLE)
 
     @classmethod
     def open(cls, bundle: str | os.PathLike | Bundle | None = None, verify: bool = True) -> Bundle:
@@ -239,10 +255,12 @@ def not_found(given: str | os.PathLike | None, path: Path) -> str:
     Why: after `fedmvp-export` a user types `edge-client infer img.jpg`; "not a bundle directory"
     alone does not say that ./bundle was the default, nor how to make one."""
     what = "a file, " if path.is_file() else ""
-    if given is not None and str(given) != "":
+    if isinstance(given, ChosenBundleDir):
+        looked = given.looked
+    elif given is not None and str(given) != "":
         return f"{path}: not a bundle directory ({what}given with --bundle)"
-    env = os.environ.get(BUNDLE_ENV)
-    looked = f"${BUNDLE_ENV}={env}" if env else f"${BUNDLE_ENV} (unset), ./{DEFAULT_BUNDLE}"
+    else:
+        looked = f"./{DEFAULT_BUNDLE}"
     return (f"{path}: not a bundle directory ({what}no bundle found; looked at {looked}); export one with "
             f"`fedmvp-export --round N` (it points ./{DEFAULT_BUNDLE} at it) or pass --bundle DIR")
 

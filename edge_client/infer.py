@@ -173,7 +173,7 @@ class Predictor:
         per run instead of opening the model again.
 
         Why: a federation node evaluates the round's global LoRA every round; a new ONNX Runtime session
-        each time re-reads and re-optimises the whole model (docs/architecture.md, warm nodes)."""
+        each time re-reads and re-optimises the whole model (docs/architecture.md, "Layers": the warm executor)."""
         check_lora(lora.tensors, self.bundle.lora_shapes, self.bundle.path, BundleError)
         missing = sorted(set(self.bundle.lora_shapes) - set(self.engine.lora_dtypes))
         if missing:  # a model whose LoRA the runtime folded into constants: it cannot be fed
@@ -283,7 +283,7 @@ def infer_paths(paths: Iterable[str | os.PathLike], bundle: str | os.PathLike | 
                 on_result: Callable[[Prediction | FileFailure], None] | None = None) -> InferResult:
     """Classify image files, directories (recursive) and glob patterns with a bundle.
 
-    ``bundle``: directory (default ``$FEDMVP_BUNDLE``, then ``./bundle``); verified before
+    ``bundle``: directory (default ``./bundle``; `edge-client` passes ``$FEDMVP_BUNDLE``); verified before
     loading (``BundleError`` if tampered). ``provider``: auto | cpu | cuda | tensorrt
     (``ProviderError`` if a named one cannot load). ``runtime``: ort | openvino | auto, ``precision``: auto |
     fp32 | bf16 | fp16 | int8 (`Predictor`; a runtime named and missing: ``RuntimeUnavailable``).

@@ -304,7 +304,7 @@ def _patches(layout: dict[str, Span], tensors: Mapping[str, np.ndarray], path: P
 def _refreshed_manifest(bundle: Bundle, staged: Path, changed: list[str], digest: str, round_number: int,
                         old_id: str, run_id: str | None = None) -> dict[str, Any]:
     """The old manifest with the new files' hashes, the run and round its weights now come from, and where
-    the bundle was refreshed from (docs/architecture.md "Identity follows the weights")."""
+    the bundle was refreshed from (docs/architecture.md "Records that travel", bundle identity)."""
     manifest = json.loads(json.dumps(bundle.manifest))
     manifest["files"].update(file_entries(staged, changed))
     # The checkpoint file the bundle was exported from no longer describes its tensors.

@@ -16,12 +16,13 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import open_clip
 import torch
 from torch import nn
 
+from fedmvp.scoped import attribute, environment
 from fedmvp.tiny_tokenizer import CompactTokenizer
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -129,8 +130,9 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _offline(allow_download: bool):
-    """Keep Hugging Face hub calls local unless downloads are allowed.
+def _offline(allow_download: bool) -> Iterator[None]:
+    """Keep Hugging Face hub calls local unless downloads are allowed, for this block only (the
+    environment and the hub's flag are restored after, also on error: fedmvp.scoped).
 
     huggingface_hub reads HF_HUB_OFFLINE once, at import, so the environment alone does not
     switch an already imported hub offline (it then tries the network and, offline, waits ~50 s
@@ -138,25 +140,15 @@ def _offline(allow_download: bool):
     if allow_download:
         yield
         return
-    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     try:
         from huggingface_hub import constants as hub_constants
     except ImportError:  # no hub installed: open_clip falls back to URLs (checked by _needs_url_download)
         hub_constants = None
-    hub_saved = getattr(hub_constants, "HF_HUB_OFFLINE", None)
-    if hub_constants is not None:
-        hub_constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(environment({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}))
         if hub_constants is not None:
-            hub_constants.HF_HUB_OFFLINE = hub_saved
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+            stack.enter_context(attribute(hub_constants, "HF_HUB_OFFLINE", True))
+        yield
 
 
 @contextlib.contextmanager

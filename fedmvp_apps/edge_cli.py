@@ -21,10 +21,10 @@ import click
 
 from edge_client.engines import DEFAULT_RUNTIME
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainOptions
+from fedmvp_apps.edge_bundle import BUNDLE_HELP, BundleDir, bundle_option_callback
 from fedmvp_apps.edge_join import runtime_options
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-_BUNDLE_HELP = "Bundle directory (default: $FEDMVP_BUNDLE, then ./bundle)."
 _WAIT_HELP = ("When another command holds the bundle's lock (BUNDLE/.lock: a train, a refresh, a rollback), "
               "wait for it to finish instead of exiting 2.")
 _BREAK_HELP = ("Take over the bundle's lock (BUNDLE/.lock) when its record names a process on ANOTHER host that "
@@ -34,7 +34,7 @@ _BREAK_HELP = ("Take over the bundle's lock (BUNDLE/.lock) when its record names
 
 def _bundle_option(f: Any) -> Any:
     return click.option("--bundle", "bundle", type=click.Path(path_type=Path, file_okay=False), default=None,
-                        help=_BUNDLE_HELP)(f)
+                        callback=bundle_option_callback, help=BUNDLE_HELP)(f)
 
 
 def _json_option(f: Any) -> Any:
@@ -98,7 +98,7 @@ def main() -> None:
               help="Refuse images with more pixels (decompression bombs; default 100,000,000).")
 @click.option("--bundle-lora", is_flag=True, help="Run the bundle's exported LoRA, not this device's personalised one.")
 @_json_option
-def infer(paths: tuple[str, ...], bundle: Path | None, top_k: int, batch_size: int, provider: str,
+def infer(paths: tuple[str, ...], bundle: BundleDir, top_k: int, batch_size: int, provider: str,
           threads: int | None, runtime: str, precision: str, max_pixels: int | None, bundle_lora: bool,
           as_json: bool) -> None:
     """Classify images: PATHS are files, directories (recursive) and glob patterns.
@@ -192,7 +192,7 @@ def _train_option(*decls: str, name: str, **kwargs: Any) -> Any:
 @_train_option("--threads", name="threads", type=click.IntRange(min=1))
 @_wait_option
 @_json_option
-def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, max_memory_gb: float | None,
+def train(data: Path, bundle: BundleDir, epochs: int, batch_size: int | str, max_memory_gb: float | None,
           out: Path, lr: float, optimizer: str, alpha: float | None, device: str, seed: int, from_bundle: bool,
           no_apply: bool, threads: int | None, wait: bool, break_lock: bool, as_json: bool) -> None:
     """Train only the LoRA tensors on local labelled images (needs torch: fedmvp[edge-train]).
@@ -252,7 +252,7 @@ def train(data: Path, bundle: Path | None, epochs: int, batch_size: int | str, m
                    "on them come back (kept in BUNDLE/previous/).")
 @_wait_option
 @_json_option
-def rollback(bundle: Path | None, to_bundle: bool, refresh: bool, wait: bool, break_lock: bool,
+def rollback(bundle: BundleDir, to_bundle: bool, refresh: bool, wait: bool, break_lock: bool,
              as_json: bool) -> None:
     """Undo the last `edge-client train` personalisation: infer runs the previous LoRA again."""
     from edge_client.bundle import Bundle, BundleError
@@ -308,7 +308,7 @@ def _rollback_refresh(path: Path, as_json: bool, wait: float, break_lock: bool) 
 @_provider_options
 @runtime_options
 @_json_option
-def info(bundle: Path | None, provider: str, threads: int | None, runtime: str, precision: str,
+def info(bundle: BundleDir, provider: str, threads: int | None, runtime: str, precision: str,
          as_json: bool) -> None:
     """Describe the bundle (round, classes, precision, hashes), this device (runtimes, torch, memory) and what
     would run the bundle (--runtime/--precision; auto verifies, or reads its cached verdict)."""

@@ -21,6 +21,7 @@ import click
 from edge_client.engines import DEFAULT_RUNTIME, PRECISIONS, factory, runtime_names
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainInputError, TrainOptions
 from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
+from fedmvp_apps.edge_bundle import BUNDLE_DEFAULT, BundleDir, bundle_option_callback
 
 # What an edge device installs to join (pyproject's edge-join extra: flwr and torch, no training core).
 EDGE_JOIN_INSTALL = "fedmvp[edge-join]"
@@ -100,7 +101,8 @@ def _option(*decls: str, name: str, **kwargs):
 @click.command()
 @click.option("--superlink", required=True, metavar="HOST:PORT", help="The federation server's address (`fedmvp serve`).")
 @click.option("--bundle", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Bundle directory (default: $FEDMVP_BUNDLE, then ./bundle); refreshed in place when the "
+              callback=bundle_option_callback,
+              help=f"Bundle directory ({BUNDLE_DEFAULT}); refreshed in place when the "
                    "server's PromptFormer has moved on (the previous one kept: `edge-client rollback --refresh`).")
 @click.option("--data", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="Local labelled images, DATA/<class>/<image> (classes must be the bundle's); they never "
@@ -134,7 +136,7 @@ def _option(*decls: str, name: str, **kwargs):
               help="Take over the bundle's lock (BUNDLE/.lock) when its record names a process on ANOTHER host "
                    "that you know is gone; without it such a lock is refused before the node starts (exit 2).")
 @runtime_options
-def join(superlink: str, bundle: Path | None, data: Path, eval_data: Path | None, eval_fraction: float,
+def join(superlink: str, bundle: BundleDir, data: Path, eval_data: Path | None, eval_fraction: float,
          root_certificates: Path | None, auth_key: Path | None, insecure: bool, device: str,
          max_memory_gb: float | None, epochs: int, lr: float, optimizer: str, out: Path | None, personalise: bool,
          threads: int | None, port: int | None, break_lock: bool, runtime: str, precision: str) -> None:

@@ -1,8 +1,9 @@
 """fedmvp_formats: the file formats and small protocols that fedmvp, export and edge_client share.
 
-Why a leaf: the three packages import one way (export and edge_client never import fedmvp back,
-fedmvp imports neither), so a format they all read had to be written once per package and kept
-equal by tests. Here it is written once. This package imports only numpy, safetensors and the
+Why a leaf: the three packages import one way (fedmvp and edge_client import neither each other nor
+export; export imports both, fedmvp to rebuild the model and edge_client for the bundle format it
+writes; docs/architecture.md, Layers), so a format that fedmvp and edge_client both read had no
+common home but this one, or a copy per package kept equal by tests. Here it is written once. This package imports only numpy, safetensors and the
 standard library, and none of the project's packages: every one of them may import it, and the
 smallest install (edge inference, no torch) carries it.
 
@@ -17,4 +18,11 @@ smallest install (edge inference, no torch) carries it.
 - ``promptformer``: the PromptFormer digest a bundle and a run agree on.
 - ``shown``: untrusted text as an error message may show it (escaped, cut short).
 - ``update``: the update file a device trains and a server ingests: one reader, one writer.
+- ``class_set``: the class-set digest, the one identity of a run's classes and their phrases.
+- ``image_folder``, ``folder_walk``: a folder of labelled images, walked by the one rule, for a site and a device.
+- ``messages``, ``packed``: the Flower message schema, and a model state as one flat array in a message.
+- ``nofollow``, ``holder_lock``: writing inside a run or bundle without following a link; the one lock file.
+- ``tensors``: the one check of tensors that arrive from elsewhere.
+- ``parity_rules``: when a model's logits count as the reference's (the exporter and the device).
+- ``privacy``: the differential-privacy settings and the sender's clip and noise.
 """

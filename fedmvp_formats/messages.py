@@ -54,7 +54,7 @@ UNNUMBERED = -1  # the partition-id an open federation's site identifies with be
 REFRESHED, REFRESH_BYTES = "refreshed", "refresh-bytes"
 NUM_EXAMPLES, TRAIN_LOSS, TRAIN_CE, TRAIN_CONSISTENCY = "num-examples", "train-loss", "train-ce", "train-consistency"
 LORA_ACTIVE, SWITCH_NEXT, REFRESH_SECONDS = "lora-active", "switch-next", "refresh-seconds"
-SITE, EDGE = "site", "edge"  # the two roles (docs/architecture.md "node identity")
+SITE, EDGE = "site", "edge"  # the two roles (docs/architecture.md "Records that travel")
 EDGE_SET = "edge"  # an edge device's evaluation counts: edge:correct, edge:total
 IDENTIFY = "identify"  # the query action (message type ``query.identify``) a node answers with its identity
 

@@ -3,7 +3,7 @@
 Why one array: Flower stores every ``Array`` of a message as objects of its own (the array and its
 chunks), and its SuperLink serves each object with an HTTP request and a database transaction. The
 demo's 26 tensors made 51 objects a message, some 250 requests a round, and the SuperLink's CPU was
-what a deployed round waited on (issue 24 §5: a steady round of 5.5 s for 0.8 s of training on 2
+what a deployed round waited on (the deploy benchmark: a steady round of 5.5 s for 0.8 s of training on 2
 cores). Packed, a message is 5 objects whatever the model (docs/architecture.md "Names that travel",
 docs/benchmarks.md "deploy").
 

@@ -9,6 +9,7 @@ import sys
 from click.testing import CliRunner
 
 from fedmvp_apps.cli import main
+import pytest
 
 
 def test_info_json_reports_counts_and_upload_bytes():
@@ -29,6 +30,7 @@ def test_info_unknown_model_is_one_line_and_exit_2():
     assert result.output.strip().count("\n") == 0 and "unknown CLIP model 'ViT-Q-1'" in result.output
 
 
+@pytest.mark.processes
 def test_console_scripts_have_help():
     for module in ("fedmvp_apps.cli", "fedmvp_apps.export_cli", "fedmvp_apps.edge_cli"):
         out = subprocess.run([sys.executable, "-c", f"from {module} import main; main()", "--help"],

@@ -1,12 +1,13 @@
 """The packages' imports flow down the layers and never in a circle (docs/architecture.md "Layers").
 
 Read from the source with ``ast`` (nothing is imported), counting every import, also those inside
-functions: a lazy import is still a dependency. Three layers, no exceptions:
+functions: a lazy import is still a dependency. Four layers, no exceptions:
 - the leaf, ``fedmvp_formats`` (formats and protocols), imports no project package and only numpy,
   safetensors and the standard library besides;
-- the libraries ``fedmvp``, ``export`` and ``edge_client`` import the leaf; ``export`` also imports
-  ``fedmvp`` (to rebuild the model) and ``edge_client`` (the bundle format); ``fedmvp`` and
-  ``edge_client`` import no other library (a site has no edge client, a device no training core);
+- the core libraries ``fedmvp`` and ``edge_client`` import the leaf and no other library (a site has
+  no edge client, a device no training core);
+- the exporter, ``export``, imports the leaf, ``fedmvp`` (to rebuild the model) and ``edge_client``
+  (the bundle format);
 - the apps, ``fedmvp_apps`` (every command, serve and both joins) and ``node_app`` (the ClientApp
   every SuperNode loads), import any package below them; no library imports an app, and neither
   app package imports the other;

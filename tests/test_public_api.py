@@ -81,11 +81,13 @@ def test_unknown_names_are_attribute_errors(package):
         module.no_such_name  # noqa: B018
 
 
+@pytest.mark.processes
 def test_importing_the_packages_loads_nothing_heavy():
     loaded = run_blocked([], "import fedmvp, export, edge_client; print(fedmvp.__version__)")
     assert [name for name in HEAVY if name in loaded] == []
 
 
+@pytest.mark.processes
 def test_the_device_api_imports_without_torch():
     code = ("try:\n    import torch\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('not blocked')\n"
             "import edge_client\n"

@@ -1,4 +1,4 @@
-"""mkdocs hook: the reference pages that are generated from the live code, never hand-copied (issue 27).
+"""mkdocs hook: the reference pages that are generated from the live code, never hand-copied, so they cannot drift from it.
 
 A page holds a marker comment where a generated block goes (``<!-- generated: NAME -->``); this hook
 replaces it with the block ``GENERATORS[NAME]`` builds at build time:
@@ -19,6 +19,7 @@ guide needs no edit of mkdocs.yml.
 from __future__ import annotations
 
 import dataclasses
+import html
 import re
 import types
 import typing
@@ -73,13 +74,20 @@ def _kind(hint: Any) -> str:
     return type_name(hint)
 
 
+def _plain(text: str) -> str:
+    """Help or docstring text as Markdown shows it: ``<`` ``>`` ``&`` escaped outside `code` spans, so a
+    placeholder such as runs/<name>/preset.toml is printed, not read as an HTML tag and dropped."""
+    parts = text.split("`")
+    return "`".join(html.escape(part, quote=False) if i % 2 == 0 else part for i, part in enumerate(parts))
+
+
 def _rows(cls: type) -> list[str]:
     hints = typing.get_type_hints(cls)
     rows = ["| key | type | default | what it sets |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if f.metadata.get("internal") or _table_class(hints[f.name])[0] is not None:
             continue
-        text = " ".join(str(f.metadata.get("help", "")).split()).replace("|", "\\|")
+        text = _plain(" ".join(str(f.metadata.get("help", "")).split())).replace("|", "\\|")
         kind = _kind(hints[f.name]).replace("|", "or")
         rows.append(f"| `{f.name}` | {kind} | {_default(f)} | {text} |")
     return rows
@@ -96,7 +104,7 @@ def preset_keys(preset: type | None = None) -> str:
         if cls is None or f.metadata.get("internal"):
             continue
         title = f"[[{f.name}]]" if array else f"[{f.name}]"
-        doc = " ".join((cls.__doc__ or "").split())
+        doc = _plain(" ".join((cls.__doc__ or "").split()))
         parts += [f"### `{title}`", "", doc, "", *_rows(cls), ""]
     return "\n".join(parts)
 
@@ -136,7 +144,7 @@ def update_file() -> str:
             "| key | type | required | meaning |", "|---|---|---|---|"]
     for name, text in up.FIELDS.items():
         rows.append(f"| `{name}` | {kind(name)} | {'yes' if name in up.REQUIRED else 'no'} | "
-                    f"{' '.join(text.split())} |")
+                    f"{_plain(' '.join(text.split()))} |")
     rows += ["", f"Limits: a file without a bundle to size it by may hold at most {up.MAX_UPDATE_BYTES >> 20} MiB, "
              f"its header at most {up.MAX_HEADER_BYTES >> 20} MiB; unknown metadata keys are allowed (a newer "
              "writer's) and never echoed."]

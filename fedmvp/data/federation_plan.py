@@ -1,6 +1,6 @@
 """The federation planned from class lists alone: who the sites are, what each holds, what is evaluated.
 
-The one planner (docs/architecture.md "One federation builder"): ``build_federation`` materialises
+The one planner (docs/architecture.md "Built once per process"): ``build_federation`` materialises
 every planned client (a simulation, a central evaluation), ``build_site`` materialises ONE (a site's
 process, which must not list or sample other sites' data), and a server without data writes the
 plan's record (``plan_record``). A client's k-shot draw is seeded by its planned id

@@ -1,4 +1,4 @@
-"""Buffered asynchronous versions for edge devices (FedBuff; docs/architecture.md "Buffered rounds").
+"""Buffered asynchronous versions for edge devices (FedBuff; docs/architecture.md "Buffered versions for devices").
 
 Flower 1.42 has no asynchronous aggregation, but its ``Grid`` pushes and pulls messages one by one,
 so the server can keep ``concurrency`` devices busy without a barrier: whenever a device is free it

@@ -3,12 +3,12 @@ came or the round timeout passed.
 
 Flower 1.42's deployment Grid (``flwr.superlink.grid.http_grid``) sleeps a fixed 3 s between two
 pulls of the replies, so a deployed round waits 1.5 s on average after its last reply, twice a
-round (train, evaluate): issue 24 §5, the deploy benchmark. Here the wait starts at
+round (train, evaluate; the deploy benchmark, benchmarks/deploy.py, measures it). Here the wait starts at
 ``FIRST_POLL_SECONDS`` and grows to at most ``MAX_POLL_SECONDS`` (one small Runtime API request on
 the server's own SuperLink each time). The replies are the same ones Flower's method returns;
 their order may differ, and the strategy sorts them before it averages (docs/method.md).
 
-``bound_reply_pulls``: the same Grid pulls a reply's objects (its tensors) for up to 2 hours, backing
+``bounded_reply_pulls``: the same Grid pulls a reply's objects (its tensors) for up to 2 hours, backing
 off from 1 s to 10 s, until they arrive. A device killed between pushing a reply and pushing its
 objects (seen in the buffered test) therefore stalled the server for that long; a healthy reply's
 objects follow its head at once. Bounded, the stuck reply becomes Flower's own error reply
@@ -18,10 +18,13 @@ failed reply, and objects still on their way are polled every few ms rather than
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Iterable
+from typing import Iterable, Iterator
+
+from fedmvp.scoped import attribute
 
 REPLY_OBJECT_SECONDS = 30.0  # Flower: 7200 s (500 tries) before a reply with missing objects fails
 OBJECT_BACKOFF = (0.02, 0.5)  # Flower: 1 s doubling to 10 s
@@ -48,22 +51,24 @@ def send_and_receive(grid, messages: Iterable, timeout: float | None) -> list:
     return replies
 
 
-def bound_reply_pulls(max_time: float = REPLY_OBJECT_SECONDS) -> bool:
-    """Bound how long the deployed Grid (``http_grid``) pulls one reply's objects; False (nothing
-    changed) where this Flower's Grid has no module-level ``pull_objects`` to bound."""
+@contextlib.contextmanager
+def bounded_reply_pulls(max_time: float = REPLY_OBJECT_SECONDS) -> Iterator[bool]:
+    """Inside the block, the deployed Grid (``http_grid``) pulls one reply's objects for at most
+    ``max_time`` seconds; its own ``pull_objects`` is put back after, also on error (``fedmvp.scoped``).
+    Yields False (nothing changed) where this Flower's Grid has no module-level ``pull_objects``."""
     try:
         from flwr.superlink.grid import http_grid
     except ImportError:
-        return False
+        yield False
+        return
     pull = getattr(http_grid, "pull_objects", None)
     if not callable(pull):
-        return False
-    original = getattr(pull, "func", pull) if getattr(pull, "fedmvp_bounded", False) else pull
-    bounded = partial(original, max_time=max_time, max_tries_per_object=None, initial_backoff=OBJECT_BACKOFF[0],
+        yield False
+        return
+    bounded = partial(pull, max_time=max_time, max_tries_per_object=None, initial_backoff=OBJECT_BACKOFF[0],
                       backoff_cap=OBJECT_BACKOFF[1])
-    bounded.fedmvp_bounded = True  # type: ignore[attr-defined]  # applied once, whatever calls it
-    http_grid.pull_objects = bounded
-    return True
+    with attribute(http_grid, "pull_objects", bounded):
+        yield True
 
 
 class SeparatePulls:

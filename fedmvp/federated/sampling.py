@@ -1,4 +1,4 @@
-"""Who trains a round, one way for the simulation and for a deployment (docs/architecture.md "Who trains").
+"""Who trains a round, one way for the simulation and for a deployment (docs/architecture.md "Across machines").
 
 The server samples *sites*, never nodes: a seeded fraction of the run's site ids per round
 (``sample_sites``), the same set whenever that round is replayed (a resumed run replays exactly).

@@ -19,7 +19,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedmvp.federated.flower_log import flower_log
-from fedmvp.federated.grid_poll import bound_reply_pulls
+from fedmvp.federated.grid_poll import bounded_reply_pulls
 from fedmvp.federated.prepare import check_same_preset, prepare_run
 from fedmvp.federated.privacy_budget import run_events
 from fedmvp.data.federation_plan import is_open, plan_record
@@ -225,8 +225,8 @@ def main(grid: Grid, context: Context) -> None:
     """Deployment: everything comes from the run config (``flwr run ... --run-config``). The run's lock
     is taken before an existing run's config.json is read, and held until the last round is written.
     Flower's warnings and errors, and each left-out reply, are appended to RUN/flower.log."""
-    bound_reply_pulls()  # a device killed mid-reply must not stall the server for hours (grid_poll.py)
-    with lock_existing(str(context.run_config.get("run-dir", "")).strip(), SERVER_COMMAND):
+    # a device killed mid-reply must not stall the server for hours (grid_poll.py)
+    with bounded_reply_pulls(), lock_existing(str(context.run_config.get("run-dir", "")).strip(), SERVER_COMMAND):
         settings = deployment_settings(context.run_config)
         with flower_log(settings.run_dir):  # Flower's warnings, each left-out reply: RUN/flower.log (`serve` says them)
             run_server(grid, settings)

@@ -14,6 +14,7 @@ from fedmvp.atomic import os_error_line
 from fedmvp.federated.flower_log import FLOWER_LOG, flower_log
 from fedmvp.federated.prepare import simulation_problem
 from fedmvp.runs import RunDir, RunError
+from fedmvp.scoped import environment
 from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
 
 # Flower's quiet environment (fedmvp_formats.flower_env) plus the simulation engine's own: Ray's.
@@ -26,8 +27,14 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     """Run (or finish) the rounds of ``run`` on Flower's simulation engine (``client_app``: another
     ClientApp than fedmvp's, e.g. one that misbehaves, to see what the server does with it). The
     server is the deployment's: it samples sites, learns each node's site from its ``partition-id``
-    and has the nodes evaluate; only the CPU share of each node (``cpus`` of them) is simulation's."""
-    os.environ.update(SIMULATION_ENV)
+    and has the nodes evaluate; only the CPU share of each node (``cpus`` of them) is simulation's.
+    ``SIMULATION_ENV`` is this process's environment while the rounds run (Ray's workers inherit it at
+    ``ray.init``), and is put back as it was after (``fedmvp.scoped``)."""
+    with environment(SIMULATION_ENV):
+        return _simulate(run, eval_every, progress, cpus, client_app)
+
+
+def _simulate(run: RunDir, eval_every: int, progress: bool, cpus: int | None, client_app) -> RunDir:
     from flwr.simulation import run_simulation
 
     if client_app is None:
@@ -47,7 +54,7 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     settings = ServerSettings(run_dir=str(run.path), eval_every=eval_every, progress=progress, client_threads=threads)
     server_app = server_app_for(settings, failures)
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": gpu},
-               # Ray's workers inherit this process's environment (set above) at ray.init; its driver
+               # Ray's workers inherit this process's environment (SIMULATION_ENV) at ray.init; its driver
                # logs warnings, which flower_log keeps in the run directory.
                "init_args": {"num_cpus": cpus, "log_to_driver": False, "logging_level": logging.WARNING,
                              "include_dashboard": False}}

@@ -91,7 +91,7 @@ def _simulate(run: RunDir, eval_every: int, progress: bool) -> RunDir:
     """The rounds on Flower's simulation engine; a write that failed mid-run raises RunError."""
     from fedmvp.federated.simulation import simulate
     from fedmvp.runs import RunError
-    from fedmvp.watchdog import start_watchdog
+    from fedmvp_apps.watchdog import start_watchdog
 
     start_watchdog()  # Ray's helpers must not outlive a killed `fedmvp train` / `fedmvp demo`
     try:

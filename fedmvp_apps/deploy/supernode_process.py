@@ -5,7 +5,7 @@ Flower 1.42's SuperNode loop (``flwr.supernode.start_client_internal``) sleeps 3
 empty pull from the SuperLink and polls its own state every 0.5 s for the ClientApp's reply; it has
 no flag for either. A message therefore waits 1.5 s on average before the node even sees it, and
 a reply up to 0.5 s before it is sent: with two messages a round (train, evaluate) about 3.5 s of
-a steady round on 127.0.0.1 that no training needs (issue 24 §5, the deploy benchmark). This
+a steady round on 127.0.0.1 that no training needs (measured by the deploy benchmark, docs/benchmarks.md "deploy"). This
 entry point gives that module a ``time`` whose ``sleep`` waits ``LOCAL_POLL_SECONDS`` for anything
 shorter than 1 s (local state only) and, between two empty pulls from the SuperLink, a pause that
 grows with the time since this node last sent a reply: the next round's message usually follows a

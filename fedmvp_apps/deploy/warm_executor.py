@@ -2,7 +2,7 @@
 
 Flower's default (``flower-supernode --isolation subprocess``) starts a fresh ``flwr-clientapp``
 process per message, so a site imports torch, loads CLIP and rebuilds its data index every round
-(issue 24: ~18 s a steady round on the demo preset). With ``--isolation process`` the SuperNode
+(~18 s a steady round on the demo preset; docs/benchmarks.md "deploy"). With ``--isolation process`` the SuperNode
 starts nothing itself: an executor claims each pending task on the SuperNode's Runtime API and
 runs it. This module is that executor, in ONE process: it claims tasks as Flower's SuperExec does
 (``AcquireTask``, ClientApp tasks only) and runs each as ``flwr-clientapp`` does (the same Flower

@@ -5,7 +5,7 @@ a task token the SuperNode no longer knows (HTTP 401) makes Flower's retry polic
 process, and a task that fails before it has pulled its message leaves no reply, so the
 SuperNode, which waits for exactly one reply per message (``_push_messages`` in Flower's
 ``start_client_internal``), waits forever. In one process per task the first is how the task
-ends; in ours it ended the executor, and so the join (the flake of issue 24: a `fedmvp serve`
+ends; in ours it ended the executor, and so the join (a `fedmvp serve`
 killed mid-round, whose restarted SuperLink no longer serves the old run's objects, so the
 SuperNode fails that task). Here a task is self-contained: everything of it (its Runtime API
 client and token, heartbeat, message, context, Flower's ``TaskIdentity``) lives and ends with it;
@@ -17,7 +17,7 @@ The task input is pulled as Flower's ``pull_task_input`` does, with two waits ma
 SuperNode creates the task a moment before it stores the message (we retry an empty
 ``PullMessages`` briefly), and it offers the task while it is still pulling the message's objects
 from the SuperLink (we poll the local store every few ms, not with Flower's 1 s initial backoff,
-which cost a warm site about 1.2 s a message: docs/architecture.md "Deployment").
+which cost a warm site about 1.2 s a message: docs/architecture.md "Layers").
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ def test_auto_and_bf16_accuracy_are_measured_on_the_runs_labelled_images(tiny_ru
     assert accuracy_ratios(None) == dict.fromkeys(KEYS)  # no trained run: the keys, unmeasured
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(600)
 def test_a_quick_edge_run_on_a_trained_run_reports_the_keys(tiny_run):
     from benchmarks import edge

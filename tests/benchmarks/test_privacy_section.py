@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -61,6 +61,7 @@ def test_train_quick_rows_follow_the_plan(train_section: Section) -> None:
     json.dumps(train_section.to_json())
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(900)
 def test_deploy_quick_runs_each_sites_messages_in_one_warm_process() -> None:
     """A real TLS deployment (serve + 2 joins): every message of a site ran in one process, and the
@@ -82,6 +83,7 @@ def test_deploy_quick_runs_each_sites_messages_in_one_warm_process() -> None:
     json.dumps(section.to_json())
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(1200)
 def test_async_quick_runs_both_modes_on_throttled_devices() -> None:
     """Two real deployments of the same throttled devices (issue 26 §4): synchronous rounds, then buffered

@@ -106,6 +106,7 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch, tmp
     assert data["options"]["only"] == ["broken", "ok"]
 
 
+@pytest.mark.processes
 def test_edge_and_prompts_quick_sections_measure_every_runtime():
     """The edge table end to end on the tiny model: every runtime timed at the asked batches, its
     ONNX file and memory measured, the issue's ratios present (values are the benchmark's business)."""

@@ -20,6 +20,9 @@ from edge_client.lora_store import active_lora, read_state
 from tests.concurrency.processes import (APPLY, finish, leftovers, one_error_line, reached, run, start, stderr_line,
                                          train, unlocked)
 from tests.edge_client.edge_helpers import tree_bytes
+import pytest
+
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 REFRESH = """import sys
 from safetensors.numpy import load_file

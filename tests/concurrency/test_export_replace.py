@@ -13,6 +13,9 @@ from edge_client.bundle import read_bundle
 from edge_client.lora_store import active_lora
 from tests.concurrency.processes import APPLY, finish, leftovers, one_error_line, reached, run, start, train, unlocked
 from tests.edge_client.edge_helpers import tree_bytes
+import pytest
+
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 CHECK_FILES = "edge_client.bundle:_check_files"  # where infer stops: the old manifest read, no file checked yet
 

@@ -133,5 +133,6 @@ def test_wait_on_another_hosts_lock_says_so_and_goes_on_when_it_is_released(run_
     assert RunDir(run_dir).rounds() == [1, 2, 3]
 
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 if sys.platform == "win32":  # pragma: no cover - flock and symlinks are POSIX
-    pytestmark = pytest.mark.skip("POSIX only")
+    pytestmark = [pytestmark, pytest.mark.skip("POSIX only")]

@@ -23,6 +23,8 @@ from fedmvp.runs import RunDir
 from tests.concurrency.processes import finish, leftovers, one_error_line, reached, run, start, stderr_line
 from tests.federated.test_ingest import good_update, lora_of, round_promptformer
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 SAVE = "fedmvp.runs:RunDir.save_checkpoint"  # where the first ingest stops: round 2 read, round 3 not written
 
 

@@ -23,6 +23,8 @@ from tests.concurrency.test_run_lock import SAVE, ingested
 from tests.edge_client.edge_helpers import tree_bytes
 from tests.federated.test_ingest import good_update, lora_of, round_promptformer
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 
 @pytest.fixture(scope="module")
 def preset(tmp_path_factory) -> Path:

@@ -115,6 +115,17 @@ def test_a_key_added_to_the_schema_appears_with_its_type_default_and_help():
     assert "| `lr` | a number | `0.003` |" in markdown  # the inherited keys stay
 
 
+def test_a_placeholder_in_a_help_text_is_printed_not_read_as_html():
+    """runs/<name>/preset.toml in a help text reaches the rendered page whole (an unescaped <name> is an
+    HTML tag the browser drops: "runs//preset.toml")."""
+    import markdown
+
+    rendered = markdown.markdown(_hook().preset_keys(), extensions=["tables"])
+    text = html.unescape(re.sub(r"<[^>]+>", " ", rendered))
+    assert "runs/<name>/preset.toml" in text and "runs//preset.toml" not in text
+    assert "DIR/<class>/<image>" in text
+
+
 def test_format_references_name_every_section_and_metadata_key(site):
     from fedmvp_formats import bundle_manifest, update
 

@@ -21,6 +21,7 @@ def test_the_one_machine_tutorial_has_runnable_blocks():
     assert "tutorials/one-machine.md" in [p.relative_to(DOCS).as_posix() for p in pages_with_blocks()]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("page", pages_with_blocks(), ids=lambda p: p.relative_to(DOCS).as_posix())
 def test_runnable_blocks_run(page: Path, tmp_path):

@@ -62,6 +62,7 @@ for path in sys.argv[2:]:
 """
 
 
+@pytest.mark.processes
 def test_concurrent_applies_lose_nothing_and_every_entry_verifies(bundle_dir, tmp_path):
     import subprocess
     import sys
@@ -188,6 +189,7 @@ def test_empty_class_folder_is_reported_and_all_empty_is_an_error(tmp_path):
 
 
 # ---- 6: non-UTF-8 file names --------------------------------------------------------------------------
+@pytest.mark.processes
 def test_infer_json_and_table_stay_valid_utf8_with_non_utf8_names(edge_bundle, tmp_path):
     import subprocess
     import sys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,11 +116,20 @@ def test_missing_inputs_are_per_file_errors(edge_bundle, data_root, tmp_path):
 
 
 def test_bundle_resolution_order(edge_bundle, tmp_path, monkeypatch):
+    """The library resolves only what it is given (else ./bundle); $FEDMVP_BUNDLE is the command's to read."""
+    from fedmvp_apps.edge_bundle import bundle_dir
+
     monkeypatch.delenv("FEDMVP_BUNDLE", raising=False)
     monkeypatch.chdir(tmp_path)
     assert Bundle.resolve_dir(None) == Bundle.resolve_dir("") and str(Bundle.resolve_dir(None)) == "bundle"
+    assert Bundle.resolve_dir(bundle_dir(None)) == Path("bundle")
     monkeypatch.setenv("FEDMVP_BUNDLE", str(edge_bundle))
-    assert Bundle.resolve_dir(None) == edge_bundle and Bundle.resolve_dir("x") == Bundle.resolve_dir("x")
+    assert str(Bundle.resolve_dir(None)) == "bundle"  # the library never reads the environment
+    assert Bundle.resolve_dir(bundle_dir(None)) == edge_bundle and bundle_dir(Path("x")) == Path("x")
+    monkeypatch.setenv("FEDMVP_BUNDLE", str(tmp_path / "gone"))
+    with pytest.raises(BundleError, match=r"no bundle found; looked at \$FEDMVP_BUNDLE=.*gone\)"):
+        Bundle.open(bundle_dir(None))
+    monkeypatch.setenv("FEDMVP_BUNDLE", str(edge_bundle))
     image = tmp_path / "a.png"
     Image.new("RGB", (20, 20), (10, 20, 30)).save(image)
     assert CliRunner().invoke(main, ["infer", str(image)]).exit_code == 0  # from $FEDMVP_BUNDLE

@@ -152,6 +152,7 @@ def test_the_runtime_asked_for_evaluates_the_round(edge_bundle, tmp_path, runtim
     assert counts["edge:correct"] == edge_node.evaluate_share(reference, held_out)[0]
 
 
+@pytest.mark.processes
 def test_join_refuses_a_runtime_named_and_unavailable_before_connecting(edge_bundle, tmp_path):
     """`join --runtime openvino` where OpenVINO is missing: one error line, exit 2, no SuperNode started
     (a superlink nobody listens on: connecting would hang, not exit 2)."""
@@ -177,6 +178,7 @@ def parse(node: EdgeNodeConfig) -> dict:
     return parse_config_args([node.to_node_config()])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("extra, message", [
     (["--superlink", "nohost"], "expected HOST:PORT"),
     (["--superlink", "127.0.0.1:9"], "--root-certificates CA.crt"),

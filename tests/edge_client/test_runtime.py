@@ -132,6 +132,7 @@ def _python(code: str, blocked: set[str]) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.processes
 def test_inference_path_imports_without_torch(model_path, tmp_path):
     img = tmp_path / "x.png"
     from PIL import Image
@@ -157,6 +158,7 @@ def test_inference_path_imports_without_torch(model_path, tmp_path):
     assert proc.stdout.strip() == "OK CPUExecutionProvider"
 
 
+@pytest.mark.processes
 def test_missing_onnxruntime_says_what_to_install():
     code = """
         import edge_client.runtime as rt

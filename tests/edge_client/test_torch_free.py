@@ -15,6 +15,9 @@ from edge_helpers import REPO
 from edge_client.bundle import read_bundle
 from edge_client.lora_store import apply_update
 from edge_client.update import write_update
+import pytest
+
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 SCRIPT = textwrap.dedent("""
     import importlib.abc, json, sys

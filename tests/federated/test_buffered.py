@@ -25,6 +25,8 @@ from safetensors.numpy import load_file
 from tests.federated.processes import ENV, FEDMVP, Processes
 from tests.federated.test_edge_join import local_folder, prepare_run, states, update_files
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 FIRST, LAST = 3, 10  # rounds 1-2 are prepared; versions 3..10 are buffered
 EXAMPLES = {"a": 9, "b": 6, "c": 12}  # training images per device (3 of every 4 kept): who replied
 

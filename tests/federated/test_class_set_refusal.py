@@ -15,6 +15,8 @@ from fedmvp_apps.deploy.supernode import free_port
 from tests.federated.processes import Processes
 from tests.site_trees import site_preset, world_classes
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 
 @pytest.mark.timeout(600)
 def test_a_site_with_the_classes_in_another_order_is_refused_before_it_trains(tmp_path, small_world):

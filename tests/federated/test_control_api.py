@@ -84,6 +84,7 @@ def _control(port: int, ca: Path, path: str, token: str | None) -> int:
         return client.post(f"https://127.0.0.1:{port}/v1/control/{path}", headers=headers, content=b"").status_code
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_an_outsider_with_the_ca_certificate_or_a_node_key_controls_nothing(tmp_path, world6):
     from fedmvp_apps.deploy.supernode import free_port
@@ -185,6 +186,7 @@ def test_the_operator_plugin_admits_exactly_its_token(metadata, valid):
     assert (plugin.refresh_tokens(metadata)[0] is not None) is valid
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("setup,fragment", [
     (None, "FEDMVP_OPERATOR_TOKEN_FILE is not set"),
     (lambda p: None, "cannot read the operator token"),

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 ROUNDS = 12
 EVAL_EVERY = 4

@@ -27,6 +27,8 @@ from fedmvp_apps.deploy.flower_app import write_app_dir
 from fedmvp_apps.deploy.supernode import QUIET_ENV, LaunchError, executable, free_port
 from tests.federated.conftest import write_preset
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 REPO = Path(__file__).resolve().parents[2]
 CONNECTION = "fedmvp-test"
 ROUNDS = 2

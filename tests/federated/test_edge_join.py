@@ -29,6 +29,8 @@ from safetensors.numpy import load_file
 from tests.federated.conftest import write_preset
 from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 BLOCKER = '''
 import importlib.abc, sys
 

@@ -17,6 +17,8 @@ import pytest
 from tests.federated.conftest import three_site_preset
 from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 ROUNDS = 5
 
 

@@ -28,6 +28,8 @@ from safetensors.numpy import load_file
 from tests.federated.conftest import three_site_preset
 from tests.federated.processes import ENV, FEDMVP, Processes
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 HOSTILE_APP = '''"""A compromised site's ClientApp: fedmvp's own, its train replies spoiled (test_hostile_site.py)."""
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict

@@ -16,6 +16,7 @@ from tests.site_trees import site_preset, world_classes
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_train_says_each_left_out_reply_and_the_failed_round_names_them(tmp_path, small_world):
     """Two honest sites whose every update exceeds [server] max_update_norm (a bound far too tight):

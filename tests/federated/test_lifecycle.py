@@ -30,6 +30,8 @@ from fedmvp_apps.deploy.stopping import STOP_BOUND, alive, descendants, kill_pid
 from tests.federated.processes import ENV, FEDMVP, Processes
 from tests.federated.test_edge_join import local_folder, prepare_run
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 BOUND = STOP_BOUND
 TASK_TOKEN = re.compile(rb"[0-9a-f]{256}")  # Flower's task tokens: token_hex(128)
 

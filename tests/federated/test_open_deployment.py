@@ -18,6 +18,8 @@ from fedmvp_apps.deploy.supernode import free_port
 from tests.federated.processes import ENV, FEDMVP, Processes
 from tests.site_trees import site_preset, world_classes
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 ROUNDS = 2
 
 

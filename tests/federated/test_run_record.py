@@ -86,7 +86,7 @@ def test_a_server_failure_stops_train_with_its_one_line(preset_file, tmp_path, m
 
     monkeypatch.setattr(server_app, "run_server", failing_server)
     monkeypatch.setattr(flwr.simulation, "run_simulation", fake_simulation)
-    monkeypatch.setattr("fedmvp.watchdog.start_watchdog", lambda: None)
+    monkeypatch.setattr("fedmvp_apps.watchdog.start_watchdog", lambda: None)
     result = CliRunner().invoke(main, ["train", "--config", str(preset_file), "--run-dir", str(tmp_path / "r")])
     assert result.exit_code == 1, result.output
     assert line in result.output and len(result.output.strip().splitlines()) == 1

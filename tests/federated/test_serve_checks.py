@@ -17,6 +17,8 @@ import pytest
 from tests.federated.conftest import write_preset
 from tests.federated.processes import ENV, FEDMVP
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 
 def _run(args: list[str], cwd: Path) -> tuple[int, list[str], float]:
     started = time.monotonic()

@@ -24,6 +24,8 @@ from fedmvp_apps.deploy.supernode import free_port
 from tests.federated.conftest import three_site_preset
 from tests.federated.processes import ENV, FEDMVP, Processes
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 def test_certs_are_a_ca_a_server_certificate_and_node_keys(tmp_path):
     out = subprocess.run([*FEDMVP, "certs", "--out", str(tmp_path / "c"), "--host", "fl.example.org",
                           "--host", "10.1.2.3", "--nodes", "2", "--json"], capture_output=True, text=True, env=ENV)

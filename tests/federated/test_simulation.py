@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 
 from fedmvp_apps.cli import main
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 
 

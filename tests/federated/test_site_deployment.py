@@ -33,6 +33,8 @@ from fedmvp_apps.deploy.supernode import free_port
 from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 from tests.site_trees import site_preset, world_classes
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 EXPORT = [*FEDMVP[:2], "fedmvp_apps.export_cli"]
 ROUNDS = 3
 ACCURACIES = ("local", "base", "new", "hm")  # from counts: equal, or the two evaluations differ

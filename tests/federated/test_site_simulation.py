@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from tests.site_trees import site_preset, world_classes
+import pytest
+
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 
 def test_sites_with_disjoint_folders_train_and_evaluate(tmp_path, small_world):

@@ -27,6 +27,8 @@ from PIL import Image
 
 from fedmvp.attributes.prompt import offline_attributes
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 PHOTO_CLASSES = ["astronaut", "camera", "coffee", "horse", "rocket"]  # rocket: held out (new)
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from fedmvp_apps.deploy.supernode import free_port
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc for the children")
+pytestmark = [pytest.mark.processes,  # starts real processes (see pyproject.toml markers)
+              pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc for the children")]
 ENV = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
 

@@ -282,7 +282,8 @@ def _outside(root: Path, source: Path) -> None:
     (outside / "victim" / "notes.txt").write_text("keep me\n")
 
 
-@pytest.mark.parametrize("row", [pytest.param(r, id=r.id) for r in ROWS])
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.id, marks=[pytest.mark.processes] if r.id in REAL_PROCESS else [])
+                                 for r in ROWS])
 def test_bundle_attack(row: Hostile, pristine_bundle: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("FEDMVP_BUNDLE", raising=False)
     shutil.copytree(pristine_bundle, tmp_path / "bundle")

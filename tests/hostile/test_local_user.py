@@ -13,6 +13,8 @@ import pytest
 
 from tests.federated.processes import ENV
 
+pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+
 TOKEN = "ab" * 128  # a Flower task token: token_hex(128)
 
 

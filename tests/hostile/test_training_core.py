@@ -169,14 +169,15 @@ def test_hostile_input_is_one_line_and_changes_nothing(root, row):
     assert not (root / "r").exists()  # a refused run leaves no run directory behind
 
 
+@pytest.mark.processes
 def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
     """kill -9 of `fedmvp train` (the process, not its group) used to leave ray::DashboardAgent and
-    ray::RuntimeEnvAgent running (~90 MB each): the watchdog (fedmvp/watchdog.py) ends them."""
+    ray::RuntimeEnvAgent running (~90 MB each): the watchdog (fedmvp_apps/watchdog.py) ends them."""
     import signal
     import subprocess
     import time
 
-    from fedmvp.watchdog import descendants
+    from fedmvp_apps.watchdog import descendants
 
     if not Path("/proc/self/stat").exists():
         pytest.skip("the watchdog reads /proc (Linux)")
@@ -218,7 +219,7 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _alive(pid: int, start: int) -> bool:
-    from fedmvp.watchdog import _stat
+    from fedmvp_apps.watchdog import _stat
 
     stat = _stat(pid)
     return stat is not None and stat[1] == start
