@@ -52,10 +52,10 @@ def find_run(run: str | Path | None, runs_root: Path = Path("runs")) -> RunDir:
     """``run`` or the newest directory under ./runs that holds a config.json."""
     if run is not None:
         path = Path(run)
-        if not (path / "config.json").is_file():
+        if not RunDir(path).exists():
             raise ExportError(f"{path}: not a fedmvp run (no config.json)")
         return RunDir(path)
-    candidates = [p for p in runs_root.glob("*") if (p / "config.json").is_file()] if runs_root.is_dir() else []
+    candidates = [p for p in runs_root.glob("*") if RunDir(p).exists()] if runs_root.is_dir() else []
     if not candidates:
         raise ExportError(f"{runs_root}: no run found (pass --run DIR)")
     return RunDir(max(candidates, key=lambda p: (p.stat().st_mtime, p.name)))

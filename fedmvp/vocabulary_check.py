@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedmvp import atomic
+from fedmvp_formats.files import RUN_CONFIG
 
 if TYPE_CHECKING:
     from fedmvp.clip import LoadedClip
@@ -159,7 +160,7 @@ def check_preset(preset: Preset) -> VocabularyCheck | None:
 
 def write_record(run_path: str | Path, result: VocabularyCheck | None) -> None:
     """RUN/vocabulary.json (atomic), where the run is a run (its config.json written) and there are figures."""
-    if result is not None and (Path(run_path) / "config.json").is_file():
+    if result is not None and (Path(run_path) / RUN_CONFIG).is_file():
         atomic.write_json(Path(run_path) / RECORD_FILE, result.record())
 
 

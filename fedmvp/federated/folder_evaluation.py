@@ -86,7 +86,7 @@ def recorded_preset(run: RunDir, config: dict[str, Any]) -> Preset:
     read where the run is, with no warning about the server's original file; else ``RunDir.preset``."""
     from fedmvp.presets.schema import PresetError, load_preset
 
-    copy, text = run.path / "preset.toml", config.get("preset_text")
+    copy, text = run.preset_copy_path, config.get("preset_text")
     try:
         held = copy.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):

@@ -166,7 +166,7 @@ def prepare_run(preset_path: str, run_dir: str | None, rounds: int | None, resum
     atomic.probe_writable(run.path)
     source = Path(getattr(preset, "path", preset_path))
     text = source.read_bytes()
-    atomic.write_text(run.path / "preset.toml", recorded_copy(text.decode("utf-8"), source.parent.resolve()))
+    atomic.write_text(run.preset_copy_path, recorded_copy(text.decode("utf-8"), source.parent.resolve()))
     dev = resolve_device(device)
     train = preset.train
     run.write_config({
