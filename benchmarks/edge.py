@@ -190,10 +190,11 @@ def trained_int8(run_path: Path, work: Path) -> dict:
     run's labelled test images (fp32 and int8 accuracy, the drop in points), top-1 agreement with fp32
     there (the bundle's own parity check), the layers kept fp32 and the scheme `--int8-scheme auto` shipped
     (with what each candidate measured)."""
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import BundleOptions, ExportOptions, export_bundle
 
     start = time.perf_counter()
-    result = export_bundle(run_path, out=work / "trained-int8", precision="int8", training=False)
+    result = export_bundle(run_path, out=work / "trained-int8",
+                           options=ExportOptions(BundleOptions(precision="int8", training=False)))
     plan = result.int8
     check = result.parity["int8"]
     return {"run": str(run_path), "test_images": check.images, "top1_agreement": check.top1_agreement,

@@ -68,9 +68,9 @@ def trained_runtimes(run_path: Path, work: Path, threads: int, count: int) -> di
     from edge_client.bundle import Bundle
     from edge_client.engines import Candidate, offered, open_engine, unavailable
     from edge_client.runtime_choice import choose
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import BundleOptions, ExportOptions, export_bundle
 
-    export_bundle(run_path, out=work / "trained-fp32", training=False)
+    export_bundle(run_path, out=work / "trained-fp32", options=ExportOptions(BundleOptions(training=False)))
     bundle = Bundle.open(work / "trained-fp32")
     pixels, labels = labelled_images(run_path, bundle, count)
     if not len(labels):

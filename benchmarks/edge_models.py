@@ -57,7 +57,7 @@ def load_backbone(name: str, pretrained: str | None):
 def random_bundle(work: Path, name: str, classes: int, attributes: int, *, training: bool = True) -> Path:
     """A bundle of a random-init ``name`` backbone (shipped weights for fedmvp-tiny) over ``class_set``:
     what the benchmarks and gpu_check.sh time and train on (speed and memory do not depend on weights)."""
-    from export.bundle_writer import write_bundle
+    from export.bundle_writer import BundleInputs, BundleOptions, write_bundle
     from export.parity import MIN_IMAGES
     from export.run_inputs import synthetic_images
     from fedmvp.model import FedMVP
@@ -65,7 +65,7 @@ def random_bundle(work: Path, name: str, classes: int, attributes: int, *, train
     clip = load_backbone(name, "synthetic" if name == "fedmvp-tiny" else None)
     out = work / f"bundle-{name}"
     write_bundle(FedMVP(clip), clip, class_set(classes, attributes), out,
-                 images=synthetic_images(MIN_IMAGES, clip.image_size), training=training)
+                 BundleInputs(synthetic_images(MIN_IMAGES, clip.image_size)), BundleOptions(training=training))
     return out
 
 
@@ -94,7 +94,7 @@ def model_bytes(path: Path) -> int:
 def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: str | None = None,
           int8: bool = True, variants: bool = True, calibration_images: int = 32, fp16: bool = False) -> EdgeModels:
     """Build every model of the edge table into ``work`` (the bundle export's own checks included)."""
-    from export.bundle_writer import write_bundle
+    from export.bundle_writer import BundleInputs, BundleOptions, write_bundle
     from export.class_set import text_features
     from export.onnx_export import export_plain_visual
     from export.run_inputs import synthetic_images
@@ -112,7 +112,7 @@ def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: s
     out.build_seconds["text_features"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    fp32 = write_bundle(model, clip, classes_set, work / "fp32", images=images, training=False)
+    fp32 = write_bundle(model, clip, classes_set, work / "fp32", BundleInputs(images), BundleOptions(training=False))
     out.build_seconds["export_fp32"] = time.perf_counter() - start
     out.onnx["ort_fp32"] = fp32.path / "model.onnx"
 
@@ -123,14 +123,15 @@ def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: s
 
     if fp16:  # the GPU table's ONNX Runtime CUDA / TensorRT rows
         start = time.perf_counter()
-        half = write_bundle(model, clip, classes_set, work / "fp16", images=images, precision="fp16", training=False)
+        half = write_bundle(model, clip, classes_set, work / "fp16", BundleInputs(images),
+                            BundleOptions(precision="fp16", training=False))
         out.build_seconds["export_fp16"] = time.perf_counter() - start
         out.onnx["ort_fp16"] = half.path / "model.onnx"
     if int8:
         calibration = synthetic_images(calibration_images, clip.image_size, seed=1)
         start = time.perf_counter()
-        bundle = write_bundle(model, clip, classes_set, work / "int8", images=images, precision="int8",
-                              calibration=calibration, training=False)
+        bundle = write_bundle(model, clip, classes_set, work / "int8", BundleInputs(images, calibration=calibration),
+                              BundleOptions(precision="int8", training=False))
         out.build_seconds["export_int8_guard"] = time.perf_counter() - start
         out.onnx["ort_int8"] = bundle.path / "model.onnx"
         out.int8_plan = bundle.int8.to_manifest() if bundle.int8 else None

@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from export.bundle_writer import write_bundle  # noqa: E402
+from export.bundle_writer import BundleInputs, BundleOptions, write_bundle  # noqa: E402
 from export.class_set import ClassSet  # noqa: E402
 from export.run_inputs import synthetic_images  # noqa: E402
 from fedmvp.clip import load_clip  # noqa: E402
@@ -78,21 +78,21 @@ def bundle_sizes(name: str, precisions: list[str], num_classes: int, images: int
     rows = []
     for precision in precisions:
         start = time.perf_counter()
-        result = write_bundle(model, clip, class_set, work / f"{name}-{precision}", images=pixels,
-                              precision=precision, training=training)
+        result = write_bundle(model, clip, class_set, work / f"{name}-{precision}", BundleInputs(pixels),
+                              BundleOptions(precision=precision, training=training))
         rows.append(row(name, "synthetic" if shipped else "random init", precision, result, start))
     return rows
 
 
 def run_sizes(run: Path, precisions: list[str], images: int, work: Path, training: bool = True) -> list[dict]:
     """A trained run's last round, exported as `fedmvp-export` does (int8 calibrated on training images)."""
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import BundleOptions, ExportOptions, export_bundle
 
     rows = []
     for precision in precisions:
         start = time.perf_counter()
-        result = export_bundle(run, out=work / f"run-{precision}", precision=precision, parity_images=images,
-                               training=training)
+        options = ExportOptions(BundleOptions(precision=precision, training=training), parity_images=images)
+        result = export_bundle(run, out=work / f"run-{precision}", options=options)
         rows.append(row(result.manifest["model"]["clip"], f"run {run.name} round {result.manifest['source']['round']}",
                         precision, result, start))
     return rows

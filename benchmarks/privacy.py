@@ -201,7 +201,7 @@ def run(options: Options) -> Section:
     import logging
     import warnings
 
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import ExportOptions, export_bundle
     from edge_client.infer import infer_paths
     from fedmvp_apps.cli.demo import new_class_folders
     from fedmvp_formats.privacy import PrivacyRecord
@@ -216,7 +216,7 @@ def run(options: Options) -> Section:
         base = copy_run(source, work / "run-base", None)
         start_round = trained_round(base)
         local, held_out, classes = new_class_folders(base, SHOTS)
-        exported = export_bundle(base.path, out=work / "bundle", parity_images=32)
+        exported = export_bundle(base.path, out=work / "bundle", options=ExportOptions(parity_images=32))
         before = infer_paths([str(held_out)], exported.path, personalised=False).accuracy()
         devices = deal(local, work / "devices", plan.devices)
         held = sum(1 for _ in held_out.rglob("*.png"))

@@ -9,7 +9,7 @@ naming the holder (`BundleBusy`), or waits for it (``wait`` seconds, ``math.inf`
 it takes). Inference takes no lock: it must keep working while a device trains (it reloads
 instead when the directory is replaced under it, ``edge_client.infer``).
 
-The lock file is the project's one (``fedmvp_formats.holder_lock``): ``.lock`` holds the holder's
+The lock is the project's one (``fedmvp_formats.holder_lock.HolderLock``): ``.lock`` holds the holder's
 record (pid, host, since, command) and exists only while held, so the bundle's tree stays what the
 exporter and a refresh wrote. A waiter that locked a file meanwhile removed, or left behind in a
 directory `fedmvp-export --force` replaced, tries again on the current one. It is never written
@@ -18,8 +18,8 @@ is refused in one line (`BundleError`, exit 2) and nothing is written. A record 
 this device is taken over with a warning; one naming another host (a bundle on a shared file system)
 is refused like a live holder unless the operator passes ``break_lock`` (``--break-lock``).
 
-``personalised/state.json``'s own short lock (``lora_store.personalisation_lock``, an flock
-of the directory) is another file, so holding both never deadlocks. A bundle directory this
+``personalised/state.json``'s own short lock (``lora_store.personalisation_lock``, the same lock
+without a record: an flock of the directory) is another file, so holding both never deadlocks. A bundle directory this
 process cannot write to is not locked: it cannot change the bundle either. Standard library only.
 """
 
@@ -28,11 +28,9 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from fedmvp_formats.holder_lock import BREAK_HINT, LOCK, LockBusy, acquire, release
+from fedmvp_formats.holder_lock import BREAK_HINT, LOCK, HolderLock, LockBusy
 from fedmvp_formats.nofollow import UnsafePath
 
 from edge_client.bundle import BundleError
@@ -50,23 +48,21 @@ class BundleBusy(BundleError):
         self.holder, self.elsewhere = holder, elsewhere
 
 
-@contextmanager
+class BundleLock(HolderLock):
+    """``BUNDLE/.lock``, its refusals as the bundle's errors (`bundle_lock`)."""
+
+    def unsafe(self, err: UnsafePath) -> Exception:
+        return BundleError(str(err))
+
+    def busy(self, busy: LockBusy) -> Exception:
+        return BundleBusy(busy.line, busy.elsewhere)
+
+
 def bundle_lock(bundle_dir: str | os.PathLike, wait: float = 0.0, command: str | None = None,
-                break_lock: bool = False) -> Iterator[None]:
+                break_lock: bool = False) -> BundleLock:
     """Hold ``BUNDLE/.lock`` for the block; ``wait``: seconds to wait for another holder (0: refuse at
     once with `BundleBusy`); ``command``: what the record calls this process (default: its command
     line's first two words); ``break_lock``: take over a lock whose record names another host. A
     missing directory, or one nothing here can change, is not locked: opening the bundle will say why."""
-    path = Path(bundle_dir) / LOCK
-    try:
-        fd = acquire(path, command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:2]]), wait, "bundle",
-                     break_lock, unlockable=lambda err: err.errno in _UNLOCKABLE)
-    except UnsafePath as err:
-        raise BundleError(str(err)) from None
-    except LockBusy as busy:
-        raise BundleBusy(busy.line, busy.elsewhere) from None
-    try:
-        yield
-    finally:
-        if fd is not None:
-            release(fd, path)
+    return BundleLock(bundle_dir, command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:2]]), "bundle", wait,
+                      break_lock, unlockable=lambda err: err.errno in _UNLOCKABLE)

@@ -56,7 +56,7 @@ import numpy as np
 from fedmvp_formats.atomic import copy_file, temp_is_removable, write_bytes
 from fedmvp_formats.bundle_manifest import PERSONALISED
 from fedmvp_formats.files import sha256_file
-from fedmvp_formats.holder_lock import flock_dir
+from fedmvp_formats.holder_lock import HolderLock
 from fedmvp_formats.nofollow import UnsafePath, refuse_linked_dir
 
 from edge_client.bundle import Bundle, BundleError
@@ -117,11 +117,12 @@ class ActiveLora:
 
 
 def personalisation_lock(bundle_dir: str | os.PathLike) -> contextlib.AbstractContextManager:
-    """Hold the bundle's personalisation lock (blocking) for one read-modify-write of its state: an flock
-    of the bundle directory itself (``fedmvp_formats.holder_lock.flock_dir``), which writes nothing.
+    """Hold the bundle's personalisation lock (blocking) for one read-modify-write of its state: the
+    project's lock without a record (``fedmvp_formats.holder_lock.HolderLock``, ``record=False``), an flock
+    of the bundle directory itself, which writes nothing.
 
     Standard library only; where ``fcntl`` is missing (Windows) changes are not serialised."""
-    return flock_dir(bundle_dir)
+    return HolderLock(bundle_dir, "edge-client personalisation", record=False)
 
 
 def state_dir(bundle: Bundle) -> Path:

@@ -33,9 +33,7 @@ a second train, a refresh or a rollback meanwhile is refused (or waits), never i
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -46,18 +44,15 @@ from typing import Any
 import numpy as np
 
 from fedmvp_formats.atomic import write_bytes
-from fedmvp_formats.objective import fedmvp_objective
-from fedmvp_formats.privacy import LOCAL, PrivacyRecord, privatise
+from fedmvp_formats.privacy import PrivacyRecord
 
-from edge_client.batch_fit import auto_batch, probe_step
 from edge_client.bundle import Bundle
 from edge_client.bundle_lock import bundle_lock
-from edge_client.local_data import LocalDataset, decode_dataset, images_digest, scan_folder
-from edge_client.lora_store import ActiveLora, active_lora, apply_update_bytes, bundle_lora, state_dir
-from edge_client.program import GraphRunner, load_program
-from edge_client.safetensors_check import load_safetensors
+from edge_client.local_data import LocalDataset, scan_folder
+from edge_client.lora_store import ActiveLora, apply_update_bytes, state_dir
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
-from edge_client.update import UpdateError, check_lora, update_bytes
+from edge_client.train_run import TrainingRun
+from edge_client.update import check_lora
 from edge_client.write_guard import WriteTargetError, check_output_file, probe_writable
 
 
@@ -198,115 +193,14 @@ def _train(torch: Any, bundle: Bundle, dataset: LocalDataset, began: float, o: T
            initial: ActiveLora | None = None, privacy: PrivacyRecord | None = None) -> tuple[TrainResult, bytes]:
     """The training loop proper (torch loaded, options ``o`` checked), in memory: the result and the
     update's bytes (`update_bytes`, checked against the bundle); nothing is written."""
-    import torch.nn.functional as F
-
-    dev = _device(torch, o.device)
-    on_cuda = dev.type == "cuda"
-    use_autocast = on_cuda if o.autocast is None else bool(o.autocast)
-    amp_dtype = None
-    if use_autocast:
-        amp_dtype = torch.bfloat16 if (not on_cuda or torch.cuda.is_bf16_supported()) else torch.float16
-    runner = load_program(bundle)
-    segments = _segments(runner, o.checkpoint_segments, on_cuda)
-
-    pixels_u8, labels_np = decode_dataset(dataset, bundle.preprocess, max_pixels=o.max_pixels, progress=progress)
-    n = len(labels_np)
-    weights = {k: v.to(dev) for k, v in sorted(load_safetensors(bundle.file("weights"), framework="pt").items())}
-    if initial is None:
-        initial = active_lora(bundle) if o.start == "active" else bundle_lora(bundle)
-    lora = {k: torch.tensor(np.asarray(v, np.float32), device=dev).requires_grad_(True)
-            for k, v in sorted(initial.tensors.items())}
-    spec = bundle.preprocess
-    mean = torch.tensor(spec.mean, dtype=torch.float32, device=dev).view(1, 3, 1, 1)
-    std = torch.tensor(spec.std, dtype=torch.float32, device=dev).view(1, 3, 1, 1)
-    pixels = torch.from_numpy(pixels_u8)  # [N, S, S, 3] uint8 on the host
-    labels = torch.from_numpy(labels_np)
-
-    def batch_tensors(index: Any, flip: Any) -> tuple[Any, Any, Any]:
-        x = pixels[index].to(dev, non_blocking=True).permute(0, 3, 1, 2).float().div_(255.0)
-        x = (x - mean) / std
-        view = torch.where(flip.to(dev).view(-1, 1, 1, 1), x.flip(-1), x)
-        return x, view, labels[index].to(dev)
-
-    def forward_loss(x: Any, view: Any, y: Any, tensors: dict[str, Any]) -> Any:
-        with torch.autocast(dev.type, dtype=amp_dtype, enabled=use_autocast):
-            features, logits, frozen = runner(x, view, tensors, weights, segments=segments)
-        return fedmvp_objective(features, logits, frozen, y, alpha, F)["loss"]
-
+    run = TrainingRun(torch, bundle, dataset, o, alpha)
+    run.prepare(initial, progress)
     generator = torch.Generator().manual_seed(int(o.seed))
-    if o.batch_size == "auto":
-        batch = auto_batch(torch, dev, n, o.max_memory_gb, lambda b: probe_step(
-            torch, dev, b, n, batch_tensors, forward_loss, lora))
-    else:
-        batch = min(int(o.batch_size), n)
-    params = list(lora.values())
-    opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay) \
-        if o.optimizer == "sgd" else torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
-    scaler = torch.amp.GradScaler("cuda") if (use_autocast and on_cuda and amp_dtype == torch.float16) else None
-
-    steps_per_epoch = math.ceil(n / batch)
-    bar = _bar(o.epochs * steps_per_epoch, progress)
-    epoch_losses: list[float] = []
-    total_loss, total_seen, step = 0.0, 0, 0
-    flip_prob = float(bundle.method["flip_prob"])  # the consistency view, as the server trained it
-    try:
-        for _epoch in range(o.epochs):
-            order = torch.randperm(n, generator=generator)
-            flips = torch.rand(n, generator=generator) < flip_prob
-            epoch_sum, epoch_seen = 0.0, 0
-            for first in range(0, n, batch):
-                index = order[first:first + batch]
-                x, view, y = batch_tensors(index, flips[index])
-                opt.zero_grad(set_to_none=True)
-                loss = forward_loss(x, view, y, lora)
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    raise TrainingError(f"the loss became {value} at step {step + 1}; nothing was written "
-                                        f"(try a lower --lr)")
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    opt.step()
-                step += 1
-                epoch_sum += value * len(index)
-                epoch_seen += len(index)
-                bar.set_postfix(loss=f"{epoch_sum / epoch_seen:.4f}", refresh=False)
-                bar.update(1)
-                if on_step is not None:
-                    on_step(step, value)
-            epoch_losses.append(epoch_sum / epoch_seen)
-            total_loss += epoch_sum
-            total_seen += epoch_seen
-    finally:
-        bar.close()
-    trained = {k: v.detach().float().cpu().numpy() for k, v in lora.items()}
-    kept_privacy = None
-    if privacy is not None:  # the delta the server will see, bounded (and noised) before it exists anywhere
-        reference = initial.tensors if initial.source == "global" else bundle_lora(bundle).tensors
-        trained, norm = privatise(trained, reference, privacy)
-        if norm == 0.0:  # the post-step weight check Opacus users had to add: a DP round must move the LoRA
-            raise TrainingError("the LoRA did not change in training (its delta is 0); nothing was written")
-        kept_privacy = {"mode": privacy.mode, "clip_norm": privacy.clip_norm, "delta_norm": norm,
-                        "clipped": norm > privacy.clip_norm, "noised": privacy.mode == LOCAL}
-    seconds = time.perf_counter() - began
-    mean_loss = total_loss / total_seen
-    try:  # the checks an update file's reader makes, on the tensors in memory
-        data = update_bytes(trained, bundle=bundle, num_examples=n, mean_loss=mean_loss, final_loss=epoch_losses[-1],
-                            epochs=o.epochs, train_seconds=round(seconds, 3), classes=dataset.classes,
-                            device=dev.type, alpha=alpha, lr=o.lr, optimizer=o.optimizer, started_from=initial.source,
-                            images_digest=images_digest(pixels_u8, labels_np))  # counted once: docs/howto/ingest.md
-    except UpdateError as err:
-        raise TrainingError(f"{err}; nothing was written") from None
-    result = TrainResult(update_path=None, bundle=bundle.path, num_examples=n, classes=dataset.classes,
-                         epochs=o.epochs, batch_size=batch, device=str(dev), mean_loss=mean_loss,
-                         final_loss=epoch_losses[-1], epoch_losses=epoch_losses, seconds=seconds, alpha=alpha,
-                         lr=o.lr, optimizer=o.optimizer, started_from=initial.source, skipped=list(dataset.skipped),
-                         autocast=str(amp_dtype).replace("torch.", "") if use_autocast else None,
-                         checkpoint_segments=len(runner.plan(segments)), tensors=trained, privacy=kept_privacy)
-    return result, data
+    batch = run.batch_size()
+    epoch_losses, total_loss, total_seen = run.epochs(batch, generator, progress, on_step)
+    trained, kept_privacy = run.privatised(privacy)
+    data, report = run.update(trained, began, epoch_losses, total_loss / total_seen)
+    return TrainResult(update_path=None, batch_size=batch, tensors=trained, privacy=kept_privacy, **report), data
 
 
 def _keep(result: TrainResult, data: bytes, bundle: Bundle, o: TrainOptions, target: Path | None) -> TrainResult:
@@ -335,46 +229,3 @@ def _torch() -> Any:
     except ImportError as err:
         raise TrainingError(f"local training needs torch ({err}); install fedmvp[edge-train]") from None
     return torch
-
-
-def _device(torch: Any, device: str) -> Any:
-    """auto | cpu | cuda -> a torch.device; asking for CUDA without it is a `TrainInputError`."""
-    key = (device or "auto").lower()
-    if key == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if key == "cuda" and not torch.cuda.is_available():
-        raise TrainInputError("--device cuda: CUDA is not available to torch on this machine")
-    if key not in ("cpu", "cuda"):
-        raise TrainInputError(f"--device must be auto, cpu or cuda, got {device!r}")
-    return torch.device(key)
-
-
-def _segments(runner: GraphRunner, requested: int | None, on_cuda: bool) -> int:
-    """Checkpointed pieces to cut the graph into: none on CPU, one block per piece on CUDA."""
-    if requested is None:
-        requested = 0 if on_cuda else 1
-    if requested == 0:  # auto: about two LayerNorms (one transformer block) per piece
-        return max(2, runner.max_segments() // 2)
-    return max(1, int(requested))
-
-
-class _NoBar:
-    """The part of tqdm's interface the loop uses, doing nothing (``progress=False``)."""
-
-    def set_postfix(self, **_: Any) -> None:
-        pass
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _bar(total: int, progress: bool) -> Any:
-    """A step progress bar on stderr, or `_NoBar`."""
-    if not progress:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)

@@ -11,12 +11,15 @@ from typing import TYPE_CHECKING
 from fedmvp_formats.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers (and the import-graph test) see; at run time see __getattr__
-    from export.bundle_writer import BundleResult, ParityError, export_bundle, write_bundle
+    from export.bundle_writer import (BundleInputs, BundleOptions, BundleResult, ExportOptions, ParityError,
+                                      export_bundle, write_bundle)
     from export.errors import ExportError
 
 _HOMES = {
     "export_bundle": "export.bundle_writer", "write_bundle": "export.bundle_writer",
     "BundleResult": "export.bundle_writer", "ParityError": "export.bundle_writer",
+    "ExportOptions": "export.bundle_writer", "BundleOptions": "export.bundle_writer",
+    "BundleInputs": "export.bundle_writer",
     "ExportError": "export.errors",
 }
 __all__ = list(_HOMES)

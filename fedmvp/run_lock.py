@@ -17,7 +17,7 @@ itself. Only the process counts, not its children: the fd is close-on-exec, and 
 inherits the registry but not the ownership (it compares its pid), so it neither shares nor
 releases the lock.
 
-The lock file itself is the project's one (``fedmvp_formats.holder_lock``): ``RUN/.lock`` holds the
+The lock is the project's one (``fedmvp_formats.holder_lock.HolderLock``): ``RUN/.lock`` holds the
 holder's record (pid, host, since, command) and exists only while held, so a run directory an ingest
 refused is byte for byte what it was. It is never written through a link: a ``.lock`` that is a symbolic
 link or not a regular file is refused (one line, `RunError`, exit 2). A record of a holder killed on this
@@ -32,13 +32,12 @@ import contextlib
 import os
 from pathlib import Path
 
-from fedmvp_formats.holder_lock import BREAK_HINT, LockBusy, acquire, release
+from fedmvp_formats.holder_lock import BREAK_HINT, LOCK, HolderLock, LockBusy
 from fedmvp_formats.nofollow import UnsafePath
 
 from fedmvp.runs import RunError
 
-LOCK_NAME = ".lock"
-_HELD: dict[str, int] = {}  # lock path (resolved) -> pid of the process that holds it (see "re-entrant")
+LOCK_NAME = LOCK
 
 
 class RunLockError(RunError):
@@ -59,49 +58,23 @@ def run_lock(run_dir: str | os.PathLike, command: str, wait: float = 0.0, can_wa
     return RunLock(run_dir, command, wait, can_wait, break_lock)
 
 
-class RunLock:
-    """The run's lock as a context manager (`run_lock`)."""
+class RunLock(HolderLock):
+    """The run's lock as a context manager (`run_lock`): re-entrant in its process (see "Re-entrant")."""
 
     def __init__(self, run_dir: str | os.PathLike, command: str, wait: float = 0.0, can_wait: bool = True,
                  break_lock: bool = False) -> None:
-        self.path = Path(run_dir) / LOCK_NAME
-        self.command, self.wait, self.can_wait, self.break_lock = command, wait, can_wait, break_lock
-        self.fd: int | None = None
-        self.key = os.path.realpath(self.path)
-        self.nested = False
+        super().__init__(run_dir, command, "run", wait, break_lock, reentrant=True)
+        self.can_wait = can_wait
 
-    def __enter__(self) -> "RunLock":
-        if _HELD.get(self.key) == os.getpid():
-            self.nested = True  # this process holds it already (the simulated ServerApp): one writer
-            return self
-        try:
-            self.fd = acquire(self.path, self.command, self.wait, "run", self.break_lock)
-        except UnsafePath as err:
-            raise RunLockError(str(err)) from None
-        except LockBusy as busy:
-            raise RunBusy(self._refusal(busy)) from None
-        if self.fd is not None:
-            _HELD[self.key] = os.getpid()
-        return self
+    def unsafe(self, err: UnsafePath) -> Exception:
+        return RunLockError(str(err))
 
-    def __exit__(self, *exc: object) -> None:
-        if self.nested:
-            self.nested = False
-            return
-        if self.fd is not None:
-            if _HELD.get(self.key) == os.getpid():  # not in a forked child: its copy of the fd releases nothing
-                del _HELD[self.key]
-                release(self.fd, self.path)  # nothing renames a run directory while it is locked
-            else:
-                os.close(self.fd)
-            self.fd = None
-
-    def _refusal(self, busy: LockBusy) -> str:
-        """The one line of `RunBusy`: who holds the run, and what the operator can do."""
+    def busy(self, busy: LockBusy) -> Exception:
+        """`RunBusy`'s one line: who holds the run, and what the operator can do."""
         wait = ", or pass --wait" if self.can_wait else ""
         if busy.elsewhere:
-            return f"{busy.line}; nothing was written ({BREAK_HINT}{wait})"
-        return f"{busy.line}; nothing was written (try again when it ends{wait})"
+            return RunBusy(f"{busy.line}; nothing was written ({BREAK_HINT}{wait})")
+        return RunBusy(f"{busy.line}; nothing was written (try again when it ends{wait})")
 
 
 def lock_existing(run_dir: str | os.PathLike | None, command: str, break_lock: bool = False

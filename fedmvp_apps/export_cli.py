@@ -75,15 +75,15 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
     both) and a manifest with sha256 hashes and the ONNX Runtime vs PyTorch parity check.
     """
     _quiet_libraries()
-    from export.bundle_writer import ParityError, export_bundle, point_default_bundle
+    from export.bundle_writer import BundleOptions, ExportOptions, ParityError, export_bundle, point_default_bundle
     from export.errors import ExportError
 
+    write = BundleOptions(precision=precision, force=force, discard_device_state=discard_device_state,
+                          training=not inference_only, ship_images=ship_images, max_accuracy_drop=max_accuracy_drop,
+                          int8_scheme=int8_scheme, progress=not as_json)
+    options = ExportOptions(write, images=images, parity_images=parity_images, attributes=attributes, domain=domain)
     try:
-        result = export_bundle(run, round_number, out, precision=precision, force=force, attributes=attributes,
-                               domain=domain, parity_images=parity_images, training=not inference_only,
-                               progress=not as_json, discard_device_state=discard_device_state, images=images,
-                               max_accuracy_drop=max_accuracy_drop, ship_images=ship_images,
-                               int8_scheme=int8_scheme)
+        result = export_bundle(run, round_number, out, options)
     except ParityError as err:
         _fail(as_json, EXIT_PARITY, f"parity failed, no bundle written: {err}",
               {"parity": {k: r.to_manifest() for k, r in err.results.items()}})

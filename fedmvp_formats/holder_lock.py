@@ -1,7 +1,12 @@
-"""The one lock file of the project: ``fcntl.flock`` on a ``.lock`` holding its holder's record.
+"""The one directory lock of the project: ``fcntl.flock`` on a ``.lock`` holding its holder's record.
 
-Used by the run lock (``fedmvp.run_lock``) and the bundle lock (``edge_client.bundle_lock``); the
-personalisation lock (`flock_dir`) is an flock of the bundle directory itself. The file holds the
+`HolderLock` is the lock as a context manager, used by the run lock (``fedmvp.run_lock``), the bundle
+lock (``edge_client.bundle_lock``) and the device state's personalisation lock
+(``edge_client.lora_store``): each names what it guards ("run", "bundle"), the one-line errors of its
+own package (``busy``, ``unsafe``) and whether it is re-entrant in one process (the run lock: the
+simulated ServerApp runs in the process of `fedmvp train` that holds it). The personalisation lock is
+the lock without a record (``record=False``): an flock of the directory itself, which adds no file to
+the tree it guards. The ``.lock`` file holds the
 holder's record (pid, host, since, command) and exists only while held: it is removed, still locked,
 before it is released, so the directory it guards is byte for byte what it was. A waiter that locked a
 file meanwhile removed (or left in a directory replaced meanwhile) locks the current one.
@@ -26,8 +31,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,7 @@ from fedmvp_formats.nofollow import UnsafePath, open_nofollow, path_shown, read_
 LOCK = ".lock"
 POLL_SECONDS = 0.1
 BREAK_HINT = "if that process is gone, pass --break-lock"
+_HELD: dict[str, int] = {}  # a re-entrant lock's path (resolved) -> pid of the process that holds it
 
 
 class LockBusy(Exception):
@@ -168,19 +173,83 @@ def release(fd: int, path: Path) -> None:
     os.close(fd)
 
 
-@contextmanager
-def flock_dir(directory: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive flock of a directory itself (blocking): a short lock that adds no file to the
-    tree it guards (the personalisation lock). Nothing is written; where ``fcntl`` is missing nothing is
-    locked."""
+def _never(err: OSError) -> bool:
+    return False
+
+
+class HolderLock:
+    """Hold ``DIRECTORY/.lock`` (``record=True``, the holder's record in it) or an flock of the directory
+    itself (``record=False``: blocking, nothing written) for a ``with`` block.
+
+    ``command``: what the record calls this process; ``what``: the busy line's noun ("run in use by
+    ..."); ``wait``: seconds to wait for another holder (0: refuse at once, ``math.inf``: as long as it
+    takes); ``break_lock``: take over a record naming another host (``--break-lock``); ``reentrant``: a
+    second ``with`` of the same lock in the holding process goes on without locking again (only the
+    process counts, not a forked child: it neither shares nor releases the lock); ``unlockable(err)``:
+    an open error meaning "nothing to lock here" (the block runs unlocked). A subclass turns the two
+    refusals into its package's errors (``busy``, ``unsafe``)."""
+
+    def __init__(self, directory: str | os.PathLike, command: str = "", what: str = "directory",
+                 wait: float = 0.0, break_lock: bool = False, *, record: bool = True, reentrant: bool = False,
+                 unlockable: Callable[[OSError], bool] = _never) -> None:
+        self.path = Path(directory) / LOCK if record else Path(directory)
+        self.command, self.what, self.wait, self.break_lock = command, what, wait, break_lock
+        self.record, self.reentrant, self.unlockable = record, reentrant, unlockable
+        self.key = os.path.realpath(self.path)
+        self.fd: int | None = None
+        self.nested = False
+
+    def busy(self, busy: LockBusy) -> Exception:
+        """The refusal when another process holds the lock (the one line is ``busy.line``)."""
+        return busy
+
+    def unsafe(self, err: UnsafePath) -> Exception:
+        """The refusal when the ``.lock`` is a link or not a regular file."""
+        return err
+
+    def __enter__(self) -> "HolderLock":
+        if self.reentrant and _HELD.get(self.key) == os.getpid():
+            self.nested = True  # this process holds it already: one holder
+            return self
+        try:
+            self.fd = (acquire(self.path, self.command, self.wait, self.what, self.break_lock, self.unlockable)
+                       if self.record else _flock_whole(self.path))
+        except UnsafePath as err:
+            raise self.unsafe(err) from None
+        except LockBusy as busy:
+            raise self.busy(busy) from None
+        if self.fd is not None and self.reentrant:
+            _HELD[self.key] = os.getpid()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.nested:
+            self.nested = False
+            return
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        if self.reentrant:
+            if _HELD.get(self.key) != os.getpid():
+                os.close(fd)  # a forked child: its copy of the fd releases nothing
+                return
+            del _HELD[self.key]
+        if self.record:
+            release(fd, self.path)
+        else:
+            os.close(fd)  # releases the flock
+
+
+def _flock_whole(directory: Path) -> int | None:
+    """An exclusive flock of ``directory`` itself (blocking); None where ``fcntl`` is missing."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
+        return None
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 import typing
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from fedmvp_formats.record import Bound, OneOf, Record, record_field, type_ok
 
 CENTRAL, LOCAL = "central", "local"
 MODES = (CENTRAL, LOCAL)
@@ -41,75 +43,50 @@ class PrivacyError(ValueError):
     """A privacy record out of type or range; one line naming where it came from and the key."""
 
 
-def _field(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _g(value: float) -> str:
+    return f"{value:g}"
+
+
+_POSITIVE = Bound(0, above=True, finite=True, shows=str)
 
 
 @dataclass(frozen=True)
-class PrivacyRecord:
+class PrivacyRecord(Record):
     """The ``[privacy]`` table: no table, no differential privacy (docs/howto/privacy.md)."""
 
-    clip_norm: float = _field(0.1, "C: every update's LoRA delta is clipped to this L2 norm (all LoRA tensors "
-                                   "together) before it counts")
-    noise_multiplier: float = _field(1.0, "z: Gaussian noise of standard deviation z * C (local) or z * C / m "
-                                          "(central, m clipped deltas averaged)")
-    target_delta: float = _field(1e-5, "delta at which epsilon is reported and bounded")
-    mode: str = _field(CENTRAL, "'central': the server adds the noise to the mean of the clipped deltas; 'local': "
-                                "each device adds it before its update leaves (offline update files)")
-    max_epsilon: float | None = _field(8.0, "a run refuses a round that would take epsilon past this (none: "
-                                            "no bound, epsilon still reported)")
+    ERROR = PrivacyError
+    NAME = "privacy record"
+    PREFIX = "privacy "
+    EXTRA_KEYS = True  # keys besides these, e.g. a manifest's ``epsilon``, are the writer's and ignored
 
-    def problem(self) -> str | None:
-        """The first value out of range, one message (None: every value in range)."""
-        if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
-            return f"clip_norm must be a finite number > 0, got {self.clip_norm}"
-        if self.clip_norm > CLIP_NORM_MAX:
-            return f"clip_norm must be at most {CLIP_NORM_MAX:g}, got {self.clip_norm:g}"
-        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
-            return f"noise_multiplier must be a finite number > 0, got {self.noise_multiplier}"
-        low, high = NOISE_MULTIPLIER_RANGE
-        if not low <= self.noise_multiplier <= high:
-            return f"noise_multiplier must be in [{low:g}, {high:g}], got {self.noise_multiplier:g}"
-        if not TARGET_DELTA_MIN <= self.target_delta < 1:
-            return f"target_delta must be in [{TARGET_DELTA_MIN:g}, 1), got {self.target_delta}"
-        if self.mode not in MODES:
-            return f"mode must be 'central' or 'local', got {self.mode!r}"
-        if self.max_epsilon is not None and not (math.isfinite(self.max_epsilon) and self.max_epsilon > 0):
-            return f"max_epsilon must be a finite number > 0, got {self.max_epsilon}"
-        return None
-
-    def record(self) -> dict[str, Any]:
-        """What config.json, a round's message and a bundle's manifest hold: every key."""
-        return asdict(self)
+    clip_norm: float = record_field(0.1, "C: every update's LoRA delta is clipped to this L2 norm (all LoRA "
+                                         "tensors together) before it counts",
+                                    _POSITIVE, Bound(high=CLIP_NORM_MAX, shows=_g))
+    noise_multiplier: float = record_field(1.0, "z: Gaussian noise of standard deviation z * C (local) or z * C / m "
+                                                "(central, m clipped deltas averaged)",
+                                           _POSITIVE, Bound(*NOISE_MULTIPLIER_RANGE, shows=_g))
+    target_delta: float = record_field(1e-5, "delta at which epsilon is reported and bounded",
+                                       Bound(TARGET_DELTA_MIN, 1, below=True))
+    mode: str = record_field(CENTRAL, "'central': the server adds the noise to the mean of the clipped deltas; "
+                                      "'local': each device adds it before its update leaves (offline update "
+                                      "files)", OneOf(MODES))
+    max_epsilon: float | None = record_field(8.0, "a run refuses a round that would take epsilon past this (none: "
+                                                  "no bound, epsilon still reported)", _POSITIVE,
+                                             absent_ok=True)  # a message leaves None out
 
     @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+    def type_problem(cls, name: str, value: Any) -> str | None:
+        """"clip_norm 'x' is not a number": the record's own wording (NaN passes here; its range refuses it)."""
+        hint = typing.get_type_hints(cls)[name]
+        return None if type_ok(value, hint) else f"{name} {value!r} is not {'a string' if hint is str else 'a number'}"
 
     @classmethod
-    def from_record(cls, record: Any, where: str) -> "PrivacyRecord":
-        """The record as written (every key; keys besides these, e.g. a manifest's ``epsilon``, are the
-        writer's and ignored), checked by type and range; ``PrivacyError`` names ``where``."""
-        if not isinstance(record, Mapping):
-            raise PrivacyError(f"{where}: the privacy record must be a mapping, got {type(record).__name__}")
-        missing = [k for k in cls.keys() if k not in record and k != "max_epsilon"]  # a message leaves None out
-        if missing:
-            raise PrivacyError(f"{where}: privacy record lacks {', '.join(missing)}")
-        hints = typing.get_type_hints(cls)
-        values: dict[str, Any] = {}
-        for key in cls.keys():
-            value, hint = record.get(key), hints[key]
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if hint is str and not isinstance(value, str) or hint is not str and not (
-                    number or (value is None and key == "max_epsilon")):
-                raise PrivacyError(f"{where}: privacy {key} {value!r} is not "
-                                   f"{'a string' if hint is str else 'a number'}")
-            values[key] = float(value) if number else value
-        spec = cls(**values)
-        problem = spec.problem()
-        if problem:
-            raise PrivacyError(f"{where}: privacy {problem}")
-        return spec
+    def not_a_record(cls, where: str, record: Any) -> str:
+        return f"{where}: the privacy record must be a mapping, got {type(record).__name__}"
+
+    @classmethod
+    def shape_problem(cls, where: str, missing: list[str], unknown: list[str]) -> str:
+        return f"{where}: privacy record lacks {', '.join(missing)}"
 
 
 def device_privacy(own: PrivacyRecord | None, sent: PrivacyRecord | None) -> PrivacyRecord | None:
@@ -127,7 +104,7 @@ def device_privacy(own: PrivacyRecord | None, sent: PrivacyRecord | None) -> Pri
 
 def privacy_fields() -> tuple[Any, ...]:
     """The record's fields (name, default, ``metadata["help"]``): the ``[privacy]`` table's keys."""
-    return fields(PrivacyRecord)
+    return PrivacyRecord.record_fields()
 
 
 # ---- the sender's side: the delta clipped, and (local mode) noised -----------------------------------------

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 PUBLIC = {
     "fedmvp": {"FedMVP", "FedMVPConfig", "PromptFormer", "PromptFormerConfig", "load_clip", "LoadedClip",
                "ClipLoadError", "RunDir", "RunError", "Checkpoint", "load_preset", "Preset", "prepare_run"},
-    "export": {"export_bundle", "write_bundle", "BundleResult", "ParityError", "ExportError"},
+    "export": {"export_bundle", "write_bundle", "BundleResult", "ParityError", "ExportError", "ExportOptions",
+               "BundleOptions", "BundleInputs"},
     "edge_client": {"Bundle", "BundleError", "read_bundle", "infer_paths", "Predictor", "Prediction",
                     "InferResult", "apply_update", "rollback", "ActiveLora", "read_update", "write_update",
                     "Update", "UpdateError", "train_local", "TrainResult", "TrainOptions", "TrainingError",

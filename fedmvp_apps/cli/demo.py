@@ -76,10 +76,11 @@ def run_edge_demo(run: RunDir, shots: int = 8) -> EdgeDemoResult:
     then ingest the update as the run's next round, export it and classify with that bundle."""
     from edge_client.infer import infer_paths
     from edge_client.train import train_local
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import BundleOptions, ExportOptions, export_bundle
     from fedmvp.federated.ingest import ingest
 
-    bundle = export_bundle(run.path, out=run.path / "bundle", force=True, progress=True)
+    replace = ExportOptions(BundleOptions(force=True, progress=True))
+    bundle = export_bundle(run.path, out=run.path / "bundle", options=replace)
     local, held_out, classes = new_class_folders(run, shots)
     before = infer_paths([str(held_out)], bundle.path).accuracy()
     trained = train_local(str(local), bundle.path, out=str(run.path / "edge" / "updates"), batch_size=EDGE_BATCH,
@@ -89,8 +90,7 @@ def run_edge_demo(run: RunDir, shots: int = 8) -> EdgeDemoResult:
     fed = ingest(run, [trained.update_path])  # the loop back: the device's update is the run's next round
     if fed.round is None:
         raise RuntimeError(f"fedmvp ingest refused the demo's update: {fed.rejected[0].reason}")
-    fed_bundle = export_bundle(run.path, fed.round, run.path / f"bundle-round-{fed.round:04d}", force=True,
-                               progress=True)
+    fed_bundle = export_bundle(run.path, fed.round, run.path / f"bundle-round-{fed.round:04d}", replace)
     fed_accuracy = infer_paths([str(held_out)], fed_bundle.path).accuracy()
     return EdgeDemoResult(bundle=bundle.path, bundle_mb=bundle.total_bytes / 1e6, parity=bundle.lines()[:-1],
                           classes=classes, before=before, after=after, train_examples=trained.num_examples,

@@ -24,9 +24,9 @@ def world(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def exported(world) -> Path:
     """The fp32 bundle of round 1 (refreshable, trainable). Read-only: tests copy it."""
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import ExportOptions, export_bundle
 
-    return export_bundle(world / "runs" / "moved", 1, world / "bundle-r1", parity_images=32).path
+    return export_bundle(world / "runs" / "moved", 1, world / "bundle-r1", ExportOptions(parity_images=32)).path
 
 
 @pytest.fixture

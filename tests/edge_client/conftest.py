@@ -22,10 +22,10 @@ def edge_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def edge_bundle(edge_run, tmp_path_factory) -> Path:
     """fp32 bundle of round 2, exported with the exporter's Python API. Treat as read-only."""
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import ExportOptions, export_bundle
 
     out = tmp_path_factory.mktemp("edge-bundles") / "fp32"
-    return export_bundle(edge_run, 2, out, parity_images=32).path
+    return export_bundle(edge_run, 2, out, ExportOptions(parity_images=32)).path
 
 
 @pytest.fixture(scope="session")
@@ -40,10 +40,10 @@ def moved_run(edge_run) -> Path:
 @pytest.fixture(scope="session")
 def moved_bundles(moved_run, tmp_path_factory) -> dict[int, Path]:
     """fp32 bundles of rounds 1 and 2 of ``moved_run`` (what a refresh moves between). Read-only."""
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import ExportOptions, export_bundle
 
     out = tmp_path_factory.mktemp("moved-bundles")
-    return {r: export_bundle(moved_run, r, out / f"round-{r}", parity_images=32).path for r in (1, 2)}
+    return {r: export_bundle(moved_run, r, out / f"round-{r}", ExportOptions(parity_images=32)).path for r in (1, 2)}
 
 
 @pytest.fixture

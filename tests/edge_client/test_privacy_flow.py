@@ -34,11 +34,11 @@ def test_a_device_trains_under_the_manifests_privacy_and_the_run_accounts_for_it
 
     from edge_client.bundle import read_bundle
     from edge_client.train import train_local
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import ExportOptions, export_bundle
     from fedmvp.federated.ingest import ingest
 
     run = _private_run(edge_run, tmp_path, clip_norm=0.01, noise_multiplier=0.8, mode=mode, max_epsilon=None)
-    bundle = read_bundle(export_bundle(run, 2, tmp_path / "bundle", parity_images=32).path)
+    bundle = read_bundle(export_bundle(run, 2, tmp_path / "bundle", ExportOptions(parity_images=32)).path)
     section = bundle.manifest["privacy"]
     # round 2 added no noise: the manifest claims no epsilon for it (docs/howto/privacy.md)
     assert (section["clip_norm"], section["mode"], section["epsilon"], section["dp_rounds"]) == (0.01, mode, None, 0)
@@ -57,7 +57,7 @@ def test_a_device_trains_under_the_manifests_privacy_and_the_run_accounts_for_it
         assert _norm(sent, start) == pytest.approx(0.8 * 0.01 * np.sqrt(size), rel=0.2)
 
     ingest(run, [result.update_path])
-    exported = read_bundle(export_bundle(run, 3, tmp_path / "bundle-3", parity_images=32).path)
+    exported = read_bundle(export_bundle(run, 3, tmp_path / "bundle-3", ExportOptions(parity_images=32)).path)
     accountant = RdpAccountant()
     accountant.compose(dp_accounting.GaussianDpEvent(0.8))  # one round, q = 1 (an ingest samples no one)
     assert exported.manifest["privacy"]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)

@@ -22,7 +22,7 @@ def _run_copy(edge_run, tmp_path, run_id: str | None):
 def test_an_update_is_ingested_into_a_round_that_exports(edge_run, edge_bundle, tmp_path):
     from edge_client.bundle import read_bundle
     from edge_client.update import write_update
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import ExportOptions, export_bundle
     from fedmvp.federated.ingest import ingest
 
     bundle = read_bundle(edge_bundle)
@@ -32,7 +32,7 @@ def test_an_update_is_ingested_into_a_round_that_exports(edge_run, edge_bundle, 
     result = ingest(run, [update])
     assert result.round == 3 and result.accepted[0].bundle_id == bundle.id
 
-    exported = read_bundle(export_bundle(run, 3, tmp_path / "bundle-3", parity_images=32).path)
+    exported = read_bundle(export_bundle(run, 3, tmp_path / "bundle-3", ExportOptions(parity_images=32)).path)
     assert exported.round == 3
     for name, value in exported.lora().items():  # one update: its LoRA is the round's
         np.testing.assert_allclose(value, trained[name], rtol=0, atol=1e-7)

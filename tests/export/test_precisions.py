@@ -81,7 +81,7 @@ def test_a_tight_bound_keeps_more_layers_of_the_tiny_model_than_a_loose_one(tiny
     from export_helpers import rebuilt_model
 
     from export import parity
-    from export.bundle_writer import write_bundle
+    from export.bundle_writer import BundleInputs, BundleOptions, write_bundle
     from export.class_set import run_class_set, text_features
     from export.run_inputs import synthetic_images
     from fedmvp.runs import RunDir
@@ -93,9 +93,10 @@ def test_a_tight_bound_keeps_more_layers_of_the_tiny_model_than_a_loose_one(tiny
     labels = parity.torch_logits(model, images).argmax(-1)
     kept = {}
     for bound in (0.0, 100.0):
-        result = write_bundle(model, clip, classes, tmp_path / f"b{bound:g}", images=images, precision="int8",
-                              training=False, calibration=images[:32], labels=labels, max_accuracy_drop=bound,
-                              int8_scheme=scheme)
+        result = write_bundle(model, clip, classes, tmp_path / f"b{bound:g}",
+                              BundleInputs(images, calibration=images[:32], labels=labels),
+                              BundleOptions(precision="int8", training=False, max_accuracy_drop=bound,
+                                            int8_scheme=scheme))
         accuracy = result.int8.accuracy
         assert result.int8.scheme == result.manifest["onnx"]["int8"]["scheme"] == scheme
         assert accuracy["fp32"] == 1.0 and accuracy["drop_points"] <= bound and accuracy["images"] == 64

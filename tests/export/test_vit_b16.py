@@ -10,7 +10,7 @@ import torch
 @pytest.mark.slow
 def test_vit_b16_export_and_parity(tmp_path):
     from edge_client.bundle import read_bundle
-    from export.bundle_writer import write_bundle
+    from export.bundle_writer import BundleInputs, write_bundle
     from export.class_set import ClassSet
     from export.run_inputs import synthetic_images
     from fedmvp.clip import load_clip
@@ -25,7 +25,7 @@ def test_vit_b16_export_and_parity(tmp_path):
     classes = ClassSet(names=["cat", "dog", "bird"],
                        attributes={"cat": ["whiskers", "pointed ears"], "dog": ["floppy ears", "a wagging tail"],
                                    "bird": ["feathers", "a beak"]})
-    result = write_bundle(model, clip, classes, tmp_path / "vitb16", images=synthetic_images(32, 224))
+    result = write_bundle(model, clip, classes, tmp_path / "vitb16", BundleInputs(synthetic_images(32, 224)))
     fp32 = result.parity["fp32"]
     assert fp32.passed and fp32.images == 32 and fp32.max_abs_logit_diff <= 1e-3 and fp32.top1_agreement == 1.0
     bundle = read_bundle(result.path)

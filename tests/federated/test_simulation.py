@@ -94,7 +94,7 @@ def test_preset_method_travels_to_checkpoints_bundle_and_update_files(finished_r
     from edge_client.bundle import read_bundle
     from edge_client.train import train_local
     from edge_client.update import read_update
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import ExportOptions, export_bundle
 
     _, run_dir = finished_run
     expected = {"lora_rank": 4, "alpha": 5.0}
@@ -106,7 +106,7 @@ def test_preset_method_travels_to_checkpoints_bundle_and_update_files(finished_r
         lora = {k: v for k, v in load_file(str(round_dir / "global.safetensors")).items() if "lora_" in k}
         assert len(lora) == 6 and all(4 in v.shape for v in lora.values())
         assert all(v.shape[0] == 4 for k, v in lora.items() if "lora_A" in k)
-    bundle = read_bundle(export_bundle(run_dir, 3, tmp_path / "bundle", parity_images=32).path)
+    bundle = read_bundle(export_bundle(run_dir, 3, tmp_path / "bundle", ExportOptions(parity_images=32)).path)
     assert bundle.method == config["method"]
     assert all(4 in shape for shape in bundle.lora_shapes.values())
     data = tmp_path / "local"

@@ -34,14 +34,14 @@ def export_root(tmp_path_factory) -> Path:
     from export_helpers import write_dataset, write_preset, write_run
     from safetensors.torch import load_file, save_file
 
-    from export.bundle_writer import export_bundle
+    from export.bundle_writer import ExportOptions, export_bundle
 
     root = tmp_path_factory.mktemp("hostile-export")
     write_dataset(root / "data")
     write_preset(root / "preset.toml", root / "data")
     run_dir = root / "runs" / "r1"
     write_run(run_dir, root / "preset.toml")
-    export_bundle(run_dir, 2, root / "bundle", parity_images=32)
+    export_bundle(run_dir, 2, root / "bundle", ExportOptions(parity_images=32))
     (root / "bundle" / "personalised").mkdir()
     (root / "bundle" / "personalised" / "lora-0001.safetensors").write_bytes(b"device-trained")
     (root / "bundle" / "previous").mkdir()
