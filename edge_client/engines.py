@@ -6,14 +6,13 @@ only what every runtime offers (``edge_client/engine_types.py``): its inputs and
 tensors it takes per run, and ``run(feed)``. Each runtime is a `RuntimeFactory` in the table below, named
 by ``--runtime`` (whose choices are the table's, plus ``auto``, which weighs them all); a new one is its
 module and one line here, or ``register_runtime`` from outside the package. A runtime asked for by name
-that is missing is `RuntimeUnavailable` (exit 2), never a silent fallback; ``FEDMVP_DISABLED_RUNTIMES=openvino``
-(comma-separated names) makes an installed one unavailable, for a device that must not use it and for the
-tests. A precision a runtime does not offer for this bundle on this machine is `ProviderError` too.
+that is missing is `RuntimeUnavailable` (exit 2), never a silent fallback; ``disable_runtimes`` makes an
+installed one unavailable, for a device that must not use it and for the tests (the device commands pass
+``$FEDMVP_DISABLED_RUNTIMES``: ``fedmvp_apps/edge_runtimes.py``; the library reads no environment). A precision a runtime does not offer for this bundle on this machine is `ProviderError` too.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,11 @@ from edge_client.engine_types import Candidate, Engine, RuntimeFactory
 from edge_client.openvino_runtime import OpenVinoRuntime
 from edge_client.runtime import ProviderError, make_session
 
-__all__ = ["Candidate", "DEFAULT_RUNTIME", "DISABLED_ENV", "Engine", "OrtEngine", "PRECISIONS", "RuntimeFactory",
-           "RuntimeUnavailable", "candidates", "disabled", "factory", "offered", "open_engine", "register_runtime",
+__all__ = ["Candidate", "DEFAULT_RUNTIME", "Engine", "OrtEngine", "PRECISIONS", "RuntimeFactory",
+           "RuntimeUnavailable", "candidates", "disable_runtimes", "disabled", "factory", "offered", "open_engine", "register_runtime",
            "runtime_names", "unavailable", "unregister_runtime"]
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
-DISABLED_ENV = "FEDMVP_DISABLED_RUNTIMES"
 DEFAULT_RUNTIME = "ort"  # the bundle as exported: auto's reference and its fallback
 
 
@@ -98,16 +96,25 @@ def factory(runtime: str) -> RuntimeFactory:
     return found
 
 
+_DISABLED: dict[str, str] = {}  # runtime name -> who switched it off on this device (said in its error line)
+
+
+def disable_runtimes(names: str, why: str) -> None:
+    """Switch off the runtimes ``names`` lists (comma-separated; "" switches none off) for this process,
+    replacing what was switched off before; ``why`` is what the error line names as the cause."""
+    _DISABLED.clear()
+    _DISABLED.update({n.strip().lower(): why for n in names.split(",") if n.strip()})
+
+
 def disabled(runtime: str) -> bool:
-    """Whether ``FEDMVP_DISABLED_RUNTIMES`` names ``runtime``."""
-    names = {n.strip().lower() for n in os.environ.get(DISABLED_ENV, "").split(",")}
-    return runtime in names
+    """Whether ``disable_runtimes`` switched ``runtime`` off."""
+    return runtime in _DISABLED
 
 
 def unavailable(runtime: str) -> str | None:
     """Why ``runtime`` cannot run here (one line), or None when it can."""
     if disabled(runtime):
-        return f"{runtime} is disabled on this device ({DISABLED_ENV}={os.environ.get(DISABLED_ENV)})"
+        return f"{runtime} is disabled on this device ({_DISABLED[runtime]})"
     try:
         factory(runtime).load()
     except ImportError as err:

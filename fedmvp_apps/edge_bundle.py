@@ -1,6 +1,7 @@
-"""Which bundle directory a device command uses when --bundle is not given: ``$FEDMVP_BUNDLE``, then
-./bundle. The environment is the command's to read; the library (``edge_client``) takes the directory
-as an argument, and is told where it looked so its not-found line can say so.
+"""What a device command reads from its environment, and hands to the library as arguments (the
+library, ``edge_client``, reads no environment): which bundle directory it uses when --bundle is not
+given (``$FEDMVP_BUNDLE``, then ./bundle; the library is told where it looked so its not-found line can
+say so), and which runtimes this device switches off (``$FEDMVP_DISABLED_RUNTIMES``, comma-separated).
 """
 
 from __future__ import annotations
@@ -10,11 +11,20 @@ from pathlib import Path
 from typing import Union
 
 from edge_client.bundle import DEFAULT_BUNDLE, ChosenBundleDir
+from edge_client.engines import disable_runtimes
 
 BUNDLE_ENV = "FEDMVP_BUNDLE"  # where `--bundle` is not given
 BUNDLE_DEFAULT = f"default: ${BUNDLE_ENV}, then ./{DEFAULT_BUNDLE}"  # what --bundle's help says of its default
 BUNDLE_HELP = f"Bundle directory ({BUNDLE_DEFAULT})."
 BundleDir = Union[Path, ChosenBundleDir]  # what --bundle becomes: a directory given, or the default's
+DISABLED_ENV = "FEDMVP_DISABLED_RUNTIMES"  # runtimes a device must not use (e.g. "openvino")
+
+
+def switch_off_runtimes() -> None:
+    """Tell ``edge_client`` the runtimes ``$FEDMVP_DISABLED_RUNTIMES`` names (every device command and
+    the node's executor, anew each time: what was switched off before is replaced)."""
+    value = os.environ.get(DISABLED_ENV, "")
+    disable_runtimes(value, f"{DISABLED_ENV}={value}")
 
 
 def bundle_dir(given: Path | None) -> BundleDir:

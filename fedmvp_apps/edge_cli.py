@@ -21,7 +21,7 @@ import click
 
 from edge_client.engines import DEFAULT_RUNTIME
 from edge_client.train_options import DEVICES, OPTIMIZERS, TrainOptions
-from fedmvp_apps.edge_bundle import BUNDLE_HELP, BundleDir, bundle_option_callback
+from fedmvp_apps.edge_bundle import BUNDLE_HELP, BundleDir, bundle_option_callback, switch_off_runtimes
 from fedmvp_apps.edge_join import runtime_options
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -83,6 +83,7 @@ def main() -> None:
     (`--refresh`: the last bundle refresh); `info` describes the bundle and this device; `join`
     makes this device a node of the federation, training the global LoRA each round it is asked.
     """
+    switch_off_runtimes()
 
 
 # ---- infer ---------------------------------------------------------------------------------------------

@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid, stop)
+    from fedmvp_apps.edge_bundle import switch_off_runtimes
+
+    switch_off_runtimes()  # an edge device's runtimes, as its `edge-client join` was told
     try:
         secret = open(args.secret_file, "rb").read() if args.secret_file else None
         Executor(args.runtime_api_address, secret).serve(stop)

@@ -68,3 +68,13 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _no_runtime_switched_off_after():
+    """A device command switches runtimes off for its process; a test's CliRunner call must not leave that
+    to the next test."""
+    yield
+    from edge_client.engines import disable_runtimes
+
+    disable_runtimes("", "")

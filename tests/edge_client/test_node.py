@@ -158,7 +158,7 @@ def test_join_refuses_a_runtime_named_and_unavailable_before_connecting(edge_bun
     (a superlink nobody listens on: connecting would hang, not exit 2)."""
     import os
 
-    from edge_client.engines import DISABLED_ENV
+    from fedmvp_apps.edge_bundle import DISABLED_ENV
 
     classes = Bundle.open(edge_bundle).class_names
     root = write_local_data(tmp_path / "local", classes[:2], per_class=3)

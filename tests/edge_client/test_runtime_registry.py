@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edge_client.engines import (DISABLED_ENV, OrtEngine, register_runtime, runtime_names, unavailable,
+from edge_client.engines import (OrtEngine, register_runtime, runtime_names, unavailable,
                                  unregister_runtime)
+from fedmvp_apps.edge_bundle import DISABLED_ENV
 from fedmvp_apps.edge_cli import main
 
 

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from edge_client.bundle import Bundle
-from edge_client.engines import DISABLED_ENV
+from fedmvp_apps.edge_bundle import DISABLED_ENV
 from edge_client.infer import Predictor, infer_paths
 from edge_client.runtime_choice import cache_path, check_images, choose
 from fedmvp_apps.edge_cli import main
@@ -138,3 +138,17 @@ def test_the_precision_hint_reaches_openvino(edge_bundle):
     fp32 = Predictor(bundle, runtime="openvino", precision="fp32").run(pixels)["logits"]
     bf16 = Predictor(bundle, runtime="openvino", precision="bf16")
     assert bf16.engine.precision == "bf16" and not np.allclose(bf16.run(pixels)["logits"], fp32, atol=1e-4)
+
+
+def test_the_library_reads_no_environment_the_device_command_does(edge_bundle, data_root, monkeypatch):
+    """``$FEDMVP_DISABLED_RUNTIMES`` is the app's to read (fedmvp_apps/edge_bundle.py); edge_client is told."""
+    from edge_client.engines import disable_runtimes, unavailable
+
+    monkeypatch.setenv(DISABLED_ENV, "openvino")
+    assert unavailable("openvino") is None or "disabled" not in unavailable("openvino")
+    disable_runtimes("OpenVINO, ort", "told by the test")
+    assert unavailable("ort") == "ort is disabled on this device (told by the test)"
+    image = str(sorted((data_root / "test" / "red_circle").glob("*.png"))[0])
+    out = CliRunner().invoke(main, ["infer", image, "--bundle", str(edge_bundle), "--runtime", "ort"])
+    assert out.exit_code == 0, out.output  # the command replaced the test's switch with the environment's
+    assert unavailable("openvino") == f"openvino is disabled on this device ({DISABLED_ENV}=openvino)"
