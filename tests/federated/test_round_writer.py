@@ -18,13 +18,19 @@ from tests.federated.test_aggregation import RUN, _flower_run_identity  # noqa: 
 from tests.federated.test_privacy_rounds import THETA, BufferedGrid
 
 
-def test_a_round_records_the_device_that_never_replied_and_its_seconds(tmp_path):
-    run = RunDir(tmp_path)
+def one_round_strategy(path, round_timeout: float) -> tuple[RunDir, FedMVPStrategy]:
+    """A one-round run on one edge-device site that saves its round under ``path``."""
+    run = RunDir(path)
     run.write_config({"rounds": 1})
     options = StrategyOptions(client_config={"method": {"m": 1}}, seed=0, total_rounds=1, base_lr=0.1,
                               num_clients=1, run_id=RUN,
-                              policy=RoundPolicy(1.0, ServerSpec(min_nodes=1, node_wait=5, round_timeout=0.5)))
-    strategy = FedMVPStrategy(options, RoundWriter(run, options.policy.server))
+                              policy=RoundPolicy(1.0, ServerSpec(min_nodes=1, node_wait=5,
+                                                                 round_timeout=round_timeout)))
+    return run, FedMVPStrategy(options, RoundWriter(run, options.policy.server))
+
+
+def test_a_round_records_the_device_that_never_replied_and_its_seconds(tmp_path):
+    run, strategy = one_round_strategy(tmp_path, 0.5)
     evaluated = []
     strategy.evaluate_round = lambda grid, state, number: evaluated.append(number) or {}
     strategy.start(BufferedGrid({7: 0, 8: 10 ** 9}), array_record(THETA), num_rounds=1)  # node 8 never replies
@@ -72,12 +78,7 @@ class SuperLinkAnswers(BufferedGrid):
 
 
 def test_a_node_the_superlink_answers_for_is_left_out_under_its_own_id_and_not_also_timed_out(tmp_path):
-    run = RunDir(tmp_path)
-    run.write_config({"rounds": 1})
-    options = StrategyOptions(client_config={"method": {"m": 1}}, seed=0, total_rounds=1, base_lr=0.1,
-                              num_clients=1, run_id=RUN,
-                              policy=RoundPolicy(1.0, ServerSpec(min_nodes=1, node_wait=5, round_timeout=5)))
-    strategy = FedMVPStrategy(options, RoundWriter(run, options.policy.server))
+    run, strategy = one_round_strategy(tmp_path, 5)
     strategy.evaluate_round = lambda grid, state, number: {}
     strategy.start(SuperLinkAnswers({7: 0, 8: 0}), array_record(THETA), num_rounds=1)
     state = json.loads((run.round_path(1) / "state.json").read_text())
