@@ -131,3 +131,37 @@ def test_the_default_runtime_stays_torch_free_on_a_torchscript_bundle(ts_bundle,
     assert result["codes"] == {"infer": 0, "auto": 0, "info": 0, "named": 2}, proc.stderr
     info = next(json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bundle"'))
     assert info["device"]["runtimes"]["torchscript"]["available"] is False
+
+
+def test_a_refreshed_bundle_does_not_offer_its_stale_module(ts_bundle):
+    from dataclasses import replace
+
+    from edge_client.engines import RuntimeUnavailable, offered
+
+    bundle = read_bundle(ts_bundle)
+    assert offered("torchscript", bundle) == ["fp32"]
+    manifest = json.loads(json.dumps(bundle.manifest))
+    manifest["promptformer"]["digest"] = "0" * 64  # what a refresh to another round records
+    moved = replace(bundle, manifest=manifest)
+    assert offered("torchscript", moved) == []
+    with pytest.raises(RuntimeUnavailable, match="holds another PromptFormer than the refreshed bundle"):
+        candidates(moved, "torchscript", "auto")
+
+
+def test_a_real_refresh_leaves_the_module_unoffered(moved_run, data_root, tmp_path):
+    from safetensors.numpy import load_file
+
+    from edge_client.engines import offered
+    from edge_client.refresh import promptformer_digest, refresh_bundle
+    from export.bundle_writer import BundleOptions, ExportOptions, export_bundle
+
+    out = export_bundle(moved_run, 1, tmp_path / "bundle", ExportOptions(BundleOptions(torchscript=True),
+                                                                          parity_images=32)).path
+    assert offered("torchscript", read_bundle(out)) == ["fp32"]
+    round2 = load_file(str(moved_run / "round-0002" / "global.safetensors"))
+    refresh_bundle(read_bundle(out), round2, digest=promptformer_digest(round2), round_number=2)
+    refreshed = read_bundle(out)  # every hash still holds: the module is unchanged, and stale
+    assert offered("torchscript", refreshed) == [] and offered("ort", refreshed) == ["fp32"]
+    image = str(sorted((data_root / "test" / "red_circle").glob("*.png"))[0])
+    result = CliRunner().invoke(main, ["infer", image, "--bundle", str(out), "--runtime", "torchscript"])
+    assert result.exit_code == 2 and "re-export the round with --format torchscript" in result.stderr
