@@ -15,8 +15,12 @@ is silenced only around those calls (`quiet_torchscript`), because the bundle fo
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import struct
 import warnings
+import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,7 +80,48 @@ def export_torchscript(edge: EdgeClassifier, image_size: int, path: Path, batch:
         traced = torch.jit.trace(wrapper, (example, *lora), check_trace=False)
         buffer = io.BytesIO()
         torch.jit.save(traced, buffer)
-    Path(path).write_bytes(buffer.getvalue())
+    Path(path).write_bytes(fixed_serialization_id(buffer.getvalue()))
+
+
+def fixed_serialization_id(archive: bytes) -> bytes:
+    """``archive`` with its random ``.data/serialization_id`` record replaced by one derived from the rest.
+
+    Why: torch.jit.save draws that id at random, and the same round exported twice must be the same bytes
+    (``export.bundle_writer``). The record is stored uncompressed, so its bytes are overwritten in place and
+    its CRC-32 fixed in the local header and in the central directory; nothing else moves. Exports in
+    separate processes are then byte-identical; a second trace in one process mangles class names
+    (``___torch_mangle_N``), so that archive differs (it loads and computes the same)."""
+    data = bytearray(archive)
+    with zipfile.ZipFile(io.BytesIO(archive)) as zf:
+        info = next((i for i in zf.infolist() if i.filename.endswith("/.data/serialization_id")), None)
+        if info is None or info.compress_type != zipfile.ZIP_STORED:
+            return archive
+        size = info.file_size
+        others = hashlib.sha256()
+        for item in zf.infolist():
+            if item is not info:
+                others.update(item.filename.encode() + b"\0" + zf.read(item))
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_len + extra_len
+    record = str(int(others.hexdigest(), 16))[:size].rjust(size, "0").encode()  # digits, as torch writes it
+    data[start:start + size] = record
+    crc = zlib.crc32(record)
+    struct.pack_into("<I", data, info.header_offset + 14, crc)
+    struct.pack_into("<I", data, _central_entry(data, info.filename) + 16, crc)
+    return bytes(data)
+
+
+def _central_entry(data: bytearray, name: str) -> int:
+    """Offset of the central-directory entry of ``name`` (signature PK\\x01\\x02, name at +46)."""
+    encoded, at = name.encode(), 0
+    while True:
+        at = data.find(b"PK\x01\x02", at)
+        if at < 0:
+            raise ValueError(f"no central directory entry for {name}")
+        name_len = struct.unpack_from("<H", data, at + 28)[0]
+        if bytes(data[at + 46:at + 46 + name_len]) == encoded:
+            return at
+        at += 4
 
 
 @torch.no_grad()

@@ -89,3 +89,28 @@ def test_a_torchscript_parity_failure_refuses_the_export(tiny_run, tmp_path, mon
     assert result.exit_code == 1, result.output
     assert "parity failed, no bundle written: torchscript parity fp32" in result.output
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_archive_does_not_carry_a_random_id(tmp_path):
+    import io
+    import zipfile
+
+    from export.torchscript_export import fixed_serialization_id
+
+    with quiet_torchscript():
+        module = torch.jit.trace(torch.nn.Linear(3, 2).eval(), torch.zeros(1, 3), check_trace=False)
+        buffer = io.BytesIO()
+        torch.jit.save(module, buffer)
+    saved = buffer.getvalue()
+    record = next(i for i in zipfile.ZipFile(io.BytesIO(saved)).infolist()
+                  if i.filename.endswith("/.data/serialization_id"))
+    drawn = zipfile.ZipFile(io.BytesIO(saved)).read(record)
+    other = saved.replace(drawn, b"1" * len(drawn))  # another draw of torch's random id
+    assert other != saved and fixed_serialization_id(other) == fixed_serialization_id(saved)
+    path = tmp_path / "m.pt"
+    path.write_bytes(fixed_serialization_id(other))
+    assert zipfile.ZipFile(path).testzip() is None  # CRCs right
+    with quiet_torchscript():
+        loaded = torch.jit.load(str(path))
+    x = torch.randn(4, 3)
+    assert torch.equal(loaded(x), module(x))
