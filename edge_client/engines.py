@@ -23,6 +23,7 @@ from edge_client.bundle import Bundle
 from edge_client.engine_types import Candidate, Engine, RuntimeFactory
 from edge_client.openvino_runtime import OpenVinoRuntime
 from edge_client.runtime import ProviderError, make_session
+from edge_client.torchscript_runtime import TorchScriptRuntime
 
 __all__ = ["Candidate", "DEFAULT_RUNTIME", "Engine", "OrtEngine", "PRECISIONS", "RuntimeFactory",
            "RuntimeUnavailable", "candidates", "disable_runtimes", "disabled", "factory", "offered", "open_engine", "register_runtime",
@@ -64,6 +65,7 @@ class OrtRuntime:
 _RUNTIMES: dict[str, RuntimeFactory] = {
     "ort": OrtRuntime(),
     "openvino": OpenVinoRuntime(),
+    "torchscript": TorchScriptRuntime(),
 }
 
 
@@ -141,6 +143,9 @@ def candidates(bundle: Bundle, runtime: str, precision: str) -> tuple[list[Candi
             notes.append(why)
             continue
         precisions = offered(name, bundle)
+        if not precisions and runtime != "auto":  # e.g. the bundle lacks the runtime's model; its own line
+            why_not = getattr(factory(name), "not_offered", None)
+            raise RuntimeUnavailable((why_not(bundle) if why_not else None) or f"{name} offers nothing for this bundle")
         if precision != "auto" and precision not in precisions:
             if runtime != "auto":
                 raise ProviderError(f"{name} offers {', '.join(precisions)} for this {bundle.precision} bundle on "

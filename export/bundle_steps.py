@@ -18,15 +18,15 @@ import torch
 from safetensors.torch import save_file
 
 from fedmvp_formats.bundle_manifest import (CHECK_SECTION, CONTEXT_SOURCES, FORMAT, FORMAT_VERSION,
-                                            REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES, file_entries,
-                                            write_manifest)
+                                            REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES, TORCHSCRIPT_FILE,
+                                            TORCHSCRIPT_ROLE, file_entries, write_manifest)
 from fedmvp_formats.class_set import class_set_digest
 from fedmvp_formats.privacy import RECORD as PRIVACY
 from fedmvp_formats.promptformer import promptformer_digest
 
 from edge_client.bundle import read_bundle, verify_program_archive
 from edge_client.check_images import write_check_images
-from export import check_images, onnx_export, parity, training_artifact
+from export import check_images, onnx_export, parity, torchscript_export, training_artifact
 from export.class_set import ClassSet, text_features
 from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
 from export.errors import ExportError
@@ -73,6 +73,8 @@ class BundleOptions:
     max_accuracy_drop: float | None = None
     int8_scheme: str | None = None  # int8: auto, dynamic or static (None: auto; export/int8_scheme.py)
     progress: bool = False  # a progress bar on stderr
+    # also write the TorchScript inference module (export/torchscript_export.py), parity-checked like ONNX
+    torchscript: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class BundleWrite:
         self.tmp, self.model, self.clip, self.classes = tmp, model, clip, classes
         self.inputs, self.options, self.bar = inputs, options, bar
         self.names = bundle_roles(options.precision, options.training)
+        if options.torchscript:
+            self.names[TORCHSCRIPT_ROLE] = TORCHSCRIPT_FILE
         self.results: dict[str, parity.ParityResult] = {}
         self.int8_plan: Int8Plan | None = None
         self.check: check_images.ShippedCheck | None = None
@@ -113,6 +117,8 @@ class BundleWrite:
         graph = self.onnx()
         reference = self.parity_fp32()
         self.variant(graph, reference)
+        if self.options.torchscript:
+            self.torchscript(reference)
         if self.options.training:
             self.program()
         if "weights" not in self.names:
@@ -182,6 +188,15 @@ class BundleWrite:
         self.linked, self.external = 0, None
         self.bar.update()
 
+    def torchscript(self, reference: np.ndarray) -> None:
+        """The TorchScript module, held to the fp32 parity rules like the ONNX model (``ParityError``: none written)."""
+        self.step("torchscript")
+        self.results[TORCHSCRIPT_ROLE] = torchscript_export.write_checked(
+            self.edge, self.clip.image_size, self.tmp / self.names[TORCHSCRIPT_ROLE], reference, self.inputs.images)
+        if not self.results[TORCHSCRIPT_ROLE].passed:
+            raise ParityError(self.results[TORCHSCRIPT_ROLE].line(), self.results)
+        self.bar.update()
+
     def program(self) -> None:
         """The torch.export training program (LoRA the only trainable inputs), verified as a device reads it."""
         self.step("training artifact")
@@ -203,6 +218,9 @@ class BundleWrite:
                              self.int8_plan)
         manifest["promptformer"] = promptformer_section(self.model, self.edge, self.external)
         manifest[CHECK_SECTION] = self.check.manifest(names["check"])
+        if TORCHSCRIPT_ROLE in names:
+            manifest[TORCHSCRIPT_ROLE] = torchscript_export.manifest_section(
+                self.edge, manifest["promptformer"]["digest"])
         if inputs.privacy is not None:
             manifest[PRIVACY] = dict(inputs.privacy)
         manifest["files"] = file_entries(tmp, list(names.values()))

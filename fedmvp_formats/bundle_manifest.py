@@ -43,6 +43,12 @@ CHECK_SECTION = "check_images"
 CHECK_TENSOR = "images"
 CHECK_SOURCES = ("images", "run-test", "generated")
 MAX_CHECK_IMAGES = 256
+# ``torchscript`` (optional, `fedmvp-export --format torchscript`): the inference module ONNX is exported from,
+# traced (torch.jit) with its LoRA tensors as inputs; section TORCHSCRIPT_ROLE names the role's file. Absent
+# (older bundles, or not asked for): no TorchScript artifact, and `edge-client --runtime torchscript` is not offered.
+TORCHSCRIPT_ROLE = "torchscript"
+TORCHSCRIPT_FILE = "model.torchscript.pt"
+TORCHSCRIPT_FORMAT = "torch.jit"
 PRECISIONS = ("fp32", "fp16", "int8")
 CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class list it was exported with
 # ``onnx.int8`` of an int8 bundle (export/int8.py's plan): the MatMul layers ``quantized`` and ``kept_fp32``,
@@ -64,6 +70,7 @@ SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
     "training": ((dict, type(None)), False), "parity": ((dict,), False), "promptformer": ((dict,), False),
     PRIVACY: ((dict,), False),  # the run's [privacy] settings and the round's epsilon (none: no DP)
     CHECK_SECTION: ((dict,), False),  # absent in bundles exported before check images travelled
+    TORCHSCRIPT_ROLE: ((dict,), False),  # absent: no TorchScript artifact
 }
 
 # What each section holds (the reference page docs/reference/bundle.md is generated from SECTIONS and this).
@@ -97,6 +104,9 @@ SECTION_HELP: dict[str, str] = {
                    f"({', '.join(CHECK_SOURCES)}: --images, the run's test images, generated colour fields), "
                    "images (count), generated (how many of them are generated), layout; absent in bundles "
                    "exported before (the device then generates its own from the bundle id)",
+    TORCHSCRIPT_ROLE: "the TorchScript inference module (fedmvp-export --format torchscript): file (role "
+                      "torchscript), format, inputs (pixel_values, then the LoRA tensors), outputs, the PromptFormer "
+                      "digest baked in; absent when the bundle carries none",
 }
 
 # What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
@@ -175,6 +185,7 @@ def check_manifest(m: Any, where: str) -> MethodRecord:
     if source.get("run_id") is not None and not isinstance(source["run_id"], str):
         raise bad("source.run_id", f"not a string, got {type(source['run_id']).__name__}")
     _check_check_images(m, bad)
+    _check_torchscript(m, bad)
     if PRIVACY in m:  # what the device clips (and noises) by: the one record's checks
         try:
             PrivacyRecord.from_record(m[PRIVACY], f"{where}: field {PRIVACY}")
@@ -253,6 +264,23 @@ def _check_check_images(m: dict[str, Any], bad: Any) -> None:
         raise bad(f"{CHECK_SECTION}.images", f"not a count of 1 to {MAX_CHECK_IMAGES} images, got {count!r}")
     if not (_integer(generated) and 0 <= generated <= count):
         raise bad(f"{CHECK_SECTION}.generated", f"not a count of 0 to {count} images, got {generated!r}")
+
+
+def _check_torchscript(m: dict[str, Any], bad: Any) -> None:
+    """The ``torchscript`` section and role come together; its file is the role's, its LoRA inputs the bundle's."""
+    section, role = m.get(TORCHSCRIPT_ROLE), m["files_by_role"].get(TORCHSCRIPT_ROLE)
+    if section is None:
+        if role is not None:
+            raise bad(TORCHSCRIPT_ROLE, f"missing, but files_by_role names a torchscript file ({role!r})")
+        return
+    if role is None or section.get("file") != role:
+        raise bad(f"{TORCHSCRIPT_ROLE}.file", f"{section.get('file')!r} is not files_by_role's torchscript file "
+                                              f"({role!r})")
+    if section.get("format") != TORCHSCRIPT_FORMAT:
+        raise bad(f"{TORCHSCRIPT_ROLE}.format", f"{section.get('format')!r} is not {TORCHSCRIPT_FORMAT!r}")
+    lora = section.get("lora_inputs")
+    if not isinstance(lora, list) or sorted(lora) != sorted(m["lora"].get("tensors") or {}):
+        raise bad(f"{TORCHSCRIPT_ROLE}.lora_inputs", "must list the bundle's LoRA tensors (lora.tensors)")
 
 
 def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
