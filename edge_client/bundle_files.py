@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -113,24 +113,38 @@ _MAX_RATIO = 100  # deflated JSON shrinks 5-20x; a thousandfold is a bomb
 def verify_program_archive(path: str | os.PathLike) -> None:
     """Refuse a training program that carries anything torch would unpickle or inflate unbounded (call
     before loading it); reads the zip directory and the two configs only, never extracts."""
-    path = Path(path)
+    def configs(archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> None:
+        for info in infos:
+            if info.filename.split("/", 1)[1] in _EMPTY_CONFIGS and not _empty_config(archive.read(info)):
+                raise fail(Path(path), f"archive entry {info.filename!r} must be the empty config {{\"config\": {{}}}} "
+                                       f"(the program has no tensors of its own; torch would unpickle what it names)")
+
+    check_archive_entries(Path(path), "torch.export", _entry_problem, configs)
+
+
+EntryRule = Callable[[zipfile.ZipInfo, str, set], "str | None"]  # (entry, the archive's folder, names seen)
+
+
+def check_archive_entries(path: Path, kind: str, entry_problem: EntryRule,
+                          then: Callable[[zipfile.ZipFile, list[zipfile.ZipInfo]], None] | None = None) -> None:
+    """Every entry of the zip archive at ``path`` passed through ``entry_problem`` (the first problem is
+    one ``BundleError`` line), then ``then(archive, entries)``; a ``kind`` archive that is no zip, or
+    cannot be read, is one line too. Reads the directory (and what ``then`` reads), never extracts."""
     try:
         with zipfile.ZipFile(path) as archive:
             infos = archive.infolist()
             prefix = infos[0].orig_filename.split("/", 1)[0] if infos else ""
             seen: set[str] = set()
             for info in infos:
-                problem = _entry_problem(info, prefix, seen)
+                problem = entry_problem(info, prefix, seen)
                 if problem:
                     raise fail(path, f"{problem}; refusing to load it")
-            for info in infos:
-                if info.filename.split("/", 1)[1] in _EMPTY_CONFIGS and not _empty_config(archive.read(info)):
-                    raise fail(path, f"archive entry {info.filename!r} must be the empty config {{\"config\": {{}}}} "
-                                     f"(the program has no tensors of its own; torch would unpickle what it names)")
+            if then is not None:
+                then(archive, infos)
     except zipfile.BadZipFile:
-        raise fail(path, "not a torch.export archive (bad zip)") from None
+        raise fail(path, f"not a {kind} archive (bad zip)") from None
     except (OSError, RuntimeError, EOFError) as err:
-        raise fail(path, f"not a readable torch.export archive ({' '.join(str(err).split())[:200]})") from None
+        raise fail(path, f"not a readable {kind} archive ({' '.join(str(err).split())[:200]})") from None
 
 
 def _entry_problem(info: zipfile.ZipInfo, prefix: str, seen: set[str]) -> str | None:

@@ -24,6 +24,7 @@ from fedmvp_formats.bundle_manifest import TORCHSCRIPT_ROLE
 from edge_client.bundle import Bundle
 from edge_client.engine_types import Candidate
 from edge_client.runtime import default_threads
+from edge_client.torchscript_check import check_archive, check_module
 
 
 def not_offered(bundle: Bundle) -> str | None:
@@ -82,7 +83,10 @@ class TorchScriptEngine:
         with warnings.catch_warnings():  # torch.jit is deprecated (torch 2.14) but is the artifact's format
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
-            self._module = torch.jit.load(str(bundle.file(TORCHSCRIPT_ROLE)), map_location="cpu").eval()
+            path = bundle.file(TORCHSCRIPT_ROLE)
+            check_archive(path)  # before torch reads it: only a traced module's entries, no load hooks
+            self._module = torch.jit.load(str(path), map_location="cpu").eval()
+            check_module(path, self._module)  # before it runs: forward alone, known operators alone
         self._torch = torch
         self._lora_order = list(section["lora_inputs"])
         self.device = "TorchScript CPU"
