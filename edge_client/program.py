@@ -16,6 +16,37 @@ from edge_client.bundle import Bundle, BundleError, verify_program_archive
 _PROGRAMS: dict[str, Any] = {}
 
 
+class ProgramLoadError(BundleError):
+    """train.pt2 does not load with this torch (``reason``: torch's words); the TorchScript training module
+    may stand in for it (``load_runner``)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def load_runner(bundle: Bundle, program: str = "auto") -> tuple[Any, str, str | None]:
+    """(runner, the program's name, a one-line note or None): what `edge-client train` trains through.
+
+    ``program``: ``pt2`` the training program (`load_program`); ``torchscript`` the TorchScript training
+    module (``edge_client.torchscript_training``); ``auto`` train.pt2, and where this torch cannot load it
+    the TorchScript module if the bundle carries one (the note says so; docs/howto/torchscript.md)."""
+    from edge_client.torchscript_training import has_module, load_script_runner
+
+    if program == "torchscript":
+        return load_script_runner(bundle), "torchscript", None
+    try:
+        return load_program(bundle), "pt2", None
+    except ProgramLoadError as err:
+        if program != "auto" or not has_module(bundle):
+            raise
+        import torch
+
+        runner = load_script_runner(bundle)
+        return runner, "torchscript", (f"train.pt2 does not load with torch {torch.__version__} ({err.reason}); "
+                                       f"training through train.torchscript.pt")
+
+
 def load_program(bundle: Bundle) -> GraphRunner:
     """The bundle's training program as a `GraphRunner` (cached per file hash in this process).
 
@@ -31,8 +62,9 @@ def load_program(bundle: Bundle) -> GraphRunner:
         try:
             module = torch.export.load(str(path)).module()
         except Exception as err:  # noqa: BLE001 - torch raises many kinds for a bad or too-new archive
-            raise BundleError(f"{path}: cannot load the training program with torch {torch.__version__} "
-                              f"({' '.join(str(err).split())[:300]})") from None
+            reason = ' '.join(str(err).split())[:300]
+            raise ProgramLoadError(f"{path}: cannot load the training program with torch {torch.__version__} "
+                                   f"({reason})", reason) from None
         _PROGRAMS.clear()  # one program per process: a refresh that replaced the file drops the old one
         _PROGRAMS[key] = GraphRunner(module)
     return _PROGRAMS[key]
@@ -49,6 +81,8 @@ class GraphRunner:
       activation of the ViT alive. Results and gradients equal the plain run.
     Values are dropped as soon as their last user has run.
     """
+
+    program = "pt2"
 
     def __init__(self, module: Any) -> None:
         import torch

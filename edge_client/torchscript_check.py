@@ -35,6 +35,10 @@ ALLOWED_OPERATORS = frozenset({
     "prim::Constant", "prim::GetAttr", "prim::ListConstruct", "prim::ListUnpack", "prim::NumToTensor",
     "prim::TupleConstruct", "prim::TupleUnpack",
 })
+# The training module (export/torchscript_training.py) is the same edge module's forward (the prompted and the
+# frozen image features, the logits) with every tensor an input: the same operators. Backward runs through
+# autograd on those operators, not through code in the archive.
+TRAINING_OPERATORS = ALLOWED_OPERATORS
 _ENTRY = re.compile(r"(data\.pkl|constants\.pkl|traced_inputs\.pkl|version|byteorder|\.data/version|"
                     r"\.data/serialization_id|(data|constants|traced_inputs)/\d+|"
                     r"code/__torch__(/[A-Za-z0-9_]+)*/[A-Za-z0-9_]+\.py(\.debug_pkl)?)")
@@ -78,15 +82,17 @@ def _entry_problem(info: zipfile.ZipInfo, prefix: str, seen: set[str]) -> str | 
     return None
 
 
-def check_module(path: Path, module: Any) -> None:
+def check_module(path: Path, module: Any, kind: str = "inference") -> None:
     """Refuse a loaded module that offers more than ``forward`` or whose forward calls an operator the
-    exporter's inference module never uses (``BundleError``)."""
+    exporter's ``kind`` module (inference, or training: ``export/torchscript_training.py``) never uses
+    (``BundleError``)."""
     methods = sorted(module._c._method_names())
     if methods != ["forward"]:
         raise fail(path, f"the TorchScript module has methods {methods}, not only forward; refusing to run it")
-    unknown = sorted(_operators(module.inlined_graph) - ALLOWED_OPERATORS)
+    unknown = sorted(_operators(module.inlined_graph) - (TRAINING_OPERATORS if kind == "training"
+                                                         else ALLOWED_OPERATORS))
     if unknown:
-        raise fail(path, f"the TorchScript module calls operators no fedmvp inference module uses "
+        raise fail(path, f"the TorchScript module calls operators no fedmvp {kind} module uses "
                          f"({', '.join(unknown[:5])}); refusing to run it")
 
 
@@ -99,4 +105,4 @@ def _operators(block: Any) -> set[str]:
     return kinds
 
 
-__all__ = ["ALLOWED_OPERATORS", "BundleError", "check_archive", "check_module"]
+__all__ = ["ALLOWED_OPERATORS", "TRAINING_OPERATORS", "BundleError", "check_archive", "check_module"]

@@ -82,6 +82,8 @@ class TrainResult:
     checkpoint_segments: int = 1
     tensors: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # the trained LoRA, float32
     privacy: dict[str, Any] | None = None  # [privacy]: mode, clip_norm, the delta's norm before the clip
+    program: str = "pt2"  # what it trained through: pt2 (train.pt2) or torchscript (train.torchscript.pt)
+    program_note: str | None = None  # why: the fallback's one line (train.pt2 does not load with this torch)
 
     def to_json(self) -> dict[str, Any]:
         """The `edge-client train --json` report."""
@@ -94,7 +96,8 @@ class TrainResult:
                 "seconds": round(self.seconds, 3), "alpha": self.alpha, "lr": self.lr,
                 "optimizer": self.optimizer, "started_from": self.started_from,
                 "personalised": self.personalised.to_json() if self.personalised else None,
-                "skipped": self.skipped, "privacy": self.privacy}
+                "skipped": self.skipped, "privacy": self.privacy, "program": self.program,
+                "program_note": self.program_note}
 
 
 def default_out_path(out: str | os.PathLike, bundle: Bundle) -> Path:

@@ -19,6 +19,10 @@ from edge_client.images import DEFAULT_MAX_PIXELS
 OPTIMIZERS = ("sgd", "adamw")
 STARTS = ("active", "bundle")
 DEVICES = ("auto", "cpu", "cuda")
+# What training runs through (edge_client.program.load_runner): train.pt2, or the TorchScript training module
+# (train.torchscript.pt, bundles exported with --format torchscript); auto: train.pt2 unless this torch cannot
+# load it (docs/howto/torchscript.md).
+PROGRAMS = ("auto", "pt2", "torchscript")
 
 
 class TrainInputError(ValueError):
@@ -68,6 +72,10 @@ class TrainOptions:
         "help": "Refuse images with more pixels (decompression bombs)."})
     threads: int | None = field(default=None, metadata={
         "help": "torch CPU threads while training (restored afterwards)."})
+    program: str = field(default="auto", metadata={
+        "help": "What to train through: pt2 (train.pt2), torchscript (train.torchscript.pt, --format torchscript "
+                "bundles; no checkpoint segments), auto: train.pt2, or the TorchScript module where this torch "
+                "cannot load train.pt2."})
 
     def __post_init__(self) -> None:
         _check(isinstance(self.epochs, int) and self.epochs >= 1, f"epochs must be a positive int, got {self.epochs!r}")
@@ -79,6 +87,7 @@ class TrainOptions:
         _check(self.lr > 0 and math.isfinite(self.lr), f"learning rate must be > 0, got {self.lr}")
         _check(self.optimizer in OPTIMIZERS,
                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        _check(self.program in PROGRAMS, f"program must be one of {', '.join(PROGRAMS)}, got {self.program!r}")
         _check(self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
                f"threads must be a positive int, got {self.threads!r}")
 

@@ -24,7 +24,7 @@ from edge_client.batch_fit import auto_batch, probe_step
 from edge_client.bundle import Bundle
 from edge_client.local_data import LocalDataset, decode_dataset, images_digest
 from edge_client.lora_store import ActiveLora, active_lora, bundle_lora
-from edge_client.program import GraphRunner, load_program
+from edge_client.program import load_runner
 from edge_client.safetensors_check import load_safetensors
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
 from edge_client.update import UpdateError, update_bytes
@@ -51,7 +51,9 @@ class TrainingRun:
         self.amp_dtype = None
         if self.use_autocast:
             self.amp_dtype = torch.bfloat16 if (not on_cuda or torch.cuda.is_bf16_supported()) else torch.float16
-        self.runner = load_program(bundle)
+        self.runner, self.program, self.program_note = load_runner(bundle, o.program)
+        if self.program_note is not None:  # the fallback says so, in one line (docs/howto/torchscript.md)
+            print(self.program_note, file=sys.stderr, flush=True)
         self.segments = _segments(self.runner, o.checkpoint_segments, on_cuda)
         self.pixels_u8, self.labels_np = decode_dataset(self.dataset, bundle.preprocess, max_pixels=o.max_pixels,
                                                         progress=progress)
@@ -178,7 +180,8 @@ class TrainingRun:
                       "epoch_losses": epoch_losses, "seconds": seconds, "alpha": self.alpha, "lr": o.lr,
                       "optimizer": o.optimizer, "started_from": initial.source, "skipped": list(dataset.skipped),
                       "autocast": str(self.amp_dtype).replace("torch.", "") if self.use_autocast else None,
-                      "checkpoint_segments": len(self.runner.plan(self.segments))}
+                      "checkpoint_segments": len(self.runner.plan(self.segments)), "program": self.program,
+                      "program_note": self.program_note}
 
 
 def _device(torch: Any, device: str) -> Any:
@@ -193,8 +196,9 @@ def _device(torch: Any, device: str) -> Any:
     return torch.device(key)
 
 
-def _segments(runner: GraphRunner, requested: int | None, on_cuda: bool) -> int:
-    """Checkpointed pieces to cut the graph into: none on CPU, one block per piece on CUDA."""
+def _segments(runner: Any, requested: int | None, on_cuda: bool) -> int:
+    """Checkpointed pieces to cut the graph into: none on CPU, one block per piece on CUDA (a `GraphRunner`;
+    a TorchScript module's runner has one piece whatever is asked)."""
     if requested is None:
         requested = 0 if on_cuda else 1
     if requested == 0:  # auto: about two LayerNorms (one transformer block) per piece

@@ -19,14 +19,15 @@ from safetensors.torch import save_file
 
 from fedmvp_formats.bundle_manifest import (CHECK_SECTION, CONTEXT_SOURCES, FORMAT, FORMAT_VERSION,
                                             REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES, TORCHSCRIPT_FILE,
-                                            TORCHSCRIPT_ROLE, file_entries, write_manifest)
+                                            TORCHSCRIPT_ROLE, TORCHSCRIPT_TRAINING_FILE, TORCHSCRIPT_TRAINING_ROLE,
+                                            file_entries, write_manifest)
 from fedmvp_formats.class_set import class_set_digest
 from fedmvp_formats.privacy import RECORD as PRIVACY
 from fedmvp_formats.promptformer import promptformer_digest
 
 from edge_client.bundle import read_bundle, verify_program_archive
 from edge_client.check_images import write_check_images
-from export import check_images, onnx_export, parity, torchscript_export, training_artifact
+from export import check_images, onnx_export, parity, torchscript_export, torchscript_training, training_artifact
 from export.class_set import ClassSet, text_features
 from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
 from export.errors import ExportError
@@ -104,8 +105,11 @@ class BundleWrite:
         self.names = bundle_roles(options.precision, options.training)
         if options.torchscript:
             self.names[TORCHSCRIPT_ROLE] = TORCHSCRIPT_FILE
+            if options.training:  # and what train.pt2 computes, for a torch that cannot load it
+                self.names[TORCHSCRIPT_TRAINING_ROLE] = TORCHSCRIPT_TRAINING_FILE
         self.results: dict[str, parity.ParityResult] = {}
         self.int8_plan: Int8Plan | None = None
+        self.training_parity: torchscript_training.TrainingParity | None = None
         self.check: check_images.ShippedCheck | None = None
 
     def step(self, name: str) -> None:
@@ -121,6 +125,8 @@ class BundleWrite:
             self.torchscript(reference)
         if self.options.training:
             self.program()
+        if TORCHSCRIPT_TRAINING_ROLE in self.names:
+            self.torchscript_training()
         if "weights" not in self.names:
             self.weights_file.unlink()
         return self.manifest()
@@ -205,6 +211,17 @@ class BundleWrite:
         verify_program_archive(self.tmp / self.names["training"])
         self.bar.update()
 
+    def torchscript_training(self) -> None:
+        """The TorchScript training module, its outputs and LoRA gradients held to the eager module's
+        (``ParityError``: none written)."""
+        self.step("torchscript training")
+        found = torchscript_training.write_checked(self.edge, self.clip.image_size,
+                                                   self.tmp / self.names[TORCHSCRIPT_TRAINING_ROLE], self.inputs.images)
+        if not found.passed:
+            raise ParityError(found.line(), self.results)
+        self.training_parity = found
+        self.bar.update()
+
     def manifest(self) -> dict[str, Any]:
         """The check images, then the manifest over every file; the bundle is read back as a device would."""
         tmp, names, inputs, images = self.tmp, self.names, self.inputs, self.inputs.images
@@ -221,6 +238,8 @@ class BundleWrite:
         if TORCHSCRIPT_ROLE in names:
             manifest[TORCHSCRIPT_ROLE] = torchscript_export.manifest_section(
                 self.edge, manifest["promptformer"]["digest"])
+        if self.training_parity is not None:
+            manifest[TORCHSCRIPT_TRAINING_ROLE] = torchscript_training.manifest_section(self.edge, self.training_parity)
         if inputs.privacy is not None:
             manifest[PRIVACY] = dict(inputs.privacy)
         manifest["files"] = file_entries(tmp, list(names.values()))

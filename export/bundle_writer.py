@@ -96,7 +96,7 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
         raise ExportError(f"parity needs at least {parity.MIN_IMAGES} images, got {len(inputs.images)}")
     steps = ["text features", "onnx", "parity fp32"] + ([f"{precision}"] if precision != "fp32" else []) \
         + (["torchscript"] if options.torchscript else []) + (["training artifact"] if options.training else []) \
-        + ["manifest"]
+        + (["torchscript training"] if options.torchscript and options.training else []) + ["manifest"]
     bar = tqdm(total=len(steps), desc="export", unit="step", disable=not options.progress, file=sys.stderr,
                leave=False)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from export.edge_module import EdgeClassifier, no_mha_fastpath
 from export.onnx_export import INPUT_NAME, OUTPUT_NAMES, plain_attention
 
 __all__ = ["TORCHSCRIPT_FILE", "TorchScriptParity", "export_torchscript", "logits", "manifest_section",
-           "quiet_torchscript", "write_checked"]
+           "quiet_torchscript", "tensors_as_inputs", "write_checked"]
 
 
 @contextlib.contextmanager
@@ -49,6 +49,27 @@ def quiet_torchscript() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def tensors_as_inputs(edge: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``edge`` reading ``tensors`` (by FQN) in place of its own parameters and buffers for a while.
+
+    Why: the edge module reads its tensors by attribute (EdgeClassifier.tensor, nn.Linear.weight), and a
+    trace records what it reads; plain tensors in their place become graph inputs, not saved constants
+    (``torch.func.functional_call`` refuses to trace)."""
+    held = []
+    try:
+        for name, value in tensors.items():
+            parent, leaf = edge.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            store = parent._parameters if leaf in parent._parameters else parent._buffers
+            held.append((parent, leaf, store, store.pop(leaf)))
+            object.__setattr__(parent, leaf, value)
+        yield
+    finally:
+        for parent, leaf, store, original in reversed(held):
+            parent.__dict__.pop(leaf, None)
+            store[leaf] = original
+
+
 class _LoraInputs(nn.Module):
     """``edge`` with its LoRA parameters taken as forward inputs (traced as graph inputs, not constants)."""
 
@@ -58,17 +79,8 @@ class _LoraInputs(nn.Module):
         self.names = list(edge.lora_names)
 
     def forward(self, pixel_values: torch.Tensor, *lora: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        held = []
-        try:  # the edge module reads LoRA by attribute (EdgeClassifier.tensor): plain tensors in their place
-            for name, value in zip(self.names, lora):
-                parent, leaf = self.edge.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-                held.append((parent, leaf, parent._parameters.pop(leaf)))
-                setattr(parent, leaf, value)
+        with tensors_as_inputs(self.edge, dict(zip(self.names, lora))):
             return self.edge(pixel_values)
-        finally:
-            for parent, leaf, parameter in held:
-                delattr(parent, leaf)
-                parent.register_parameter(leaf, parameter)
 
 
 def export_torchscript(edge: EdgeClassifier, image_size: int, path: Path, batch: int = 2) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from edge_client.engines import DEFAULT_RUNTIME
-from edge_client.train_options import DEVICES, OPTIMIZERS, TrainOptions
+from edge_client.train_options import DEVICES, OPTIMIZERS, PROGRAMS, TrainOptions
 from fedmvp_apps.edge_bundle import BUNDLE_HELP, BundleDir, bundle_option_callback, switch_off_runtimes
 from fedmvp_apps.edge_join import runtime_options
 
@@ -191,11 +191,12 @@ def _train_option(*decls: str, name: str, **kwargs: Any) -> Any:
               help="Start from the bundle's exported LoRA instead of this device's active (personalised) one.")
 @click.option("--no-apply", is_flag=True, help="Only write the update file; keep the device's active LoRA.")
 @_train_option("--threads", name="threads", type=click.IntRange(min=1))
+@_train_option("--program", name="program", type=click.Choice(PROGRAMS, case_sensitive=False))
 @_wait_option
 @_json_option
 def train(data: Path, bundle: BundleDir, epochs: int, batch_size: int | str, max_memory_gb: float | None,
           out: Path, lr: float, optimizer: str, alpha: float | None, device: str, seed: int, from_bundle: bool,
-          no_apply: bool, threads: int | None, wait: bool, break_lock: bool, as_json: bool) -> None:
+          no_apply: bool, threads: int | None, program: str, wait: bool, break_lock: bool, as_json: bool) -> None:
     """Train only the LoRA tensors on local labelled images (needs torch: fedmvp[edge-train]).
 
     Loss: cross-entropy over the bundle's classes + alpha * (1 - cos(prompted, frozen CLIP
@@ -214,7 +215,8 @@ def train(data: Path, bundle: BundleDir, epochs: int, batch_size: int | str, max
     try:
         options = TrainOptions(epochs=epochs, batch_size=batch_size, max_memory_gb=max_memory_gb, out=out, lr=lr,
                                optimizer=optimizer.lower(), alpha=alpha, device=device.lower(), seed=seed,
-                               apply=not no_apply, start="bundle" if from_bundle else "active", threads=threads)
+                               apply=not no_apply, start="bundle" if from_bundle else "active", threads=threads,
+                               program=program.lower())
         result = train_local(data, bundle, options, progress=not as_json, wait=_patience(wait),
                              break_lock=break_lock)
     except KeyboardInterrupt:
@@ -233,7 +235,9 @@ def train(data: Path, bundle: BundleDir, epochs: int, batch_size: int | str, max
     click.echo(f"trained the LoRA on {result.num_examples} images of {classes} class{'es' if classes != 1 else ''}, "
                f"{epochs} epoch{'s' if epochs != 1 else ''}, batch {result.batch_size}, {result.optimizer} "
                f"lr {result.lr:g}, {result.device}"
-               + (f" ({result.autocast} autocast)" if result.autocast else "") + f", {result.seconds:.1f} s")
+               + (f" ({result.autocast} autocast)" if result.autocast else "")
+               + (", through train.torchscript.pt" if result.program == "torchscript" else "")
+               + f", {result.seconds:.1f} s")
     trend = f"{losses[0]:.4f} (epoch 1) -> {losses[-1]:.4f} (epoch {len(losses)})" if len(losses) > 1 \
         else f"{losses[0]:.4f}"
     click.echo(f"loss: {trend}, mean {result.mean_loss:.4f}")

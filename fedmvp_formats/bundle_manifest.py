@@ -49,6 +49,11 @@ MAX_CHECK_IMAGES = 256
 TORCHSCRIPT_ROLE = "torchscript"
 TORCHSCRIPT_FILE = "model.torchscript.pt"
 TORCHSCRIPT_FORMAT = "torch.jit"
+# ``torchscript_training`` (optional, trainable bundles exported with --format torchscript): what train.pt2
+# computes, traced (torch.jit) with every tensor an input (export/torchscript_training.py); the device trains
+# through it where train.pt2 does not load (docs/howto/torchscript.md).
+TORCHSCRIPT_TRAINING_ROLE = "torchscript_training"
+TORCHSCRIPT_TRAINING_FILE = "train.torchscript.pt"
 PRECISIONS = ("fp32", "fp16", "int8")
 CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class list it was exported with
 # ``onnx.int8`` of an int8 bundle (export/int8.py's plan): the MatMul layers ``quantized`` and ``kept_fp32``,
@@ -71,6 +76,7 @@ SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
     PRIVACY: ((dict,), False),  # the run's [privacy] settings and the round's epsilon (none: no DP)
     CHECK_SECTION: ((dict,), False),  # absent in bundles exported before check images travelled
     TORCHSCRIPT_ROLE: ((dict,), False),  # absent: no TorchScript artifact
+    TORCHSCRIPT_TRAINING_ROLE: ((dict,), False),  # absent: no TorchScript training module
 }
 
 # What each section holds (the reference page docs/reference/bundle.md is generated from SECTIONS and this).
@@ -107,6 +113,11 @@ SECTION_HELP: dict[str, str] = {
     TORCHSCRIPT_ROLE: "the TorchScript inference module (fedmvp-export --format torchscript): file (role "
                       "torchscript), format, inputs (pixel_values, then the LoRA tensors), outputs, the PromptFormer "
                       "digest baked in; absent when the bundle carries none",
+    TORCHSCRIPT_TRAINING_ROLE: "the TorchScript training module (trainable bundles exported with --format "
+                               "torchscript): file (role torchscript_training), format, inputs (pixel_values, "
+                               "consistency_view, the LoRA tensors, the frozen weights, each group sorted), "
+                               "outputs, lora_inputs, weight_inputs, parity against PyTorch (outputs and LoRA "
+                               "gradients); what the device trains through where train.pt2 does not load",
 }
 
 # What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
@@ -186,6 +197,7 @@ def check_manifest(m: Any, where: str) -> MethodRecord:
         raise bad("source.run_id", f"not a string, got {type(source['run_id']).__name__}")
     _check_check_images(m, bad)
     _check_torchscript(m, bad)
+    _check_torchscript(m, bad, TORCHSCRIPT_TRAINING_ROLE)
     if PRIVACY in m:  # what the device clips (and noises) by: the one record's checks
         try:
             PrivacyRecord.from_record(m[PRIVACY], f"{where}: field {PRIVACY}")
@@ -266,21 +278,21 @@ def _check_check_images(m: dict[str, Any], bad: Any) -> None:
         raise bad(f"{CHECK_SECTION}.generated", f"not a count of 0 to {count} images, got {generated!r}")
 
 
-def _check_torchscript(m: dict[str, Any], bad: Any) -> None:
-    """The ``torchscript`` section and role come together; its file is the role's, its LoRA inputs the bundle's."""
-    section, role = m.get(TORCHSCRIPT_ROLE), m["files_by_role"].get(TORCHSCRIPT_ROLE)
+def _check_torchscript(m: dict[str, Any], bad: Any, key: str = TORCHSCRIPT_ROLE) -> None:
+    """A TorchScript section (``key``: torchscript or torchscript_training) and its role come together; its
+    file is the role's, its LoRA inputs the bundle's."""
+    section, role = m.get(key), m["files_by_role"].get(key)
     if section is None:
         if role is not None:
-            raise bad(TORCHSCRIPT_ROLE, f"missing, but files_by_role names a torchscript file ({role!r})")
+            raise bad(key, f"missing, but files_by_role names a {key} file ({role!r})")
         return
     if role is None or section.get("file") != role:
-        raise bad(f"{TORCHSCRIPT_ROLE}.file", f"{section.get('file')!r} is not files_by_role's torchscript file "
-                                              f"({role!r})")
+        raise bad(f"{key}.file", f"{section.get('file')!r} is not files_by_role's {key} file ({role!r})")
     if section.get("format") != TORCHSCRIPT_FORMAT:
-        raise bad(f"{TORCHSCRIPT_ROLE}.format", f"{section.get('format')!r} is not {TORCHSCRIPT_FORMAT!r}")
+        raise bad(f"{key}.format", f"{section.get('format')!r} is not {TORCHSCRIPT_FORMAT!r}")
     lora = section.get("lora_inputs")
     if not isinstance(lora, list) or sorted(lora) != sorted(m["lora"].get("tensors") or {}):
-        raise bad(f"{TORCHSCRIPT_ROLE}.lora_inputs", "must list the bundle's LoRA tensors (lora.tensors)")
+        raise bad(f"{key}.lora_inputs", "must list the bundle's LoRA tensors (lora.tensors)")
 
 
 def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
