@@ -54,9 +54,11 @@ def load_backbone(name: str, pretrained: str | None):
     return load_clip(name, pretrained)
 
 
-def random_bundle(work: Path, name: str, classes: int, attributes: int, *, training: bool = True) -> Path:
+def random_bundle(work: Path, name: str, classes: int, attributes: int, *, training: bool = True,
+                  torchscript: bool = False) -> Path:
     """A bundle of a random-init ``name`` backbone (shipped weights for fedmvp-tiny) over ``class_set``:
-    what the benchmarks and gpu_check.sh time and train on (speed and memory do not depend on weights)."""
+    what the benchmarks and gpu_check.sh time and train on (speed and memory do not depend on weights).
+    ``torchscript``: with the TorchScript modules too (``--format torchscript``)."""
     from export.bundle_writer import BundleInputs, BundleOptions, write_bundle
     from export.parity import MIN_IMAGES
     from export.run_inputs import synthetic_images
@@ -65,7 +67,8 @@ def random_bundle(work: Path, name: str, classes: int, attributes: int, *, train
     clip = load_backbone(name, "synthetic" if name == "fedmvp-tiny" else None)
     out = work / f"bundle-{name}"
     write_bundle(FedMVP(clip), clip, class_set(classes, attributes), out,
-                 BundleInputs(synthetic_images(MIN_IMAGES, clip.image_size)), BundleOptions(training=training))
+                 BundleInputs(synthetic_images(MIN_IMAGES, clip.image_size)),
+                 BundleOptions(training=training, torchscript=torchscript))
     return out
 
 
