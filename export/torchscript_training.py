@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedmvp_formats.bundle_manifest import TORCHSCRIPT_FORMAT, TORCHSCRIPT_TRAINING_FILE
+from fedmvp_formats.bundle_manifest import ROLES, TORCHSCRIPT_FORMAT, TORCHSCRIPT_TRAINING_FILE
 from fedmvp_formats.objective import fedmvp_objective
 from fedmvp_formats.parity_rules import FP32_MAX_ABS_DIFF
 
@@ -153,7 +153,7 @@ def manifest_section(edge: EdgeClassifier, parity: TrainingParity) -> dict:
     return {"file": TORCHSCRIPT_TRAINING_FILE, "format": TORCHSCRIPT_FORMAT, "torch_version": torch.__version__,
             "load": "torch.jit.load(path)", "inputs": [*INPUT_NAMES[:2], *lora, *weights],
             "outputs": list(OUTPUT_NAMES), "lora_inputs": lora, "weight_inputs": weights,
-            "weights_file": "weights.safetensors", "trainable": "lora", "numerics": "fp32",
+            "weights_file": ROLES["weights"], "trainable": "lora", "numerics": "fp32",
             "parity": parity.to_manifest()}
 
 
