@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedmvp_formats.artifact_requirements import REQUIRES, check_requires
 from fedmvp_formats.atomic import write_bytes
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.method import MethodRecord
@@ -71,6 +72,7 @@ SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
     PRIVACY: ((dict,), False),  # the run's [privacy] settings and the round's epsilon (none: no DP)
     CHECK_SECTION: ((dict,), False),  # absent in bundles exported before check images travelled
     TORCHSCRIPT_ROLE: ((dict,), False),  # absent: no TorchScript artifact
+    REQUIRES: ((dict,), False),  # absent in bundles exported before: the device checks no versions
 }
 
 # What each section holds (the reference page docs/reference/bundle.md is generated from SECTIONS and this).
@@ -107,6 +109,10 @@ SECTION_HELP: dict[str, str] = {
     TORCHSCRIPT_ROLE: "the TorchScript inference module (fedmvp-export --format torchscript): file (role "
                       "torchscript), format, inputs (pixel_values, then the LoRA tensors), outputs, the PromptFormer "
                       "digest baked in; absent when the bundle carries none",
+    REQUIRES: "what a device needs to run each file, by role: file, and needs {package: {min, below, why}} (the "
+              "packages that can read it, e.g. model.onnx: onnxruntime by the ONNX opset, or openvino; train.pt2: "
+              "torch); `edge-client info` shows it, and a runtime whose package is outside the range is refused "
+              "before it loads (fedmvp_formats/artifact_requirements.py; absent in bundles exported before)",
 }
 
 # What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
@@ -186,6 +192,7 @@ def check_manifest(m: Any, where: str) -> MethodRecord:
         raise bad("source.run_id", f"not a string, got {type(source['run_id']).__name__}")
     _check_check_images(m, bad)
     _check_torchscript(m, bad)
+    check_requires(m.get(REQUIRES), roles, bad)
     if PRIVACY in m:  # what the device clips (and noises) by: the one record's checks
         try:
             PrivacyRecord.from_record(m[PRIVACY], f"{where}: field {PRIVACY}")
