@@ -31,22 +31,24 @@ ORT_BY_OPSET: dict[int, str] = {13: "1.6", 14: "1.8", 15: "1.9", 16: "1.12", 17:
 OPENVINO_BY_OPSET: dict[int, str] = {opset: "2024.0" for opset in range(13, 19)}
 
 # Measured (docs/howto/jetson.md, "Which torch reads which file"): a tiny bundle exported with torch 2.14.1
-# (--format torchscript) loaded and run in clean venvs of older PyPI torch wheels. TorchScript archives
-# (torch.jit.load + forward) load back to TORCHSCRIPT_MIN; train.pt2 (torch.export.load(...).module() +
-# forward) only in the exporter's own minor release (older ones refuse the archive's schema).
-TORCHSCRIPT_MIN = "2.8"
+# (--format torchscript), its files loaded and run in clean venvs of older PyPI torch wheels. Keyed by the
+# exporter's torch major.minor: the oldest torch that read its archive (torch.jit.load + forward;
+# torch.export.load(...).module() + forward). An exporter torch without a row: its own major.minor.
+TORCHSCRIPT_MIN_BY_EXPORTER: dict[str, str] = {"2.14": "2.6"}
+TRAIN_PT2_MIN_BY_EXPORTER: dict[str, str] = {"2.14": "2.10"}  # 2.8 and older: "no item named 'version'"
 
 # How each role's requirement is computed ("presets are data": a role added later is one row). Per package:
-# ``opset``: the minimum by the manifest's onnx.opset from that table; ``min``: a fixed version (measured,
-# see above) or "exporter": the exporter's installed major.minor of the package; ``below``: an exclusive
-# upper bound, where one is known.
+# ``opset``: the minimum by the manifest's onnx.opset from that table; ``exporter``: by the exporter's
+# installed major.minor of the package, from that table of measured minimums (no row: the exporter's own
+# major.minor); ``below``: an exclusive upper bound, where one is known; ``why``: what the line says.
+_TORCH = "torch {exporter} wrote it; measured to load from torch {min}"
 RULES: dict[str, dict[str, dict[str, Any]]] = {
     "onnx": {"onnxruntime": {"opset": ORT_BY_OPSET}, "openvino": {"opset": OPENVINO_BY_OPSET}},
-    "training": {"torch": {"min": "exporter", "why": "torch.export archive written by torch {exporter}"}},
-    "torchscript": {"torch": {"min": TORCHSCRIPT_MIN, "why": "TorchScript archive written by torch {exporter}"}},
-    "torchscript_training": {"torch": {"min": TORCHSCRIPT_MIN,
-                                       "why": "TorchScript archive written by torch {exporter}"}},
-    "executorch": {"executorch": {"min": "exporter", "why": "ExecuTorch program written by executorch {exporter}"}},
+    "training": {"torch": {"exporter": TRAIN_PT2_MIN_BY_EXPORTER, "why": "torch.export archive: " + _TORCH}},
+    "torchscript": {"torch": {"exporter": TORCHSCRIPT_MIN_BY_EXPORTER, "why": "TorchScript archive: " + _TORCH}},
+    "torchscript_training": {"torch": {"exporter": TORCHSCRIPT_MIN_BY_EXPORTER,
+                                       "why": "TorchScript archive: " + _TORCH}},
+    "executorch": {"executorch": {"exporter": {}, "why": "ExecuTorch program written by executorch {exporter}"}},
 }
 
 # The distributions that install each package (ONNX Runtime ships under several names).
@@ -136,8 +138,8 @@ def requirements_section(manifest: Mapping[str, Any], exporter: Callable[[str], 
             if made is None:
                 raise ValueError(f"{name} ({role}): {package} is not installed here, so its version cannot be "
                                  f"recorded")
-            minimum = major_minor(made) if rule["min"] == "exporter" else rule["min"]
-            needs[package] = {"min": minimum, "why": rule["why"].format(exporter=made),
+            minimum = rule["exporter"].get(major_minor(made), major_minor(made))
+            needs[package] = {"min": minimum, "why": rule["why"].format(exporter=made, min=minimum),
                               **({"below": rule["below"]} if rule.get("below") else {})}
         if needs:
             section[role] = {"file": name, "needs": needs}

@@ -13,8 +13,8 @@ from edge_client.bundle import BundleError, read_bundle
 from edge_client.requirements import artifact_blockers, artifact_report
 from edge_client.runtime_choice import choose
 from fedmvp_apps.edge_cli import main
-from fedmvp_formats.artifact_requirements import (REQUIRES, TORCHSCRIPT_MIN, requirements_section, satisfies,
-                                                  version_key)
+from fedmvp_formats.artifact_requirements import (REQUIRES, TRAIN_PT2_MIN_BY_EXPORTER, major_minor,
+                                                  requirements_section, satisfies, version_key)
 from fedmvp_formats.bundle_manifest import manifest_bytes
 
 ROLES = {"onnx": "model.onnx", "lora": "lora.safetensors", "training": "train.pt2",
@@ -28,20 +28,22 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDMVP_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("role, opset, expected", [
-    ("onnx", 18, {"onnxruntime": "1.14", "openvino": "2024.0"}),
-    ("onnx", 17, {"onnxruntime": "1.12", "openvino": "2024.0"}),
-    ("onnx", 20, {"onnxruntime": "1.17"}),  # no OpenVINO row for opset 20: not recorded for it
-    ("training", 18, {"torch": "2.14"}),  # the exporter's major.minor
-    ("torchscript", 18, {"torch": TORCHSCRIPT_MIN}),  # the measured window
-    ("torchscript_training", 18, {"torch": TORCHSCRIPT_MIN}),
-    ("executorch", 18, {"executorch": "0.7"}),
-    ("weights", 18, None),  # no rule: nothing is recorded
-    ("lora", 18, None),
+@pytest.mark.parametrize("role, opset, torch, expected", [
+    ("onnx", 18, "2.14.1", {"onnxruntime": "1.14", "openvino": "2024.0"}),
+    ("onnx", 17, "2.14.1", {"onnxruntime": "1.12", "openvino": "2024.0"}),
+    ("onnx", 20, "2.14.1", {"onnxruntime": "1.17"}),  # no OpenVINO row for opset 20: not recorded for it
+    ("training", 18, "2.14.1+cpu", {"torch": "2.10"}),  # measured: 2.14's archive loads from 2.10
+    ("training", 18, "2.15.0", {"torch": "2.15"}),  # no measurement for that exporter: its own major.minor
+    ("torchscript", 18, "2.14.1+cu130", {"torch": "2.6"}),  # measured
+    ("torchscript", 18, "2.16.0", {"torch": "2.16"}),
+    ("torchscript_training", 18, "2.14.1", {"torch": "2.6"}),
+    ("executorch", 18, "2.14.1", {"executorch": "0.7"}),  # the exporter's executorch major.minor
+    ("weights", 18, "2.14.1", None),  # no rule: nothing is recorded
+    ("lora", 18, "2.14.1", None),
 ])
-def test_each_role_gets_its_requirement_from_the_table(role, opset, expected):
+def test_each_role_gets_its_requirement_from_the_table(role, opset, torch, expected):
     manifest = {"files_by_role": {role: ROLES[role]}, "onnx": {"opset": opset}}
-    section = requirements_section(manifest, EXPORTER.get)
+    section = requirements_section(manifest, {**EXPORTER, "torch": torch}.get)
     if expected is None:
         assert role not in section
         return
@@ -83,7 +85,8 @@ def test_the_exported_bundle_records_and_runs_here(edge_bundle):
     section = bundle.manifest[REQUIRES]
     assert set(section) == {"onnx", "training"}  # the files present that a rule covers
     assert section["onnx"]["needs"]["onnxruntime"]["why"] == f"opset {bundle.manifest['onnx']['opset']}"
-    assert section["training"]["needs"]["torch"]["min"] == ".".join(version("torch").split(".")[:2])
+    made = major_minor(version("torch"))
+    assert section["training"]["needs"]["torch"]["min"] == TRAIN_PT2_MIN_BY_EXPORTER.get(made, made)
     assert artifact_blockers(bundle) == {}
     assert all(r["runs"] for r in artifact_report(bundle)["roles"].values())
 
