@@ -31,11 +31,14 @@ ORT_BY_OPSET: dict[int, str] = {13: "1.6", 14: "1.8", 15: "1.9", 16: "1.12", 17:
 OPENVINO_BY_OPSET: dict[int, str] = {opset: "2024.0" for opset in range(13, 19)}
 
 # Measured (docs/howto/jetson.md, "Which torch reads which file"): a tiny bundle exported with torch 2.14.1
-# (--format torchscript), its files loaded and run in clean venvs of older PyPI torch wheels. Keyed by the
-# exporter's torch major.minor: the oldest torch that read its archive (torch.jit.load + forward;
-# torch.export.load(...).module() + forward). An exporter torch without a row: its own major.minor.
-TORCHSCRIPT_MIN_BY_EXPORTER: dict[str, str] = {"2.14": "2.6"}
-TRAIN_PT2_MIN_BY_EXPORTER: dict[str, str] = {"2.14": "2.10"}  # 2.8 and older: "no item named 'version'"
+# (--format torchscript), its files loaded and run in clean venvs of PyPI torch 2.4, 2.6, 2.8, 2.9, 2.10,
+# 2.12 and 2.13 (torch.jit.load + forward; torch.export.load(...).module() + forward and a LoRA backward):
+# the same logits in each that loads. Keyed by the exporter's torch major.minor: the oldest torch that read
+# its archive (TorchScript: 2.4, the oldest tried and this project's torch floor; train.pt2: 2.9, as 2.8
+# and older refuse it with "There is no item named 'version' in the archive"). An exporter torch without a
+# row records its own major.minor.
+TORCHSCRIPT_MIN_BY_EXPORTER: dict[str, str] = {"2.14": "2.4"}
+TRAIN_PT2_MIN_BY_EXPORTER: dict[str, str] = {"2.14": "2.9"}
 
 # How each role's requirement is computed ("presets are data": a role added later is one row). Per package:
 # ``opset``: the minimum by the manifest's onnx.opset from that table; ``exporter``: by the exporter's

@@ -32,11 +32,11 @@ def _own_cache(tmp_path, monkeypatch):
     ("onnx", 18, "2.14.1", {"onnxruntime": "1.14", "openvino": "2024.0"}),
     ("onnx", 17, "2.14.1", {"onnxruntime": "1.12", "openvino": "2024.0"}),
     ("onnx", 20, "2.14.1", {"onnxruntime": "1.17"}),  # no OpenVINO row for opset 20: not recorded for it
-    ("training", 18, "2.14.1+cpu", {"torch": "2.10"}),  # measured: 2.14's archive loads from 2.10
+    ("training", 18, "2.14.1+cpu", {"torch": "2.9"}),  # measured: 2.14's archive loads from 2.9
     ("training", 18, "2.15.0", {"torch": "2.15"}),  # no measurement for that exporter: its own major.minor
-    ("torchscript", 18, "2.14.1+cu130", {"torch": "2.6"}),  # measured
+    ("torchscript", 18, "2.14.1+cu130", {"torch": "2.4"}),  # measured
     ("torchscript", 18, "2.16.0", {"torch": "2.16"}),
-    ("torchscript_training", 18, "2.14.1", {"torch": "2.6"}),
+    ("torchscript_training", 18, "2.14.1", {"torch": "2.4"}),
     ("executorch", 18, "2.14.1", {"executorch": "0.7"}),  # the exporter's executorch major.minor
     ("weights", 18, "2.14.1", None),  # no rule: nothing is recorded
     ("lora", 18, "2.14.1", None),
