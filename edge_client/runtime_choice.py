@@ -81,6 +81,9 @@ def choose(bundle: Bundle, runtime: str = DEFAULT_RUNTIME, precision: str = "aut
         how = "named" if runtime != "auto" and precision != "auto" else "only"
         reason = "" if how == "named" else f" (the only one offered here{': ' + '; '.join(notes) if notes else ''})"
         return Choice(only, how, f"runtime: {only.describe()}{reason}", skipped=skipped)
+    if DEFAULT_RUNTIME in skipped:  # auto's reference is the bundle as exported on ONNX Runtime
+        raise ProviderError(f"auto verifies against ONNX Runtime, which cannot run this bundle here "
+                            f"({skipped[DEFAULT_RUNTIME]}); name a runtime with --runtime")
     choice = _auto(bundle, found, provider, threads)
     if skipped:
         choice.skipped = skipped

@@ -172,3 +172,20 @@ def test_a_bundle_exported_before_the_section_keeps_working(bundle_dir, data_roo
     out = CliRunner().invoke(main, ["infer", str(data_root / "test" / "red_circle"), "--bundle", str(bundle_dir),
                                     "--runtime", "ort", "--json"])
     assert out.exit_code == 0, out.output
+
+
+def test_auto_on_a_device_whose_onnx_runtime_is_too_old(bundle_dir):
+    """ONNX Runtime is auto's reference: with it ruled out, one other candidate runs, several are refused."""
+    pytest.importorskip("openvino")
+    from edge_client.engines import candidates
+    from edge_client.runtime import ProviderError
+
+    _edit(bundle_dir, _need("onnx", "onnxruntime", min="99.0"))
+    bundle = read_bundle(bundle_dir)
+    found, notes = candidates(bundle, "auto", "auto")
+    assert {c.runtime for c in found} == {"openvino"} and any("onnxruntime >= 99.0" in n for n in notes)
+    if len(found) == 1:
+        assert choose(bundle, runtime="auto").candidate.runtime == "openvino"
+    else:
+        with pytest.raises(ProviderError, match="auto verifies against ONNX Runtime, which cannot run"):
+            choose(bundle, runtime="auto")
