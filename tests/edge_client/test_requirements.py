@@ -85,6 +85,10 @@ def test_the_exported_bundle_records_and_runs_here(edge_bundle):
     section = bundle.manifest[REQUIRES]
     assert set(section) == {"onnx", "training"}  # the files present that a rule covers
     assert section["onnx"]["needs"]["onnxruntime"]["why"] == f"opset {bundle.manifest['onnx']['opset']}"
+    import onnx  # the requirement follows the opset model.onnx is stamped with
+
+    stamped = onnx.load(str(bundle.file("onnx")), load_external_data=False).opset_import
+    assert bundle.manifest["onnx"]["opset"] == next(o.version for o in stamped if o.domain in ("", "ai.onnx"))
     made = major_minor(version("torch"))
     assert section["training"]["needs"]["torch"]["min"] == TRAIN_PT2_MIN_BY_EXPORTER.get(made, made)
     assert artifact_blockers(bundle) == {}
