@@ -22,6 +22,7 @@ import numpy as np
 from edge_client.bundle import Bundle
 from edge_client.engine_types import Candidate, Engine, RuntimeFactory
 from edge_client.openvino_runtime import OpenVinoRuntime
+from edge_client.requirements import runtime_blocker
 from edge_client.runtime import ProviderError, make_session
 from edge_client.torchscript_runtime import TorchScriptRuntime
 
@@ -136,7 +137,7 @@ def candidates(bundle: Bundle, runtime: str, precision: str) -> tuple[list[Candi
     names = runtime_names() if runtime == "auto" else (runtime,)
     found, notes = [], []
     for name in names:
-        why = unavailable(name)
+        why = unavailable(name) or runtime_blocker(bundle, name, factory(name))  # too old: docs/howto/jetson.md
         if why is not None:
             if runtime != "auto":
                 raise RuntimeUnavailable(why)

@@ -41,6 +41,7 @@ from edge_client.bundle import Bundle
 from edge_client.check_images import CHECK_COUNT, check_words, id_seed
 from edge_client.engines import (DEFAULT_RUNTIME, Candidate, Engine, candidates, factory, open_engine, runtime_names,
                                  unavailable)
+from edge_client.requirements import runtime_blocker
 from edge_client.runtime import ProviderError, _one_line, default_threads
 
 CACHE_FORMAT = "fedmvp-runtime-verdicts"
@@ -60,23 +61,40 @@ class Choice:
     cache: Path | None = None
     cached: bool = False
     engine: Engine | None = None  # the chosen candidate's engine, when this call built it
+    skipped: dict[str, str] = field(default_factory=dict)  # auto: runtimes too old for the bundle, and why
 
     def to_json(self) -> dict[str, Any]:
         return {"runtime": self.candidate.runtime, "precision": self.candidate.precision, "how": self.how,
                 "line": self.line, "cache": None if self.cache is None else str(self.cache),
-                "cached": self.cached, "verdicts": self.verdicts}
+                "cached": self.cached, "verdicts": self.verdicts, "skipped": self.skipped}
 
 
 def choose(bundle: Bundle, runtime: str = DEFAULT_RUNTIME, precision: str = "auto", provider: str = "auto",
            threads: int | None = None) -> Choice:
-    """The candidate to run; ``auto`` in either argument verifies and times what it leaves open."""
+    """The candidate to run; ``auto`` in either argument verifies and times what it leaves open. A runtime
+    whose package this device has outside the bundle's recorded range (``edge_client/requirements.py``) is
+    refused when named and, under auto, skipped: the choice's line and record say so."""
     found, notes = candidates(bundle, runtime, precision)
+    skipped = too_old(bundle) if runtime == "auto" else {}
     if len(found) == 1:
         only = found[0]
         how = "named" if runtime != "auto" and precision != "auto" else "only"
         reason = "" if how == "named" else f" (the only one offered here{': ' + '; '.join(notes) if notes else ''})"
-        return Choice(only, how, f"runtime: {only.describe()}{reason}")
-    return _auto(bundle, found, provider, threads)
+        return Choice(only, how, f"runtime: {only.describe()}{reason}", skipped=skipped)
+    if DEFAULT_RUNTIME in skipped:  # auto's reference is the bundle as exported on ONNX Runtime
+        raise ProviderError(f"auto verifies against ONNX Runtime, which cannot run this bundle here "
+                            f"({skipped[DEFAULT_RUNTIME]}); name a runtime with --runtime")
+    choice = _auto(bundle, found, provider, threads)
+    if skipped:
+        choice.skipped = skipped
+        choice.line += "".join(f"; {name} skipped, cannot run here: {why}" for name, why in skipped.items())
+    return choice
+
+
+def too_old(bundle: Bundle) -> dict[str, str]:
+    """{runtime: why} for the installed runtimes the bundle's recorded requirements rule out here."""
+    return {name: why for name in runtime_names() if unavailable(name) is None
+            and (why := runtime_blocker(bundle, name, factory(name))) is not None}
 
 
 def _auto(bundle: Bundle, found: list[Candidate], provider: str, threads: int | None) -> Choice:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from fedmvp_formats.artifact_requirements import REQUIRES, requirements_section
 from fedmvp_formats.bundle_manifest import (CHECK_SECTION, CONTEXT_SOURCES, FORMAT, FORMAT_VERSION,
                                             REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES, TORCHSCRIPT_FILE,
                                             TORCHSCRIPT_ROLE, TORCHSCRIPT_TRAINING_FILE, TORCHSCRIPT_TRAINING_ROLE,
@@ -242,6 +243,10 @@ class BundleWrite:
             manifest[TORCHSCRIPT_TRAINING_ROLE] = torchscript_training.manifest_section(self.edge, self.training_parity)
         if inputs.privacy is not None:
             manifest[PRIVACY] = dict(inputs.privacy)
+        try:  # what a device needs to run each file (fedmvp_formats/artifact_requirements.py)
+            manifest[REQUIRES] = requirements_section(manifest)
+        except ValueError as err:
+            raise ExportError(str(err)) from None
         manifest["files"] = file_entries(tmp, list(names.values()))
         write_manifest(tmp, manifest)
         read_bundle(tmp)

@@ -212,6 +212,7 @@ def train(data: Path, bundle: BundleDir, epochs: int, batch_size: int | str, max
     from edge_client.train_options import TrainingError, TrainInputError
     from edge_client.update import UpdateError
 
+    _refuse_unrunnable_training(bundle, as_json)
     try:
         options = TrainOptions(epochs=epochs, batch_size=batch_size, max_memory_gb=max_memory_gb, out=out, lr=lr,
                                optimizer=optimizer.lower(), alpha=alpha, device=device.lower(), seed=seed,
@@ -245,6 +246,23 @@ def train(data: Path, bundle: BundleDir, epochs: int, batch_size: int | str, max
     if result.personalised is not None:
         click.echo(f"personalised: `edge-client infer` now runs {result.personalised.file} "
                    f"(undo: edge-client rollback)")
+
+
+def _refuse_unrunnable_training(bundle: BundleDir, as_json: bool) -> None:
+    """Exit 2 in one line, before torch loads anything, when this device's torch cannot read the bundle's
+    training program (its recorded requirement; docs/howto/jetson.md) and no TorchScript training module it
+    can read stands in for it."""
+    from edge_client.bundle import Bundle, BundleError, read_bundle
+    from edge_client.requirements import artifact_blockers
+
+    try:
+        loaded = read_bundle(Bundle.resolve_dir(bundle), verify=False)
+    except BundleError:
+        return  # train's own checks say what is wrong with it
+    blocked = artifact_blockers(loaded)
+    alternative = "torchscript_training" in loaded.manifest["files_by_role"] and "torchscript_training" not in blocked
+    if "training" in blocked and not alternative:
+        _fail(as_json, EXIT_INPUT, f"cannot train on this device: {blocked['training']}")
 
 
 # ---- rollback -----------------------------------------------------------------------------------------
@@ -318,10 +336,12 @@ def info(bundle: BundleDir, provider: str, threads: int | None, runtime: str, pr
     """Describe the bundle (round, classes, precision, hashes), this device (runtimes, torch, memory) and what
     would run the bundle (--runtime/--precision; auto verifies, or reads its cached verdict)."""
     from edge_client.device import describe
+    from edge_client.requirements import bundle_requirements
     from fedmvp_apps.edge_cli_output import info_lines
 
     report = describe(bundle, runtime=runtime.lower(), precision=precision.lower(), provider=provider.lower(),
                       threads=threads)
+    report["requires"] = bundle_requirements(bundle)  # which files this device's versions can run
     if as_json:
         click.echo(json.dumps(report, sort_keys=True, ensure_ascii=False))
     else:

@@ -52,6 +52,7 @@ def info_lines(report: dict[str, Any]) -> list[str]:
     lines.append(f"providers:  {', '.join(d['providers']) or 'onnxruntime not installed'}")
     lines.append("runtimes:   " + ", ".join(f"{name} {r['version']}" if r["available"] else f"{name} ({r['why']})"
                                           for name, r in d.get("runtimes", {}).items()))
+    lines += requires_lines(report.get("requires"))
     chosen = report.get("runtime") or {}
     lines.append(f"error: {chosen['error']}" if chosen.get("error") else chosen.get("line", "runtime:   ?"))
     torch = d["torch"]
@@ -64,4 +65,20 @@ def info_lines(report: dict[str, Any]) -> list[str]:
     memory = d.get("memory_available_gb")
     lines.append(f"memory:     {memory:.1f} GiB available" if memory is not None else "memory:     unknown")
     lines.append(f"cpus:       {d.get('cpus')}")
+    return lines
+
+
+def requires_lines(requires: dict[str, Any] | None) -> list[str]:
+    """The ``requires`` block: per file of the bundle whether this device's versions run it, and why not."""
+    if not requires:
+        return []
+    if requires.get("error"):
+        return [f"requires:   ? ({requires['error']})"]
+    if not requires.get("recorded"):
+        return ["requires:   not recorded (exported before fedmvp recorded what each file needs; nothing checked)"]
+    lines = ["requires:   what each file needs, against this device's versions"]
+    for role, status in requires.get("roles", {}).items():
+        have = "; ".join(f"{p['needs']}: {p['installed'] or 'not installed'}" for p in status["packages"].values())
+        verdict = "runs" if status["runs"] else "cannot run"
+        lines.append(f"  {status['file']:<22} {verdict} ({role}; {have})")
     return lines

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedmvp_formats.artifact_requirements import REQUIRES, check_requires
 from fedmvp_formats.atomic import write_bytes
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.method import MethodRecord
@@ -77,6 +78,7 @@ SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
     CHECK_SECTION: ((dict,), False),  # absent in bundles exported before check images travelled
     TORCHSCRIPT_ROLE: ((dict,), False),  # absent: no TorchScript artifact
     TORCHSCRIPT_TRAINING_ROLE: ((dict,), False),  # absent: no TorchScript training module
+    REQUIRES: ((dict,), False),  # absent in bundles exported before: the device checks no versions
 }
 
 # What each section holds (the reference page docs/reference/bundle.md is generated from SECTIONS and this).
@@ -118,6 +120,10 @@ SECTION_HELP: dict[str, str] = {
                                "consistency_view, the LoRA tensors, the frozen weights, each group sorted), "
                                "outputs, lora_inputs, weight_inputs, parity against PyTorch (outputs and LoRA "
                                "gradients); what the device trains through where train.pt2 does not load",
+    REQUIRES: "what a device needs to run each file, by role: file, and needs {package: {min, below, why}} (the "
+              "packages that can read it, e.g. model.onnx: onnxruntime by the ONNX opset, or openvino; train.pt2: "
+              "torch); `edge-client info` shows it, and a runtime whose package is outside the range is refused "
+              "before it loads (fedmvp_formats/artifact_requirements.py; absent in bundles exported before)",
 }
 
 # What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
@@ -198,6 +204,7 @@ def check_manifest(m: Any, where: str) -> MethodRecord:
     _check_check_images(m, bad)
     _check_torchscript(m, bad)
     _check_torchscript(m, bad, TORCHSCRIPT_TRAINING_ROLE)
+    check_requires(m.get(REQUIRES), roles, bad)
     if PRIVACY in m:  # what the device clips (and noises) by: the one record's checks
         try:
             PrivacyRecord.from_record(m[PRIVACY], f"{where}: field {PRIVACY}")

@@ -130,7 +130,8 @@ def test_refused_tensors_leave_the_bundle_byte_identical(case, stale, round2):
 NOT_REFRESHABLE = {
     "exported before refresh support": (lambda m: m.pop("promptformer"), "exported before refresh support"),
     "fp16": (lambda m: m.update(precision="fp16"), "only fp32 bundles"),
-    "inference only": (lambda m: m["files_by_role"].pop("training"), "exported for inference only"),
+    "inference only": (lambda m: (m["files_by_role"].pop("training"), m.get("requires", {}).pop("training", None)),
+                       "exported for inference only"),
 }
 
 
