@@ -21,6 +21,7 @@ import numpy as np
 
 from edge_client.bundle import Bundle
 from edge_client.engine_types import Candidate, Engine, RuntimeFactory
+from edge_client.executorch_runtime import ExecuTorchRuntime
 from edge_client.openvino_runtime import OpenVinoRuntime
 from edge_client.runtime import ProviderError, make_session
 from edge_client.torchscript_runtime import TorchScriptRuntime
@@ -66,6 +67,7 @@ _RUNTIMES: dict[str, RuntimeFactory] = {
     "ort": OrtRuntime(),
     "openvino": OpenVinoRuntime(),
     "torchscript": TorchScriptRuntime(),
+    "executorch": ExecuTorchRuntime(),
 }
 
 

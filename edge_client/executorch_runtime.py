@@ -1,0 +1,129 @@
+"""ExecuTorch as a device runtime: the bundle's ``model.pte`` (`fedmvp-export --format executorch`).
+
+Why: ExecuTorch is the runtime a phone app links (docs/howto/executorch.md); running the same program
+here, through ExecuTorch's Python runtime, lets `--runtime auto` verify and time it beside the others and
+lets a device check what a phone will compute. Its LoRA tensors are program inputs, fed per run as ONNX
+Runtime feeds its overridable initializers, so a personalised or a round's LoRA needs no second program.
+It computes in fp32 whatever the ONNX model's precision. The program's method takes a fixed batch
+(manifest ``executorch.batch``), so a run of N images is N / batch calls. It is offered only for a bundle
+that carries the program built from the PromptFormer the bundle now holds: a refresh rewrites
+weights.safetensors, not this file. executorch (and the torch its Python runtime hands tensors in) is
+imported only when an engine opens; availability and version come from the installed package's metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedmvp_formats.bundle_manifest import EXECUTORCH_ROLE
+
+from edge_client.bundle import Bundle
+from edge_client.engine_types import Candidate
+from edge_client.runtime import default_threads
+
+
+def not_offered(bundle: Bundle) -> str | None:
+    """Why the executorch runtime cannot run ``bundle`` (one line), or None when it can."""
+    section = bundle.manifest.get(EXECUTORCH_ROLE)
+    if section is None:
+        return (f"{bundle.path}: the bundle carries no ExecuTorch program (model.pte); export it with "
+                f"fedmvp-export --format executorch")
+    baked = section.get("promptformer_digest")
+    if baked is not None and baked != bundle.promptformer_digest:
+        return (f"{bundle.path}: its ExecuTorch program holds another PromptFormer than the refreshed bundle; "
+                f"re-export the round with --format executorch")
+    return None
+
+
+def load_method(path: Path) -> Any:
+    """The ``forward`` method of the ExecuTorch program at ``path`` (executorch's Python runtime)."""
+    from executorch.runtime import Runtime
+
+    return Runtime.get().load_program(Path(path)).load_method("forward")
+
+
+def run_batches(method: Any, images: np.ndarray, lora: Sequence[np.ndarray], batch: int) -> list[np.ndarray]:
+    """Every output of ``method`` on ``images`` [N, 3, H, W], ``batch`` images per call, concatenated.
+    A last chunk shorter than ``batch`` is padded with zeros and its padding dropped (the shape is fixed)."""
+    import torch
+
+    feed = [torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32)) for t in lora]
+    parts: list[list[np.ndarray]] = []
+    for start in range(0, len(images), batch):
+        chunk = np.ascontiguousarray(images[start:start + batch], dtype=np.float32)
+        short = batch - len(chunk)
+        if short:
+            chunk = np.concatenate([chunk, np.zeros((short, *chunk.shape[1:]), np.float32)])
+        outs = method.execute([torch.from_numpy(chunk), *feed])
+        parts.append([o.numpy()[:batch - short].copy() for o in outs])
+    return [np.concatenate(column) for column in zip(*parts)]
+
+
+class ExecuTorchRuntime:
+    """ExecuTorch in the table of runtimes: the bundle's program (XNNPACK) on the CPU, fp32 only."""
+
+    label = "ExecuTorch (XNNPACK)"
+    version_key = "executorch"
+
+    def load(self) -> None:
+        for package in ("executorch", "torch"):  # its Python runtime takes and returns torch tensors
+            if importlib.util.find_spec(package) is None:
+                raise ImportError(f"{package} is not installed; pip install 'fedmvp[executorch]' to use "
+                                  f"--runtime executorch")
+
+    def version(self) -> str:
+        return importlib.metadata.version("executorch")
+
+    def offered(self, bundle: Bundle) -> list[str]:
+        return [] if not_offered(bundle) else ["fp32"]
+
+    def not_offered(self, bundle: Bundle) -> str | None:
+        """The one line `--runtime executorch` fails with for a bundle it is not offered for."""
+        return not_offered(bundle)
+
+    def open(self, bundle: Bundle, candidate: Candidate, provider: str, threads: int | None,
+             initializers: Mapping[str, np.ndarray] | None) -> "ExecuTorchEngine":
+        return ExecuTorchEngine(bundle, threads, initializers)
+
+
+class ExecuTorchEngine:
+    """The bundle's ExecuTorch program, its LoRA tensors fed per run (the bundle's unless fed or given)."""
+
+    runtime = "executorch"
+    precision = "fp32"
+
+    def __init__(self, bundle: Bundle, threads: int | None = None,
+                 initializers: Mapping[str, np.ndarray] | None = None) -> None:
+        import torch
+
+        why = not_offered(bundle)
+        if why is not None:
+            raise ValueError(why)
+        section = bundle.manifest[EXECUTORCH_ROLE]
+        torch.set_num_threads(int(default_threads() if threads is None else threads))
+        self._method = load_method(bundle.file(EXECUTORCH_ROLE))
+        self._batch = int(section.get("batch", 1))
+        self._lora_order = list(section["lora_inputs"])
+        self.device = "ExecuTorch CPU (XNNPACK)"
+        self.inputs: dict[str, type] = {section["inputs"][0]: np.float32}
+        self.lora_dtypes: dict[str, type] = {name: np.float32 for name in self._lora_order}
+        self.outputs: list[str] = list(section["outputs"])
+        classes = len(bundle.class_names)
+        self.output_widths: dict[str, int | None] = {n: classes if n in ("logits", "probs") else None
+                                                     for n in self.outputs}
+        stored = bundle.lora()
+        self._lora = {name: np.ascontiguousarray({**stored, **(initializers or {})}[name], dtype=np.float32)
+                      for name in self._lora_order}
+
+    def run(self, feed: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Every output, in ``self.outputs`` order; a LoRA tensor absent from ``feed`` is the one given at
+        creation (the bundle's by default)."""
+        image = next(iter(self.inputs))
+        lora = [feed.get(n, self._lora[n]) for n in self._lora_order]
+        return run_batches(self._method, feed[image], lora, self._batch)
