@@ -4,8 +4,8 @@ Why: ExecuTorch is the runtime a phone app links (docs/howto/executorch.md); run
 here, through ExecuTorch's Python runtime, lets `--runtime auto` verify and time it beside the others and
 lets a device check what a phone will compute. Its LoRA tensors are program inputs, fed per run as ONNX
 Runtime feeds its overridable initializers, so a personalised or a round's LoRA needs no second program.
-It computes in fp32 whatever the ONNX model's precision. The program's method takes a fixed batch
-(manifest ``executorch.batch``), so a run of N images is N / batch calls. It is offered only for a bundle
+It computes in fp32 whatever the ONNX model's precision. One call takes at most ``executorch.max_batch``
+images (the program's memory is planned for that), so a larger run is split. It is offered only for a bundle
 that carries the program built from the PromptFormer the bundle now holds: a refresh rewrites
 weights.safetensors, not this file. executorch (and the torch its Python runtime hands tensors in) is
 imported only when an engine opens; availability and version come from the installed package's metadata.
@@ -48,20 +48,16 @@ def load_method(path: Path) -> Any:
     return Runtime.get().load_program(Path(path)).load_method("forward")
 
 
-def run_batches(method: Any, images: np.ndarray, lora: Sequence[np.ndarray], batch: int) -> list[np.ndarray]:
-    """Every output of ``method`` on ``images`` [N, 3, H, W], ``batch`` images per call, concatenated.
-    A last chunk shorter than ``batch`` is padded with zeros and its padding dropped (the shape is fixed)."""
+def run_batches(method: Any, images: np.ndarray, lora: Sequence[np.ndarray], max_batch: int) -> list[np.ndarray]:
+    """Every output of ``method`` on ``images`` [N, 3, H, W], at most ``max_batch`` images per call, concatenated
+    (the outputs are copied: the program reuses their memory on the next call)."""
     import torch
 
     feed = [torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32)) for t in lora]
     parts: list[list[np.ndarray]] = []
-    for start in range(0, len(images), batch):
-        chunk = np.ascontiguousarray(images[start:start + batch], dtype=np.float32)
-        short = batch - len(chunk)
-        if short:
-            chunk = np.concatenate([chunk, np.zeros((short, *chunk.shape[1:]), np.float32)])
-        outs = method.execute([torch.from_numpy(chunk), *feed])
-        parts.append([o.numpy()[:batch - short].copy() for o in outs])
+    for start in range(0, len(images), max_batch):
+        chunk = np.ascontiguousarray(images[start:start + max_batch], dtype=np.float32)
+        parts.append([o.numpy().copy() for o in method.execute([torch.from_numpy(chunk), *feed])])
     return [np.concatenate(column) for column in zip(*parts)]
 
 
@@ -108,7 +104,7 @@ class ExecuTorchEngine:
         section = bundle.manifest[EXECUTORCH_ROLE]
         torch.set_num_threads(int(default_threads() if threads is None else threads))
         self._method = load_method(bundle.file(EXECUTORCH_ROLE))
-        self._batch = int(section.get("batch", 1))
+        self._max_batch = int(section["max_batch"])
         self._lora_order = list(section["lora_inputs"])
         self.device = "ExecuTorch CPU (XNNPACK)"
         self.inputs: dict[str, type] = {section["inputs"][0]: np.float32}
@@ -126,4 +122,4 @@ class ExecuTorchEngine:
         creation (the bundle's by default)."""
         image = next(iter(self.inputs))
         lora = [feed.get(n, self._lora[n]) for n in self._lora_order]
-        return run_batches(self._method, feed[image], lora, self._batch)
+        return run_batches(self._method, feed[image], lora, self._max_batch)

@@ -53,17 +53,20 @@ def test_the_program_gives_the_pytorch_models_logits_with_the_lora_fed(et_bundle
 
     out, _ = et_bundle
     model, _ = rebuilt_model(tiny_run)
-    images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    images = torch.randn(11, 3, 32, 32, generator=torch.Generator().manual_seed(3))
     reference = parity.torch_logits(model, images)
     bundle = read_bundle(out)
     section, lora = bundle.manifest["executorch"], bundle.lora()
     method = load_method(out / "model.pte")
-    got = run_batches(method, images.numpy(), [lora[n] for n in section["lora_inputs"]], section["batch"])
-    assert [o.shape[0] for o in got] == [5, 5, 5]
-    assert np.max(np.abs(got[0] - reference)) <= FP32_MAX_ABS_DIFF
-    assert (got[0].argmax(-1) == reference.argmax(-1)).all()
+    feed = [lora[n] for n in section["lora_inputs"]]
+    assert section["batch"] == "dynamic" and section["max_batch"] == 8
+    for batch in (1, 3, 8):  # traced at 2: any batch up to max_batch, and 11 images split into calls
+        got = run_batches(method, images.numpy(), feed, batch)
+        assert [o.shape[0] for o in got] == [11, 11, 11]
+        assert np.max(np.abs(got[0] - reference)) <= FP32_MAX_ABS_DIFF
+        assert (got[0].argmax(-1) == reference.argmax(-1)).all()
     zero = {n: np.zeros_like(t) if n.endswith("lora_B.weight") else t for n, t in lora.items()}
-    other = run_batches(method, images.numpy(), [zero[n] for n in section["lora_inputs"]], section["batch"])[0]
+    other = run_batches(method, images.numpy(), [zero[n] for n in section["lora_inputs"]], 8)[0]
     assert np.max(np.abs(other - reference)) > FP32_MAX_ABS_DIFF  # the LoRA fed is the LoRA run
 
 
