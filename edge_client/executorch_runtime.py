@@ -25,6 +25,7 @@ from fedmvp_formats.bundle_manifest import EXECUTORCH_ROLE
 
 from edge_client.bundle import Bundle
 from edge_client.engine_types import Candidate
+from edge_client.module_io import ModuleIO
 from edge_client.runtime import default_threads
 
 
@@ -105,21 +106,11 @@ class ExecuTorchEngine:
         torch.set_num_threads(int(default_threads() if threads is None else threads))
         self._method = load_method(bundle.file(EXECUTORCH_ROLE))
         self._max_batch = int(section["max_batch"])
-        self._lora_order = list(section["lora_inputs"])
         self.device = "ExecuTorch CPU (XNNPACK)"
-        self.inputs: dict[str, type] = {section["inputs"][0]: np.float32}
-        self.lora_dtypes: dict[str, type] = {name: np.float32 for name in self._lora_order}
-        self.outputs: list[str] = list(section["outputs"])
-        classes = len(bundle.class_names)
-        self.output_widths: dict[str, int | None] = {n: classes if n in ("logits", "probs") else None
-                                                     for n in self.outputs}
-        stored = bundle.lora()
-        self._lora = {name: np.ascontiguousarray({**stored, **(initializers or {})}[name], dtype=np.float32)
-                      for name in self._lora_order}
+        self._io = ModuleIO(bundle, section, initializers)
+        self._io.describe(self)
 
     def run(self, feed: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Every output, in ``self.outputs`` order; a LoRA tensor absent from ``feed`` is the one given at
         creation (the bundle's by default)."""
-        image = next(iter(self.inputs))
-        lora = [feed.get(n, self._lora[n]) for n in self._lora_order]
-        return run_batches(self._method, feed[image], lora, self._max_batch)
+        return run_batches(self._method, feed[self._io.image], self._io.lora_feed(feed), self._max_batch)

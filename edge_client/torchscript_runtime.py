@@ -23,6 +23,7 @@ from fedmvp_formats.bundle_manifest import TORCHSCRIPT_ROLE
 
 from edge_client.bundle import Bundle
 from edge_client.engine_types import Candidate
+from edge_client.module_io import ModuleIO
 from edge_client.runtime import default_threads
 from edge_client.torchscript_check import check_archive, check_module
 
@@ -88,26 +89,16 @@ class TorchScriptEngine:
             self._module = torch.jit.load(str(path), map_location="cpu").eval()
             check_module(path, self._module)  # before it runs: forward alone, known operators alone
         self._torch = torch
-        self._lora_order = list(section["lora_inputs"])
         self.device = "TorchScript CPU"
-        self.inputs: dict[str, type] = {section["inputs"][0]: np.float32}
-        self.lora_dtypes: dict[str, type] = {name: np.float32 for name in self._lora_order}
-        self.outputs: list[str] = list(section["outputs"])
-        classes = len(bundle.class_names)
-        self.output_widths: dict[str, int | None] = {n: classes if n in ("logits", "probs") else None
-                                                     for n in self.outputs}
-        stored = bundle.lora()
-        self._lora = {name: np.ascontiguousarray({**stored, **(initializers or {})}[name], dtype=np.float32)
-                      for name in self._lora_order}
+        self._io = ModuleIO(bundle, section, initializers)
+        self._io.describe(self)
 
     def run(self, feed: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Every output, in ``self.outputs`` order; a LoRA tensor absent from ``feed`` is the one given at
         creation (the bundle's by default)."""
         torch = self._torch
-        image = next(iter(self.inputs))
-        lora = [torch.from_numpy(np.ascontiguousarray(feed.get(n, self._lora[n]), dtype=np.float32))
-                for n in self._lora_order]
+        lora = [torch.from_numpy(t) for t in self._io.lora_feed(feed)]
         with torch.inference_mode():
-            outs = self._module(torch.from_numpy(np.ascontiguousarray(feed[image], dtype=np.float32)), *lora)
+            outs = self._module(torch.from_numpy(np.ascontiguousarray(feed[self._io.image], dtype=np.float32)), *lora)
         return [o.numpy() for o in outs]
 

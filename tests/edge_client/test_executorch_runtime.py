@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from edge_helpers import REPO
+from test_torchscript_runtime import _infer, _own_cache  # noqa: F401  (_own_cache: autouse, each test its own cache)
 
 from edge_client.bundle import read_bundle
 from edge_client.engines import RuntimeUnavailable, candidates, offered
@@ -34,18 +35,6 @@ def et_bundle(edge_run, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("et-bundles") / "fp32-et"
     return export_bundle(edge_run, 2, out, ExportOptions(BundleOptions(executorch=True), parity_images=32)).path
-
-
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    """Each test its own verdict cache ($FEDMVP_CACHE), never the user's."""
-    monkeypatch.setenv("FEDMVP_CACHE", str(tmp_path / "cache"))
-
-
-def _infer(bundle, data_root, *args: str):
-    folder = data_root / "test" / "red_circle"
-    out = CliRunner().invoke(main, ["infer", str(folder), "--bundle", str(bundle), "--json", *args])
-    return out, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
 @needs_executorch
