@@ -24,22 +24,12 @@ import numpy as np
 from fedmvp_formats.bundle_manifest import EXECUTORCH_ROLE
 
 from edge_client.bundle import Bundle
-from edge_client.engine_types import Candidate
-from edge_client.module_io import ModuleIO
-from edge_client.runtime import default_threads
+from edge_client.module_io import ModuleIO, ModuleRuntime, engine_section, why_not_offered
 
 
 def not_offered(bundle: Bundle) -> str | None:
     """Why the executorch runtime cannot run ``bundle`` (one line), or None when it can."""
-    section = bundle.manifest.get(EXECUTORCH_ROLE)
-    if section is None:
-        return (f"{bundle.path}: the bundle carries no ExecuTorch program (model.pte); export it with "
-                f"fedmvp-export --format executorch")
-    baked = section.get("promptformer_digest")
-    if baked is not None and baked != bundle.promptformer_digest:
-        return (f"{bundle.path}: its ExecuTorch program holds another PromptFormer than the refreshed bundle; "
-                f"re-export the round with --format executorch")
-    return None
+    return why_not_offered(bundle, EXECUTORCH_ROLE, "ExecuTorch program")
 
 
 def load_method(path: Path) -> Any:
@@ -62,33 +52,6 @@ def run_batches(method: Any, images: np.ndarray, lora: Sequence[np.ndarray], max
     return [np.concatenate(column) for column in zip(*parts)]
 
 
-class ExecuTorchRuntime:
-    """ExecuTorch in the table of runtimes: the bundle's program (XNNPACK) on the CPU, fp32 only."""
-
-    label = "ExecuTorch (XNNPACK)"
-    version_key = "executorch"
-
-    def load(self) -> None:
-        for package in ("executorch", "torch"):  # its Python runtime takes and returns torch tensors
-            if importlib.util.find_spec(package) is None:
-                raise ImportError(f"{package} is not installed; pip install 'fedmvp[executorch]' to use "
-                                  f"--runtime executorch")
-
-    def version(self) -> str:
-        return importlib.metadata.version("executorch")
-
-    def offered(self, bundle: Bundle) -> list[str]:
-        return [] if not_offered(bundle) else ["fp32"]
-
-    def not_offered(self, bundle: Bundle) -> str | None:
-        """The one line `--runtime executorch` fails with for a bundle it is not offered for."""
-        return not_offered(bundle)
-
-    def open(self, bundle: Bundle, candidate: Candidate, provider: str, threads: int | None,
-             initializers: Mapping[str, np.ndarray] | None) -> "ExecuTorchEngine":
-        return ExecuTorchEngine(bundle, threads, initializers)
-
-
 class ExecuTorchEngine:
     """The bundle's ExecuTorch program, its LoRA tensors fed per run (the bundle's unless fed or given)."""
 
@@ -97,13 +60,7 @@ class ExecuTorchEngine:
 
     def __init__(self, bundle: Bundle, threads: int | None = None,
                  initializers: Mapping[str, np.ndarray] | None = None) -> None:
-        import torch
-
-        why = not_offered(bundle)
-        if why is not None:
-            raise ValueError(why)
-        section = bundle.manifest[EXECUTORCH_ROLE]
-        torch.set_num_threads(int(default_threads() if threads is None else threads))
+        _, section = engine_section(bundle, EXECUTORCH_ROLE, not_offered(bundle), threads)
         self._method = load_method(bundle.file(EXECUTORCH_ROLE))
         self._max_batch = int(section["max_batch"])
         self.device = "ExecuTorch CPU (XNNPACK)"
@@ -114,3 +71,21 @@ class ExecuTorchEngine:
         """Every output, in ``self.outputs`` order; a LoRA tensor absent from ``feed`` is the one given at
         creation (the bundle's by default)."""
         return run_batches(self._method, feed[self._io.image], self._io.lora_feed(feed), self._max_batch)
+
+
+class ExecuTorchRuntime(ModuleRuntime):
+    """ExecuTorch in the table of runtimes: the bundle's program (XNNPACK) on the CPU, fp32 only."""
+
+    label = "ExecuTorch (XNNPACK)"
+    version_key = "executorch"
+    why_not = staticmethod(not_offered)
+    engine = ExecuTorchEngine
+
+    def load(self) -> None:
+        for package in ("executorch", "torch"):  # its Python runtime takes and returns torch tensors
+            if importlib.util.find_spec(package) is None:
+                raise ImportError(f"{package} is not installed; pip install 'fedmvp[executorch]' to use "
+                                  f"--runtime executorch")
+
+    def version(self) -> str:
+        return importlib.metadata.version("executorch")

@@ -1,4 +1,5 @@
-"""The inputs, outputs and LoRA of a bundle's traced-module engines (TorchScript, ExecuTorch).
+"""What a bundle's traced-module runtimes (TorchScript, ExecuTorch) share: when they are offered, their
+factory side, and their engines' inputs, outputs and LoRA.
 
 Why one place: both artifacts are the same inference module with its LoRA tensors as inputs, and their
 manifest sections list the same things (``inputs``: the image input, then ``lora_inputs``; ``outputs``),
@@ -9,12 +10,58 @@ creation, the bundle's by default, unless the run feeds another).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from edge_client.bundle import Bundle
+
+
+def why_not_offered(bundle: Bundle, role: str, what: str) -> str | None:
+    """Why the bundle's ``what`` (manifest section ``role``) cannot run (one line), or None when it can: absent,
+    or built from another PromptFormer than the bundle now holds (a refresh rewrites weights.safetensors,
+    not the artifact)."""
+    section = bundle.manifest.get(role)
+    if section is None:
+        return f"{bundle.path}: the bundle carries no {what}; export it with fedmvp-export --format {role}"
+    baked = section.get("promptformer_digest")
+    if baked is not None and baked != bundle.promptformer_digest:
+        return (f"{bundle.path}: its {what} holds another PromptFormer than the refreshed bundle; "
+                f"re-export the round with --format {role}")
+    return None
+
+
+class ModuleRuntime:
+    """The factory side both share (`edge_client.engine_types.RuntimeFactory`): fp32 only, offered for a
+    bundle where ``why_not`` finds nothing against it, opened as ``engine``."""
+
+    why_not: Callable[[Bundle], str | None]  # one line: why the bundle cannot run here (None: it can)
+    engine: Callable[..., Any]  # (bundle, threads, initializers) -> the opened engine
+
+    def offered(self, bundle: Bundle) -> list[str]:
+        return [] if self.why_not(bundle) else ["fp32"]
+
+    def not_offered(self, bundle: Bundle) -> str | None:
+        """The one line `--runtime NAME` fails with for a bundle it is not offered for."""
+        return self.why_not(bundle)
+
+    def open(self, bundle: Bundle, candidate: Any, provider: str, threads: int | None,
+             initializers: Mapping[str, np.ndarray] | None) -> Any:
+        return self.engine(bundle, threads, initializers)
+
+
+def engine_section(bundle: Bundle, role: str, why: str | None, threads: int | None) -> tuple[Any, Mapping[str, Any]]:
+    """torch, imported now with its intra-op threads set, and the artifact's manifest section (``role``);
+    ValueError ``why`` when the artifact cannot run."""
+    import torch
+
+    from edge_client.runtime import default_threads
+
+    if why is not None:
+        raise ValueError(why)
+    torch.set_num_threads(int(default_threads() if threads is None else threads))
+    return torch, bundle.manifest[role]
 
 
 class ModuleIO:

@@ -22,48 +22,13 @@ import numpy as np
 from fedmvp_formats.bundle_manifest import TORCHSCRIPT_ROLE
 
 from edge_client.bundle import Bundle
-from edge_client.engine_types import Candidate
-from edge_client.module_io import ModuleIO
-from edge_client.runtime import default_threads
+from edge_client.module_io import ModuleIO, ModuleRuntime, engine_section, why_not_offered
 from edge_client.torchscript_check import check_archive, check_module
 
 
 def not_offered(bundle: Bundle) -> str | None:
     """Why the torchscript runtime cannot run ``bundle`` (one line), or None when it can."""
-    section = bundle.manifest.get(TORCHSCRIPT_ROLE)
-    if section is None:
-        return (f"{bundle.path}: the bundle carries no TorchScript module; export it with "
-                f"fedmvp-export --format torchscript")
-    baked = section.get("promptformer_digest")
-    if baked is not None and baked != bundle.promptformer_digest:
-        return (f"{bundle.path}: its TorchScript module holds another PromptFormer than the refreshed bundle; "
-                f"re-export the round with --format torchscript")
-    return None
-
-
-class TorchScriptRuntime:
-    """TorchScript in the table of runtimes: the bundle's traced module on the CPU, fp32 only."""
-
-    label = "TorchScript (torch)"
-    version_key = "torch"
-
-    def load(self) -> None:
-        if importlib.util.find_spec("torch") is None:
-            raise ImportError("torch is not installed; install torch to use --runtime torchscript")
-
-    def version(self) -> str:
-        return importlib.metadata.version("torch")
-
-    def offered(self, bundle: Bundle) -> list[str]:
-        return [] if not_offered(bundle) else ["fp32"]
-
-    def not_offered(self, bundle: Bundle) -> str | None:
-        """The one line `--runtime torchscript` fails with for a bundle it is not offered for."""
-        return not_offered(bundle)
-
-    def open(self, bundle: Bundle, candidate: Candidate, provider: str, threads: int | None,
-             initializers: Mapping[str, np.ndarray] | None) -> "TorchScriptEngine":
-        return TorchScriptEngine(bundle, threads, initializers)
+    return why_not_offered(bundle, TORCHSCRIPT_ROLE, "TorchScript module")
 
 
 class TorchScriptEngine:
@@ -74,13 +39,7 @@ class TorchScriptEngine:
 
     def __init__(self, bundle: Bundle, threads: int | None = None,
                  initializers: Mapping[str, np.ndarray] | None = None) -> None:
-        import torch
-
-        why = not_offered(bundle)
-        if why is not None:
-            raise ValueError(why)
-        section = bundle.manifest[TORCHSCRIPT_ROLE]
-        torch.set_num_threads(int(default_threads() if threads is None else threads))
+        torch, section = engine_section(bundle, TORCHSCRIPT_ROLE, not_offered(bundle), threads)
         with warnings.catch_warnings():  # torch.jit is deprecated (torch 2.14) but is the artifact's format
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -102,3 +61,18 @@ class TorchScriptEngine:
             outs = self._module(torch.from_numpy(np.ascontiguousarray(feed[self._io.image], dtype=np.float32)), *lora)
         return [o.numpy() for o in outs]
 
+
+class TorchScriptRuntime(ModuleRuntime):
+    """TorchScript in the table of runtimes: the bundle's traced module on the CPU, fp32 only."""
+
+    label = "TorchScript (torch)"
+    version_key = "torch"
+    why_not = staticmethod(not_offered)
+    engine = TorchScriptEngine
+
+    def load(self) -> None:
+        if importlib.util.find_spec("torch") is None:
+            raise ImportError("torch is not installed; install torch to use --runtime torchscript")
+
+    def version(self) -> str:
+        return importlib.metadata.version("torch")

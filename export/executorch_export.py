@@ -73,7 +73,8 @@ def manifest_section(edge: EdgeClassifier, promptformer_digest: str | None) -> d
     refresh rewrites weights.safetensors but not this file, so the device offers it only while they agree)."""
     return {"file": EXECUTORCH_FILE, "format": EXECUTORCH_FORMAT, "backend": BACKEND,
             "executorch_version": importlib.metadata.version("executorch"), "method": "forward",
-            "batch": "dynamic", "max_batch": MAX_BATCH, "inputs": [INPUT_NAME, *edge.lora_names], "outputs": list(OUTPUT_NAMES),
+            "batch": "dynamic", "max_batch": MAX_BATCH, "inputs": [INPUT_NAME, *edge.lora_names],
+            "outputs": list(OUTPUT_NAMES),
             "lora_inputs": list(edge.lora_names), "numerics": "fp32", "promptformer_digest": promptformer_digest}
 
 
