@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -81,6 +82,9 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
     both) and a manifest with sha256 hashes and the ONNX Runtime vs PyTorch parity check.
     """
     _quiet_libraries()
+    if "executorch" in formats and importlib.util.find_spec("executorch") is None:  # before minutes of export
+        _fail(as_json, EXIT_INPUT, "--format executorch needs executorch: pip install 'fedmvp[executorch]' "
+                                   "(docs/howto/executorch.md)")
     from export.bundle_writer import BundleOptions, ExportOptions, ParityError, export_bundle, point_default_bundle
     from export.errors import ExportError
 

@@ -18,8 +18,9 @@ from fedmvp_apps.export_cli import main
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.parity_rules import FP32_MAX_ABS_DIFF
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("executorch") is None,
-                                reason="executorch is not installed (pip install 'fedmvp[executorch]')")
+HAVE_EXECUTORCH = importlib.util.find_spec("executorch") is not None
+needs_executorch = pytest.mark.skipif(not HAVE_EXECUTORCH,
+                                      reason="executorch is not installed (pip install 'fedmvp[executorch]')")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,7 @@ def et_bundle(tiny_run, tmp_path_factory):
     return out, json.loads(result.stdout)
 
 
+@needs_executorch
 def test_the_bundle_lists_the_program_with_its_hash(et_bundle):
     out, report = et_bundle
     m = read_bundle(out).manifest  # every listed sha256 verified
@@ -48,6 +50,7 @@ def test_the_bundle_lists_the_program_with_its_hash(et_bundle):
     assert "torchscript" not in m  # one format asked for, one written
 
 
+@needs_executorch
 def test_the_program_gives_the_pytorch_models_logits_with_the_lora_fed(et_bundle, tiny_run):
     from edge_client.executorch_runtime import load_method, run_batches
 
@@ -70,6 +73,7 @@ def test_the_program_gives_the_pytorch_models_logits_with_the_lora_fed(et_bundle
     assert np.max(np.abs(other - reference)) > FP32_MAX_ABS_DIFF  # the LoRA fed is the LoRA run
 
 
+@needs_executorch
 def test_a_tampered_program_is_refused_at_load(et_bundle, tmp_path):
     copy = tmp_path / "bundle"
     shutil.copytree(et_bundle[0], copy)
@@ -81,6 +85,7 @@ def test_a_tampered_program_is_refused_at_load(et_bundle, tmp_path):
         read_bundle(copy)
 
 
+@needs_executorch
 def test_a_section_without_its_role_is_refused(et_bundle, tmp_path):
     copy = tmp_path / "bundle"
     shutil.copytree(et_bundle[0], copy)
@@ -94,3 +99,11 @@ def test_a_section_without_its_role_is_refused(et_bundle, tmp_path):
 def test_a_bundle_without_it_has_no_entry(tiny_bundle):
     m = read_bundle(tiny_bundle.path).manifest
     assert "executorch" not in m and "executorch" not in m["files_by_role"] and "executorch" not in m["parity"]
+
+
+@pytest.mark.skipif(HAVE_EXECUTORCH, reason="executorch is installed here")
+def test_without_executorch_the_format_is_refused_first_in_one_line(tiny_run, tmp_path):
+    result = CliRunner().invoke(main, ["--run", str(tiny_run), "--out", str(tmp_path / "b"), "--format", "executorch"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "pip install 'fedmvp[executorch]'" in result.stderr
+    assert not (tmp_path / "b").exists()
