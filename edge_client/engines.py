@@ -21,6 +21,7 @@ import numpy as np
 
 from edge_client.bundle import Bundle
 from edge_client.engine_types import Candidate, Engine, RuntimeFactory
+from edge_client.executorch_runtime import ExecuTorchRuntime
 from edge_client.openvino_runtime import OpenVinoRuntime
 from edge_client.requirements import runtime_blocker
 from edge_client.runtime import ProviderError, make_session
@@ -67,6 +68,7 @@ _RUNTIMES: dict[str, RuntimeFactory] = {
     "ort": OrtRuntime(),
     "openvino": OpenVinoRuntime(),
     "torchscript": TorchScriptRuntime(),
+    "executorch": ExecuTorchRuntime(),
 }
 
 

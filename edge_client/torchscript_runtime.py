@@ -22,47 +22,13 @@ import numpy as np
 from fedmvp_formats.bundle_manifest import TORCHSCRIPT_ROLE
 
 from edge_client.bundle import Bundle
-from edge_client.engine_types import Candidate
-from edge_client.runtime import default_threads
+from edge_client.module_io import ModuleIO, ModuleRuntime, engine_section, why_not_offered
 from edge_client.torchscript_check import check_archive, check_module
 
 
 def not_offered(bundle: Bundle) -> str | None:
     """Why the torchscript runtime cannot run ``bundle`` (one line), or None when it can."""
-    section = bundle.manifest.get(TORCHSCRIPT_ROLE)
-    if section is None:
-        return (f"{bundle.path}: the bundle carries no TorchScript module; export it with "
-                f"fedmvp-export --format torchscript")
-    baked = section.get("promptformer_digest")
-    if baked is not None and baked != bundle.promptformer_digest:
-        return (f"{bundle.path}: its TorchScript module holds another PromptFormer than the refreshed bundle; "
-                f"re-export the round with --format torchscript")
-    return None
-
-
-class TorchScriptRuntime:
-    """TorchScript in the table of runtimes: the bundle's traced module on the CPU, fp32 only."""
-
-    label = "TorchScript (torch)"
-    version_key = "torch"
-
-    def load(self) -> None:
-        if importlib.util.find_spec("torch") is None:
-            raise ImportError("torch is not installed; install torch to use --runtime torchscript")
-
-    def version(self) -> str:
-        return importlib.metadata.version("torch")
-
-    def offered(self, bundle: Bundle) -> list[str]:
-        return [] if not_offered(bundle) else ["fp32"]
-
-    def not_offered(self, bundle: Bundle) -> str | None:
-        """The one line `--runtime torchscript` fails with for a bundle it is not offered for."""
-        return not_offered(bundle)
-
-    def open(self, bundle: Bundle, candidate: Candidate, provider: str, threads: int | None,
-             initializers: Mapping[str, np.ndarray] | None) -> "TorchScriptEngine":
-        return TorchScriptEngine(bundle, threads, initializers)
+    return why_not_offered(bundle, TORCHSCRIPT_ROLE, "TorchScript module")
 
 
 class TorchScriptEngine:
@@ -73,13 +39,7 @@ class TorchScriptEngine:
 
     def __init__(self, bundle: Bundle, threads: int | None = None,
                  initializers: Mapping[str, np.ndarray] | None = None) -> None:
-        import torch
-
-        why = not_offered(bundle)
-        if why is not None:
-            raise ValueError(why)
-        section = bundle.manifest[TORCHSCRIPT_ROLE]
-        torch.set_num_threads(int(default_threads() if threads is None else threads))
+        torch, section = engine_section(bundle, TORCHSCRIPT_ROLE, not_offered(bundle), threads)
         with warnings.catch_warnings():  # torch.jit is deprecated (torch 2.14) but is the artifact's format
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -88,26 +48,31 @@ class TorchScriptEngine:
             self._module = torch.jit.load(str(path), map_location="cpu").eval()
             check_module(path, self._module)  # before it runs: forward alone, known operators alone
         self._torch = torch
-        self._lora_order = list(section["lora_inputs"])
         self.device = "TorchScript CPU"
-        self.inputs: dict[str, type] = {section["inputs"][0]: np.float32}
-        self.lora_dtypes: dict[str, type] = {name: np.float32 for name in self._lora_order}
-        self.outputs: list[str] = list(section["outputs"])
-        classes = len(bundle.class_names)
-        self.output_widths: dict[str, int | None] = {n: classes if n in ("logits", "probs") else None
-                                                     for n in self.outputs}
-        stored = bundle.lora()
-        self._lora = {name: np.ascontiguousarray({**stored, **(initializers or {})}[name], dtype=np.float32)
-                      for name in self._lora_order}
+        self._io = ModuleIO(bundle, section, initializers)
+        self._io.describe(self)
 
     def run(self, feed: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Every output, in ``self.outputs`` order; a LoRA tensor absent from ``feed`` is the one given at
         creation (the bundle's by default)."""
         torch = self._torch
-        image = next(iter(self.inputs))
-        lora = [torch.from_numpy(np.ascontiguousarray(feed.get(n, self._lora[n]), dtype=np.float32))
-                for n in self._lora_order]
+        lora = [torch.from_numpy(t) for t in self._io.lora_feed(feed)]
         with torch.inference_mode():
-            outs = self._module(torch.from_numpy(np.ascontiguousarray(feed[image], dtype=np.float32)), *lora)
+            outs = self._module(torch.from_numpy(np.ascontiguousarray(feed[self._io.image], dtype=np.float32)), *lora)
         return [o.numpy() for o in outs]
 
+
+class TorchScriptRuntime(ModuleRuntime):
+    """TorchScript in the table of runtimes: the bundle's traced module on the CPU, fp32 only."""
+
+    label = "TorchScript (torch)"
+    version_key = "torch"
+    why_not = staticmethod(not_offered)
+    engine = TorchScriptEngine
+
+    def load(self) -> None:
+        if importlib.util.find_spec("torch") is None:
+            raise ImportError("torch is not installed; install torch to use --runtime torchscript")
+
+    def version(self) -> str:
+        return importlib.metadata.version("torch")

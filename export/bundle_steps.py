@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from fedmvp_formats.artifact_requirements import REQUIRES, requirements_section
+from fedmvp_formats.bundle_manifest import EXECUTORCH_FILE, EXECUTORCH_ROLE
 from fedmvp_formats.bundle_manifest import (CHECK_SECTION, CONTEXT_SOURCES, FORMAT, FORMAT_VERSION,
                                             REFRESH_DERIVE, ROLES, TEXT_CONSTANTS, TEXT_FEATURES, TORCHSCRIPT_FILE,
                                             TORCHSCRIPT_ROLE, TORCHSCRIPT_TRAINING_FILE, TORCHSCRIPT_TRAINING_ROLE,
@@ -29,6 +30,7 @@ from fedmvp_formats.promptformer import promptformer_digest
 from edge_client.bundle import read_bundle, verify_program_archive
 from edge_client.check_images import write_check_images
 from export import check_images, onnx_export, parity, torchscript_export, torchscript_training, training_artifact
+from export import executorch_export
 from export.class_set import ClassSet, text_features
 from export.edge_module import EdgeClassifier, build_edge_classifier, lora_scaling, query_copy_map
 from export.errors import ExportError
@@ -77,6 +79,8 @@ class BundleOptions:
     progress: bool = False  # a progress bar on stderr
     # also write the TorchScript inference module (export/torchscript_export.py), parity-checked like ONNX
     torchscript: bool = False
+    # also write the ExecuTorch program for phones (export/executorch_export.py), parity-checked like ONNX
+    executorch: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,8 @@ class BundleWrite:
             self.names[TORCHSCRIPT_ROLE] = TORCHSCRIPT_FILE
             if options.training:  # and what train.pt2 computes, for a torch that cannot load it
                 self.names[TORCHSCRIPT_TRAINING_ROLE] = TORCHSCRIPT_TRAINING_FILE
+        if options.executorch:
+            self.names[EXECUTORCH_ROLE] = EXECUTORCH_FILE
         self.results: dict[str, parity.ParityResult] = {}
         self.int8_plan: Int8Plan | None = None
         self.training_parity: torchscript_training.TrainingParity | None = None
@@ -124,6 +130,8 @@ class BundleWrite:
         self.variant(graph, reference)
         if self.options.torchscript:
             self.torchscript(reference)
+        if self.options.executorch:
+            self.executorch(reference)
         if self.options.training:
             self.program()
         if TORCHSCRIPT_TRAINING_ROLE in self.names:
@@ -204,6 +212,15 @@ class BundleWrite:
             raise ParityError(self.results[TORCHSCRIPT_ROLE].line(), self.results)
         self.bar.update()
 
+    def executorch(self, reference: np.ndarray) -> None:
+        """The ExecuTorch program, held to the fp32 parity rules like the ONNX model (``ParityError``: none written)."""
+        self.step("executorch")
+        self.results[EXECUTORCH_ROLE] = executorch_export.write_checked(
+            self.edge, self.clip.image_size, self.tmp / self.names[EXECUTORCH_ROLE], reference, self.inputs.images)
+        if not self.results[EXECUTORCH_ROLE].passed:
+            raise ParityError(self.results[EXECUTORCH_ROLE].line(), self.results)
+        self.bar.update()
+
     def program(self) -> None:
         """The torch.export training program (LoRA the only trainable inputs), verified as a device reads it."""
         self.step("training artifact")
@@ -241,6 +258,9 @@ class BundleWrite:
                 self.edge, manifest["promptformer"]["digest"])
         if self.training_parity is not None:
             manifest[TORCHSCRIPT_TRAINING_ROLE] = torchscript_training.manifest_section(self.edge, self.training_parity)
+        if EXECUTORCH_ROLE in names:
+            manifest[EXECUTORCH_ROLE] = executorch_export.manifest_section(
+                self.edge, manifest["promptformer"]["digest"])
         if inputs.privacy is not None:
             manifest[PRIVACY] = dict(inputs.privacy)
         try:  # what a device needs to run each file (fedmvp_formats/artifact_requirements.py)

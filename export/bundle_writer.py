@@ -95,7 +95,8 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     if len(inputs.images) < parity.MIN_IMAGES:
         raise ExportError(f"parity needs at least {parity.MIN_IMAGES} images, got {len(inputs.images)}")
     steps = ["text features", "onnx", "parity fp32"] + ([f"{precision}"] if precision != "fp32" else []) \
-        + (["torchscript"] if options.torchscript else []) + (["training artifact"] if options.training else []) \
+        + (["torchscript"] if options.torchscript else []) + (["executorch"] if options.executorch else []) \
+        + (["training artifact"] if options.training else []) \
         + (["torchscript training"] if options.torchscript and options.training else []) + ["manifest"]
     bar = tqdm(total=len(steps), desc="export", unit="step", disable=not options.progress, file=sys.stderr,
                leave=False)

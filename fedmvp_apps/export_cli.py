@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -58,10 +59,12 @@ def _quiet_libraries() -> None:
 @click.option("--inference-only", is_flag=True,
               help="Leave out what only on-device training needs: the training program, and for fp16/int8 "
                    "the fp32 frozen weights (the ONNX model then holds its own). `edge-client train` refuses it.")
-@click.option("--format", "formats", type=click.Choice(["onnx", "torchscript"]), multiple=True,
+@click.option("--format", "formats", type=click.Choice(["onnx", "torchscript", "executorch"]), multiple=True,
               help="Model formats the bundle carries (repeatable): onnx always; torchscript adds "
                    "model.torchscript.pt, the same inference module traced with torch.jit (LoRA as inputs), held "
-                   "to the fp32 parity rules like ONNX (edge-client --runtime torchscript runs it).")
+                   "to the fp32 parity rules like ONNX (edge-client --runtime torchscript runs it); executorch adds "
+                   "model.pte, the module lowered to ExecuTorch (XNNPACK) for phones, parity-checked the same way "
+                   "(needs the [executorch] extra; docs/howto/executorch.md).")
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory (after the new one is complete).")
 @click.option("--discard-device-state", is_flag=True,
               help="With --force: replace the directory even if it holds a device's personalised/ LoRAs or "
@@ -79,12 +82,16 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
     both) and a manifest with sha256 hashes and the ONNX Runtime vs PyTorch parity check.
     """
     _quiet_libraries()
+    if "executorch" in formats and importlib.util.find_spec("executorch") is None:  # before minutes of export
+        _fail(as_json, EXIT_INPUT, "--format executorch needs executorch: pip install 'fedmvp[executorch]' "
+                                   "(docs/howto/executorch.md)")
     from export.bundle_writer import BundleOptions, ExportOptions, ParityError, export_bundle, point_default_bundle
     from export.errors import ExportError
 
     write = BundleOptions(precision=precision, force=force, discard_device_state=discard_device_state,
                           training=not inference_only, ship_images=ship_images, max_accuracy_drop=max_accuracy_drop,
-                          int8_scheme=int8_scheme, progress=not as_json, torchscript="torchscript" in formats)
+                          int8_scheme=int8_scheme, progress=not as_json, torchscript="torchscript" in formats,
+                          executorch="executorch" in formats)
     options = ExportOptions(write, images=images, parity_images=parity_images, attributes=attributes, domain=domain)
     try:
         result = export_bundle(run, round_number, out, options)

@@ -55,6 +55,11 @@ TORCHSCRIPT_FORMAT = "torch.jit"
 # through it where train.pt2 does not load (docs/howto/torchscript.md).
 TORCHSCRIPT_TRAINING_ROLE = "torchscript_training"
 TORCHSCRIPT_TRAINING_FILE = "train.torchscript.pt"
+# ``executorch`` (optional, `fedmvp-export --format executorch`): the same module lowered to ExecuTorch (XNNPACK),
+# its LoRA tensors as inputs, for phones (docs/howto/executorch.md). Absent: `--runtime executorch` is not offered.
+EXECUTORCH_ROLE = "executorch"
+EXECUTORCH_FILE = "model.pte"
+EXECUTORCH_FORMAT = "executorch.pte"
 PRECISIONS = ("fp32", "fp16", "int8")
 CLASSES_KEY = "fedmvp.classes_sha256"  # model.onnx metadata_props: the class list it was exported with
 # ``onnx.int8`` of an int8 bundle (export/int8.py's plan): the MatMul layers ``quantized`` and ``kept_fp32``,
@@ -79,6 +84,7 @@ SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
     TORCHSCRIPT_ROLE: ((dict,), False),  # absent: no TorchScript artifact
     TORCHSCRIPT_TRAINING_ROLE: ((dict,), False),  # absent: no TorchScript training module
     REQUIRES: ((dict,), False),  # absent in bundles exported before: the device checks no versions
+    EXECUTORCH_ROLE: ((dict,), False),  # absent: no ExecuTorch program
 }
 
 # What each section holds (the reference page docs/reference/bundle.md is generated from SECTIONS and this).
@@ -124,6 +130,9 @@ SECTION_HELP: dict[str, str] = {
               "packages that can read it, e.g. model.onnx: onnxruntime by the ONNX opset, or openvino; train.pt2: "
               "torch); `edge-client info` shows it, and a runtime whose package is outside the range is refused "
               "before it loads (fedmvp_formats/artifact_requirements.py; absent in bundles exported before)",
+    EXECUTORCH_ROLE: "the ExecuTorch program for phones (fedmvp-export --format executorch): file (role executorch), "
+                     "format, backend, method, batch (images per call), inputs (pixel_values, then the LoRA "
+                     "tensors), outputs, the PromptFormer digest baked in; absent when the bundle carries none",
 }
 
 # What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
@@ -202,8 +211,9 @@ def check_manifest(m: Any, where: str) -> MethodRecord:
     if source.get("run_id") is not None and not isinstance(source["run_id"], str):
         raise bad("source.run_id", f"not a string, got {type(source['run_id']).__name__}")
     _check_check_images(m, bad)
-    _check_torchscript(m, bad)
-    _check_torchscript(m, bad, TORCHSCRIPT_TRAINING_ROLE)
+    _check_artifact(m, bad, TORCHSCRIPT_ROLE, TORCHSCRIPT_FORMAT)
+    _check_artifact(m, bad, TORCHSCRIPT_TRAINING_ROLE, TORCHSCRIPT_FORMAT)
+    _check_artifact(m, bad, EXECUTORCH_ROLE, EXECUTORCH_FORMAT)
     check_requires(m.get(REQUIRES), roles, bad)
     if PRIVACY in m:  # what the device clips (and noises) by: the one record's checks
         try:
@@ -285,21 +295,21 @@ def _check_check_images(m: dict[str, Any], bad: Any) -> None:
         raise bad(f"{CHECK_SECTION}.generated", f"not a count of 0 to {count} images, got {generated!r}")
 
 
-def _check_torchscript(m: dict[str, Any], bad: Any, key: str = TORCHSCRIPT_ROLE) -> None:
-    """A TorchScript section (``key``: torchscript or torchscript_training) and its role come together; its
-    file is the role's, its LoRA inputs the bundle's."""
-    section, role = m.get(key), m["files_by_role"].get(key)
+def _check_artifact(m: dict[str, Any], bad: Any, name: str, fmt: str) -> None:
+    """A model artifact's section (``torchscript``, ``torchscript_training``, ``executorch``) and role come together; its file is the
+    role's, its format ``fmt``, its LoRA inputs the bundle's."""
+    section, role = m.get(name), m["files_by_role"].get(name)
     if section is None:
         if role is not None:
-            raise bad(key, f"missing, but files_by_role names a {key} file ({role!r})")
+            raise bad(name, f"missing, but files_by_role names a {name} file ({role!r})")
         return
     if role is None or section.get("file") != role:
-        raise bad(f"{key}.file", f"{section.get('file')!r} is not files_by_role's {key} file ({role!r})")
-    if section.get("format") != TORCHSCRIPT_FORMAT:
-        raise bad(f"{key}.format", f"{section.get('format')!r} is not {TORCHSCRIPT_FORMAT!r}")
+        raise bad(f"{name}.file", f"{section.get('file')!r} is not files_by_role's {name} file ({role!r})")
+    if section.get("format") != fmt:
+        raise bad(f"{name}.format", f"{section.get('format')!r} is not {fmt!r}")
     lora = section.get("lora_inputs")
     if not isinstance(lora, list) or sorted(lora) != sorted(m["lora"].get("tensors") or {}):
-        raise bad(f"{key}.lora_inputs", "must list the bundle's LoRA tensors (lora.tensors)")
+        raise bad(f"{name}.lora_inputs", "must list the bundle's LoRA tensors (lora.tensors)")
 
 
 def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:

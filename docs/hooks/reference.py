@@ -160,6 +160,8 @@ EXTRA_PURPOSE = {
     "cpu": "ONNX Runtime for the CPU (never with [gpu] in one environment)",
     "gpu": "ONNX Runtime with CUDA and TensorRT (never with [cpu])",
     "openvino": "OpenVINO as a second runtime (`edge-client infer --runtime openvino`, or `auto`)",
+    "executorch": "ExecuTorch for phones (`fedmvp-export --format executorch`, `edge-client infer --runtime "
+                  "executorch`; docs/howto/executorch.md)",
     "edge-train": "LoRA updates on the device (`edge-client train`)",
     "edge-join": "a device that joins the federation online (`edge-client join`)",
     "train": "federated training and export (`fedmvp`, `fedmvp-export`)",

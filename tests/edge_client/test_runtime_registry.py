@@ -95,7 +95,7 @@ def test_a_registered_runtime_is_named_on_the_command_line(counting, edge_bundle
     assert [line["top_k"] for line in lines] == [line["top_k"] for line in ort_lines]  # the same model, run
     assert counting["counting"].calls and not counting["slowcount"].calls
     help_text = CliRunner().invoke(main, ["infer", "--help"]).output
-    assert "[auto|ort|openvino|torchscript|counting|slowcount|rolled]" in help_text.replace("\n", "").replace(" ", "")
+    assert "[auto|ort|openvino|torchscript|executorch|counting|slowcount|rolled]" in help_text.replace("\n", "").replace(" ", "")
 
 
 def test_auto_weighs_every_registered_runtime(counting, edge_bundle, data_root, monkeypatch):
