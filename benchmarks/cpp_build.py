@@ -36,7 +36,7 @@ def toolchain_problem(cxx: str = "g++") -> str | None:
         if not (torch_dir / need).exists():
             return f"the torch wheel has no {need} (a wheel without the C++ headers and libraries)"
     for header in ("jpeglib.h", "png.h"):
-        if not _compiles(compiler, f"#include <{header}>\nint main() {{ return 0; }}\n", []):
+        if not _compiles(compiler, f"#include <cstdio>\n#include <{header}>\nint main() {{ return 0; }}\n", []):
             return f"no {header} for {compiler} (install the libjpeg and libpng development packages)"
     for lib in ("jpeg", "png"):
         if not _compiles(compiler, "int main() { return 0; }\n", [f"-l{lib}"]):

@@ -145,15 +145,18 @@ def test_a_changed_model_file_is_refused_in_one_line(binary, bundle, tmp_path):
 
 
 def test_a_bundle_without_the_module_and_bad_images_are_one_line_each(binary, bundle, photos, tmp_path):
-    bad = tmp_path / "broken.jpg"
-    bad.write_bytes(photos[1].read_bytes()[:300])  # a JPEG cut short
+    jpeg = photos[1].read_bytes()
+    header_only, cut = tmp_path / "header.jpg", tmp_path / "cut.jpg"
+    header_only.write_bytes(jpeg[:300])
+    cut.write_bytes(jpeg[: len(jpeg) // 2])  # Pillow refuses it; libjpeg alone would pad it with grey
     text = tmp_path / "notes.png"
     text.write_text("not an image")
-    proc = _run(binary, str(bundle), str(bad), str(photos[0]), str(text), "--json")
+    proc = _run(binary, str(bundle), str(header_only), str(photos[0]), str(cut), str(text), "--json")
     assert proc.returncode == 1
-    assert [line["ok"] for line in _lines(proc)] == [False, True, False]
-    assert proc.stderr.splitlines() == [f"{bad}: corrupt JPEG (" + proc.stderr.split("corrupt JPEG (", 1)[1].split("\n")[0],
-                                        f"{text}: not a JPEG or PNG file"]
+    assert [line["ok"] for line in _lines(proc)] == [False, True, False, False]
+    assert proc.stderr.splitlines() == [
+        f"{header_only}: corrupt JPEG (truncated image)",
+        f"{cut}: corrupt JPEG (truncated image)", f"{text}: not a JPEG or PNG file"]
     copy = tmp_path / "bundle"
     shutil.copytree(bundle, copy)
     manifest = json.loads((copy / "manifest.json").read_text())

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <jpeglib.h>
+#include <jerror.h>
 #include <png.h>
 
 namespace fedmvp {
@@ -38,7 +39,15 @@ inline void jpeg_fail(j_common_ptr cinfo) {
   std::longjmp(err->jump, 1);
 }
 
-inline void jpeg_quiet(j_common_ptr, int) {}
+// Warnings are silent, except a file that ends early: Pillow refuses a truncated image, libjpeg would
+// pad it with grey.
+inline void jpeg_warning(j_common_ptr cinfo, int level) {
+  if (level == -1 && cinfo->err->msg_code == JWRN_JPEG_EOF) {
+    auto* err = reinterpret_cast<JpegError*>(cinfo->err);
+    std::snprintf(err->message, sizeof err->message, "truncated image");
+    std::longjmp(err->jump, 1);
+  }
+}
 
 // The EXIF orientation (1..8) in an APP1 "Exif" segment, 1 when absent or unreadable.
 inline int exif_orientation(const unsigned char* d, size_t n) {
@@ -97,7 +106,7 @@ inline RgbImage decode_jpeg(const std::string& path, FILE* f) {
   JpegError err;
   cinfo.err = jpeg_std_error(&err.mgr);
   err.mgr.error_exit = jpeg_fail;
-  err.mgr.emit_message = jpeg_quiet;
+  err.mgr.emit_message = jpeg_warning;
   RgbImage img;
   int orientation = 1;
   if (setjmp(err.jump)) {

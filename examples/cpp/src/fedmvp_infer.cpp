@@ -216,40 +216,56 @@ int bench(const Options& o, Bundle& b) {
 
 int infer(const Options& o, Bundle& b) {
   const size_t one = size_t(b.spec.image_size) * b.spec.image_size * 3;
-  std::vector<std::string> names;
+  std::vector<std::string> inputs;  // every input, in order: "check:<i>" or the path
+  std::vector<std::string> errors;  // per input: "" or its one-line error
+  size_t decoded = 0;               // inputs whose pixels are in `pixels`, in order
   std::vector<unsigned char> pixels;
-  int failed = 0;
   if (o.check_images) {
     int64_t count = 0;
     pixels = check_images(o.bundle, b, count);
-    for (int64_t i = 0; i < count; ++i) names.push_back("check:" + std::to_string(i));
+    for (int64_t i = 0; i < count; ++i) inputs.push_back("check:" + std::to_string(i));
+    errors.assign(size_t(count), "");
+    decoded = size_t(count);
   }
   for (const auto& path : o.images) {
     try {
       auto crop = resize_crop(decode_image(path), b.spec);
       pixels.insert(pixels.end(), crop.begin(), crop.end());
-      names.push_back(path);
+      errors.emplace_back();
+      ++decoded;
     } catch (const std::exception& e) {
-      ++failed;
-      if (o.json) std::cout << "{\"image\": " << json_quote(path) << ", \"ok\": false, \"error\": " << json_quote(e.what()) << "}\n";
-      std::cerr << e.what() << "\n";
+      errors.emplace_back(e.what());
     }
+    inputs.push_back(path);
+    if (!errors.back().empty()) std::cerr << errors.back() << "\n";
   }
   if (!o.dump_rgb.empty()) {
     FILE* f = std::fopen(o.dump_rgb.c_str(), "wb");
     if (!f || std::fwrite(pixels.data(), 1, pixels.size(), f) != pixels.size()) throw std::runtime_error(o.dump_rgb + ": cannot write");
     std::fclose(f);
-    return failed ? 1 : 0;  // a test hook: pixels only, the module is not run
+  } else {
+    std::vector<float> probs(decoded * b.classes.size());
+    for (size_t start = 0; start < decoded; start += size_t(o.batch)) {
+      const size_t end = std::min(decoded, start + size_t(o.batch));
+      std::vector<const unsigned char*> batch;
+      for (size_t i = start; i < end; ++i) batch.push_back(&pixels[i * one]);
+      auto p = run(b, normalised_batch(batch, b.spec));
+      if (p.dim() != 2 || p.size(0) != int64_t(end - start) || p.size(1) != int64_t(b.classes.size()))
+        throw std::runtime_error("the module's probabilities do not have one row per image and one column per class");
+      std::memcpy(&probs[start * b.classes.size()], p.data_ptr<float>(), size_t(p.numel()) * sizeof(float));
+    }
+    size_t ok = 0;
+    for (size_t i = 0; i < errors.size(); ++i) {
+      if (errors[i].empty()) {
+        print_result(o, b, inputs[i], &probs[ok * b.classes.size()]);
+        ++ok;
+      } else if (o.json) {
+        std::cout << "{\"image\": " << json_quote(inputs[i]) << ", \"ok\": false, \"error\": " << json_quote(errors[i]) << "}\n";
+      }
+    }
   }
-  for (size_t start = 0; start < names.size(); start += size_t(o.batch)) {
-    const size_t end = std::min(names.size(), start + size_t(o.batch));
-    std::vector<const unsigned char*> batch;
-    for (size_t i = start; i < end; ++i) batch.push_back(&pixels[i * one]);
-    auto probs = run(b, normalised_batch(batch, b.spec));
-    if (probs.dim() != 2 || probs.size(0) != int64_t(end - start) || probs.size(1) != int64_t(b.classes.size()))
-      throw std::runtime_error("the module's probabilities do not have one row per image and one column per class");
-    for (size_t i = start; i < end; ++i) print_result(o, b, names[i], probs.data_ptr<float>() + (i - start) * b.classes.size());
-  }
+  int failed = 0;
+  for (const auto& err : errors) failed += !err.empty();
   return failed ? 1 : 0;
 }
 
