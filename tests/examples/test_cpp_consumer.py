@@ -171,3 +171,25 @@ def test_bench_prints_ms_per_image(binary, bundle):
     assert proc.returncode == 0, proc.stderr
     bench = json.loads(proc.stdout)["bench"]
     assert bench["batch"] == 4 and bench["runs"] == 3 and 0 < bench["ms_per_image_min"] <= bench["ms_per_image_median"]
+
+
+def test_cmake_configures_against_the_wheel_without_find_package_torch(tmp_path):
+    """The CMake route (configure only: the build is the same command line as build.sh's)."""
+    import sys
+
+    from benchmarks.cpp_build import CPP_DIR, toolchain_problem
+
+    if shutil.which("cmake") is None:
+        pytest.skip("no cmake on PATH (build.sh is the route without it)")
+    problem = toolchain_problem()
+    if problem is not None:
+        pytest.skip(f"cannot build examples/cpp here: {problem}")
+    proc = subprocess.run(["cmake", "-S", str(CPP_DIR), "-B", str(tmp_path), f"-DPYTHON_FOR_TORCH={sys.executable}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    import torch
+
+    abi = int(torch.compiled_with_cxx11_abi())
+    assert f"torch: {Path(torch.__file__).parent} (_GLIBCXX_USE_CXX11_ABI={abi})" in proc.stdout
+    code = [line for line in (CPP_DIR / "CMakeLists.txt").read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert not any("find_package(Torch" in line for line in code)
