@@ -193,3 +193,29 @@ def test_cmake_configures_against_the_wheel_without_find_package_torch(tmp_path)
     assert f"torch: {Path(torch.__file__).parent} (_GLIBCXX_USE_CXX11_ABI={abi})" in proc.stdout
     code = [line for line in (CPP_DIR / "CMakeLists.txt").read_text().splitlines() if not line.lstrip().startswith("#")]
     assert not any("find_package(Torch" in line for line in code)
+
+
+def test_another_lora_is_run_and_a_misshapen_one_refused(binary, bundle, tmp_path):
+    """--lora: a device's personalised (or a round's global) LoRA gives ONNX Runtime's top-1 with that LoRA."""
+    from safetensors.numpy import save_file
+
+    from edge_client.bundle import read_bundle
+    from edge_client.infer import Predictor
+    from edge_client.lora_store import ActiveLora
+    from edge_client.runtime_choice import check_images
+
+    opened = read_bundle(bundle)
+    rng = np.random.default_rng(0)
+    lora = {k: (v + rng.normal(0, 0.5, v.shape)).astype(np.float32) for k, v in opened.lora().items()}
+    path = tmp_path / "mine.safetensors"
+    save_file(lora, str(path))
+    proc = _run(binary, str(bundle), "--check-images", "--json", "--top", "1", "--lora", str(path), "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    ort = Predictor(opened, runtime="ort", threads=1, lora=ActiveLora(lora, "global", path)).run(check_images(opened))
+    assert [line["top_k"][0]["index"] for line in _lines(proc)] == ort["probs"].argmax(-1).tolist()
+    assert np.allclose([line["top_k"][0]["prob"] for line in _lines(proc)], ort["probs"].max(-1), atol=1e-4)
+    first = next(iter(lora))
+    save_file({**lora, first: lora[first][:-1]}, str(path))
+    proc = _run(binary, str(bundle), "--check-images", "--lora", str(path))
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
+    assert f"tensor '{first}' has another shape than the manifest's" in proc.stderr

@@ -1,7 +1,7 @@
 // fedmvp_infer: runs a fedmvp edge bundle's TorchScript module (model.torchscript.pt) from C++ with the
 // libtorch inside the pip torch wheel. Usage and build: docs/howto/cpp-libtorch.md.
 //
-//   fedmvp_infer <bundle_dir> <image>... [--top K] [--json] [--threads T]
+//   fedmvp_infer <bundle_dir> <image>... [--top K] [--json] [--threads T] [--lora FILE]
 //   fedmvp_infer <bundle_dir> --check-images [--top K] [--json]
 //   fedmvp_infer <bundle_dir> --bench N [--batch B] [--threads T]
 //
@@ -35,6 +35,7 @@ struct Options {
   int bench = 0;
   int batch = 8;
   int threads = 0;
+  std::string lora;      // another LoRA file (a personalised or a round's global one), else the bundle's
   std::string dump_rgb;  // test hook: write the uint8 pixels after resize and crop (raw) and stop
 };
 
@@ -68,6 +69,7 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--batch") o.batch = positive(a, next());
     else if (a == "--threads") o.threads = positive(a, next());
     else if (a == "--dump-rgb") o.dump_rgb = next();
+    else if (a == "--lora") o.lora = next();
     else if (a == "-h" || a == "--help") throw UsageError("");
     else if (a.rfind("--", 0) == 0) throw UsageError("unknown option " + a);
     else if (o.bundle.empty()) o.bundle = a;
@@ -99,7 +101,7 @@ struct Bundle {
   std::vector<torch::Tensor> lora;  // in manifest["torchscript"]["lora_inputs"] order
 };
 
-Bundle open_bundle(const std::string& dir) {
+Bundle open_bundle(const std::string& dir, const std::string& other_lora) {
   Bundle b;
   const std::string manifest_path = dir + "/manifest.json";
   try {
@@ -114,12 +116,20 @@ Bundle open_bundle(const std::string& dir) {
     throw std::runtime_error(dir + ": the bundle carries no TorchScript module (re-export it with fedmvp-export --format torchscript)");
   const Json& ts = b.manifest.at("torchscript");
   const std::string model = verified_file(dir, b.manifest, ts.at("file").str());
-  const std::string lora_path = verified_file(dir, b.manifest, b.manifest.at("files_by_role").at("lora").str());
+  // The bundle's LoRA is pinned by the manifest's sha256; another one (--lora) only by the names and
+  // shapes the manifest lists, as edge-client checks a device's LoRA.
+  const std::string lora_path = other_lora.empty()
+      ? verified_file(dir, b.manifest, b.manifest.at("files_by_role").at("lora").str()) : other_lora;
   auto tensors = read_safetensors(lora_path);
+  const Json& shapes = b.manifest.at("lora").at("tensors");
   for (const auto& name : ts.at("lora_inputs").arr()) {
     auto it = tensors.find(name.str());
     if (it == tensors.end()) throw std::runtime_error(lora_path + ": no tensor '" + name.str() + "'");
     if (it->second.dtype != "F32") throw std::runtime_error(lora_path + ": tensor '" + name.str() + "' is not F32");
+    std::vector<int64_t> want;
+    for (const auto& d : shapes.at(name.str()).arr()) want.push_back(int64_t(d.num()));
+    if (want != it->second.shape)
+      throw std::runtime_error(lora_path + ": tensor '" + name.str() + "' has another shape than the manifest's");
     auto t = torch::empty(it->second.shape, torch::kFloat32);
     std::memcpy(t.data_ptr<float>(), it->second.bytes.data(), it->second.bytes.size());
     b.lora.push_back(t);
@@ -280,13 +290,13 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     if (*e.what()) std::cerr << "fedmvp_infer: " << e.what() << "\n";
     std::cerr << "usage: fedmvp_infer <bundle_dir> <image>... [--check-images] [--top K] [--json] [--threads T] "
-                 "[--bench N --batch B]\n";
+                 "[--lora FILE] [--bench N --batch B]\n";
     return 2;
   }
   try {
     if (o.threads > 0) at::set_num_threads(o.threads);
     c10::InferenceMode guard;
-    Bundle b = open_bundle(o.bundle);
+    Bundle b = open_bundle(o.bundle, o.lora);
     return o.bench > 0 ? bench(o, b) : infer(o, b);
   } catch (const c10::Error& e) {
     std::cerr << "fedmvp_infer: torch error: " << e.what_without_backtrace() << "\n";
