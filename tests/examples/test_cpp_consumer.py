@@ -214,6 +214,8 @@ def test_another_lora_is_run_and_a_misshapen_one_refused(binary, bundle, tmp_pat
     ort = Predictor(opened, runtime="ort", threads=1, lora=ActiveLora(lora, "global", path)).run(check_images(opened))
     assert [line["top_k"][0]["index"] for line in _lines(proc)] == ort["probs"].argmax(-1).tolist()
     assert np.allclose([line["top_k"][0]["prob"] for line in _lines(proc)], ort["probs"].max(-1), atol=1e-4)
+    stored = _lines(_run(binary, str(bundle), "--check-images", "--json", "--top", "1"))
+    assert [line["top_k"][0]["index"] for line in stored] != ort["probs"].argmax(-1).tolist()  # the file given ran
     first = next(iter(lora))
     save_file({**lora, first: lora[first][:-1]}, str(path))
     proc = _run(binary, str(bundle), "--check-images", "--lora", str(path))
