@@ -100,6 +100,8 @@ def apply(section: Section, hooks: dict[str, Any], ms: dict[tuple[str, int], flo
     """The hooks' rows, ratios (None where not measured) and goals into ``section``."""
     section.notes += hooks["notes"]
     ms_cpp, agreement, images = cpp_figures(hooks["cpp"], hooks["reference_top1"]) if hooks["cpp"] else ({}, None, None)
+    if ms_cpp:
+        section.notes.append(f"{CPP_ROW}: timed by benchmarks.edge_cpp after the interleaved rows, not among them")
     for b in batches:
         if b in ms_cpp:
             section.rows.append({"runtime": CPP_ROW, "batch": b, "ms_per_batch": round(ms_cpp[b] * b, 2),
