@@ -114,7 +114,7 @@ def engine_ratios(ms: dict[tuple[str, int], float], batches: list[int], rows: li
         check = checks.get(row, {})
         out[f"{row}_check_top1_agreement"] = check.get("check_top1_agreement")
         out[f"{row}_check_max_abs_logit_diff"] = check.get("check_max_abs_logit_diff")
-    return {k: (round(v, 4) if v is not None else None) for k, v in out.items()}
+    return {k: (float(f"{v:.4g}") if v is not None else None) for k, v in out.items()}  # a 1e-6 diff stays one
 
 
 def engine_goals(r: dict[str, float | None], batches: list[int], model: str, rows: list[str]) -> list[Goal]:
