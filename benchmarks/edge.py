@@ -6,7 +6,12 @@ Runtimes (``runtime`` column): ``torch_plain`` (open_clip's image encoder, no pr
 int8, accuracy bound on, the scheme `--int8-scheme auto` picked: ``int8_bundle_scheme``; its ratios
 ``ort_int8_vs_ort_fp32_b1`` / ``_b8``), ``ort_int8_dynamic_all`` / ``ort_int8_static_all`` /
 ``ort_int8_blockwise_all`` (every weight MatMul quantised); ``openvino_fp32`` / ``openvino_bf16`` /
-``openvino_int8`` and ``auto`` (what `edge-client --runtime auto` picks here: ``edge_runtimes.py``).
+``openvino_int8`` and ``auto`` (what `edge-client --runtime auto` picks here: ``edge_runtimes.py``);
+one row per further engine of edge-client's registry the bundle offers, named after it: ``torchscript``
+(the bundle's model.torchscript.pt), ``executorch`` once registered (``edge_engines.py``: ratios
+``<row>_vs_ort_fp32_bN``, ``<row>_time_vs_torch_prompted_bN``, agreement on the bundle's check images);
+the C++ libtorch binary (``cpp_libtorch``) and the LoRA step through train.pt2 and TorchScript
+(``lora_step_*``) where their modules exist (``edge_hooks.py``).
 On a trained run (``--run``): int8's accuracy drop, and the accuracy of what ``auto`` picks and of
 OpenVINO bf16 against fp32 on the run's labelled test images (``edge_accuracy.py``).
 All runtimes are timed interleaved in one process (medians), at batch 1 and 8 by default. FLOPs
@@ -104,14 +109,15 @@ def runners(models, threads: int, device: str) -> tuple[dict[str, object], list[
     return out, notes
 
 
-def agreement(runs: dict, pixels: np.ndarray) -> dict[str, dict]:
-    """Top-1 agreement and max |logit diff| of every ONNX runtime with the fp32 bundle model."""
+def agreement(runs: dict, pixels: np.ndarray, engines: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Top-1 agreement and max |logit diff| of every ONNX runtime, and of the ``engines`` rows, with the
+    fp32 bundle model."""
     if "ort_fp32" not in runs:  # e.g. --device cuda where ONNX Runtime has no CUDA provider
         return {}
     reference = runs["ort_fp32"](pixels)[0]
     out = {}
     for key, run in runs.items():
-        if not key.startswith(("ort_", "openvino_", "auto")) or "plain" in key:
+        if not (key.startswith(("ort_", "openvino_", "auto")) or key in engines) or "plain" in key:
             continue
         logits = run(pixels)[0]
         out[key] = {"agreement": float(np.mean(logits.argmax(-1) == reference.argmax(-1))),
@@ -207,7 +213,7 @@ def trained_int8(run_path: Path, work: Path) -> dict:
 
 def run(options: Options) -> Section:
     """The edge table (see the module docstring)."""
-    from benchmarks import edge_models, machine, memory_probe
+    from benchmarks import edge_engines, edge_hooks, edge_models, machine, memory_probe
 
     _quiet()
     start = time.perf_counter()
@@ -237,9 +243,19 @@ def run(options: Options) -> Section:
             runs.update(more)
             section.notes += skipped
             section.config["auto"] = picked
+            more, skipped = edge_engines.engine_runners(models.bundle, threads)
+            runs.update(more)
+            section.notes += skipped
+        else:
+            section.notes.append("engine rows (torchscript, executorch): CPU only, not run with --device cuda")
+        engines = edge_engines.engine_rows(runs)
         section.rows = time_runtimes(runs, models.image_size, batches, options.reps())
-        agree = agreement(runs, edge_models.random_pixels(16 if options.quick else 32, models.image_size, seed=3))
+        agree = agreement(runs, edge_models.random_pixels(16 if options.quick else 32, models.image_size, seed=3),
+                          tuple(engines))
+        checks = edge_engines.check_agreement(runs, models.bundle, engines)
         del runs
+        hooks = edge_hooks.measure(models.bundle, work, name, classes, attributes, batches, options.reps(),
+                                   checks.get("reference_top1"))
         memory = memory_probe.measure_all(models, work, threads, batches[-1], provider) if provider == "cpu" \
             else {}
         run_path = options.run or (None if options.quick else newest_demo_run(Path.cwd()))
@@ -252,6 +268,7 @@ def run(options: Options) -> Section:
             runtimes = trained_runtimes(run_path, work, threads, DEFAULT_PARITY_IMAGES)
     for row in section.rows:
         row.update(agree.get(row["runtime"], {}))
+        row.update(checks.get(row["runtime"], {}))
         row["peak_rss_mb"] = memory.get(row["runtime"], {}).get("peak_rss_mb")
         row["model_mb"] = round(models.file_bytes[row["runtime"]] / 1e6, 2) if row["runtime"] in models.file_bytes \
             else None
@@ -266,6 +283,11 @@ def run(options: Options) -> Section:
     all_fraction = ratio(models.file_bytes.get("ort_int8_dynamic_all"), models.file_bytes.get("ort_fp32"))
     section.ratios["int8_all_file_fraction"] = round(all_fraction, 4) if all_fraction else None
     section.goals = goals(section.ratios, batches, int8_fraction)
+    ms = {(r["runtime"], r["batch"]): r["ms_per_image"] for r in section.rows}
+    section.ratios.update(edge_engines.engine_ratios(ms, batches, engines, checks))
+    section.goals += edge_engines.engine_goals(section.ratios, batches, name, engines)
+    edge_hooks.apply(section, hooks, ms, batches)
+    section.config["parity"] = models.parity  # the fp32 bundle's: ONNX and TorchScript against PyTorch
     guard = ratio(models.build_seconds.get("export_int8_guard"), 1)
     guard = guard - models.build_seconds["export_fp32"] if guard is not None else None  # its fp32 part aside
     section.config["int8_guard_seconds"] = round(guard, 1) if guard is not None else None

@@ -4,19 +4,21 @@ PyTorch: open_clip's image encoder alone, and the fedmvp prompted model with cac
 text features (the training core's forward). ONNX: the plain image encoder, the bundle's
 ``model.onnx`` in fp32 and in the exporter's int8 (accuracy guard), and two int8 variants with
 every weight MatMul quantised: dynamic (ONNX Runtime's ``quantize_dynamic``) and static
-(calibrated QDQ). A random-init backbone unless a run is given: speed does not depend on the
-weights; agreement on random weights does (near-tied logits), see ``benchmarks/edge.py``.
+(calibrated QDQ). The fp32 bundle also carries ``model.torchscript.pt`` (`fedmvp-export --format
+torchscript`), run by the engine rows of ``benchmarks/edge_engines.py``. A random-init backbone unless
+a run is given: speed does not depend on the weights; agreement on random weights does (near-tied logits), see ``benchmarks/edge.py``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-
 
 
 @dataclass
@@ -33,6 +35,12 @@ class EdgeModels:
     build_seconds: dict[str, float] = field(default_factory=dict)
     int8_plan: dict | None = None
     file_bytes: dict[str, int] = field(default_factory=dict)
+    parity: dict[str, dict] = field(default_factory=dict)  # the fp32 bundle's parity records (fp32, torchscript)
+
+    @property
+    def bundle(self) -> Path:
+        """The fp32 bundle's folder (model.onnx, model.torchscript.pt, check images)."""
+        return self.onnx["ort_fp32"].parent
 
 
 def class_set(classes: int, attributes: int):
@@ -94,9 +102,36 @@ def model_bytes(path: Path) -> int:
     return path.stat().st_size + sum((path.parent / name).stat().st_size for name in external)
 
 
+@contextmanager
+def step_seconds(step: str, sink: dict[str, float], key: str) -> Iterator[None]:
+    """Time one step of the bundle writer (``export.bundle_steps.BundleWrite.<step>``) into ``sink[key]``:
+    the TorchScript trace and its parity apart from the ONNX export they are written with."""
+    from export.bundle_steps import BundleWrite
+
+    original = getattr(BundleWrite, step, None)
+    if original is None:  # the writer's steps renamed: the step's seconds stay in the export's
+        yield
+        return
+
+    def timed(self, *args, **kwargs):  # noqa: ANN001, ANN202 - the wrapped method's own signature
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            sink[key] = sink.get(key, 0.0) + time.perf_counter() - start
+
+    setattr(BundleWrite, step, timed)
+    try:
+        yield
+    finally:
+        setattr(BundleWrite, step, original)
+
+
 def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: str | None = None,
-          int8: bool = True, variants: bool = True, calibration_images: int = 32, fp16: bool = False) -> EdgeModels:
-    """Build every model of the edge table into ``work`` (the bundle export's own checks included)."""
+          int8: bool = True, variants: bool = True, calibration_images: int = 32, fp16: bool = False,
+          torchscript: bool = True) -> EdgeModels:
+    """Build every model of the edge table into ``work`` (the bundle export's own checks included);
+    ``torchscript``: the fp32 bundle carries model.torchscript.pt, parity-checked by the exporter."""
     from export.bundle_writer import BundleInputs, BundleOptions, write_bundle
     from export.class_set import text_features
     from export.onnx_export import export_plain_visual
@@ -115,9 +150,15 @@ def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: s
     out.build_seconds["text_features"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    fp32 = write_bundle(model, clip, classes_set, work / "fp32", BundleInputs(images), BundleOptions(training=False))
-    out.build_seconds["export_fp32"] = time.perf_counter() - start
+    with step_seconds("torchscript", out.build_seconds, "export_torchscript"):
+        fp32 = write_bundle(model, clip, classes_set, work / "fp32", BundleInputs(images),
+                            BundleOptions(training=False, torchscript=torchscript))
+    # the ONNX export alone, as before (edge.py subtracts it from the int8 export to time the int8 guard)
+    out.build_seconds["export_fp32"] = time.perf_counter() - start - out.build_seconds.get("export_torchscript", 0.0)
     out.onnx["ort_fp32"] = fp32.path / "model.onnx"
+    out.parity = {key: result.to_manifest() for key, result in fp32.parity.items()}
+    if torchscript:
+        out.file_bytes["torchscript"] = (fp32.path / "model.torchscript.pt").stat().st_size
 
     start = time.perf_counter()
     export_plain_visual(clip.model.visual, clip.image_size, work / "plain.onnx")  # fused like the bundle's
@@ -144,7 +185,7 @@ def build(name: str, work: Path, *, classes: int, attributes: int, pretrained: s
         calibration = synthetic_images(calibration_images, clip.image_size, seed=1).numpy()
         for key, (path, seconds) in write_variants(out.onnx["ort_fp32"], calibration, work).items():
             out.onnx[key], out.build_seconds[f"quantize_{key}"] = path, seconds
-    out.file_bytes = {key: model_bytes(path) for key, path in out.onnx.items()}
+    out.file_bytes.update({key: model_bytes(path) for key, path in out.onnx.items()})
     return out
 
 

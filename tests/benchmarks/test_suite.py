@@ -119,7 +119,9 @@ def test_edge_and_prompts_quick_sections_measure_every_runtime():
     kinds = {k for k, _ in measured}
     assert measured == {(k, b) for k in kinds for b in (1, 2)} and runtimes <= kinds
     openvino = {"openvino_fp32", "openvino_bf16", "openvino_int8"}  # where installed (bf16: where the CPU has it)
-    assert kinds - runtimes <= openvino | {"auto"}
+    assert kinds - runtimes <= openvino | {"auto", "torchscript"}  # torchscript: the bundle's model.torchscript.pt
+    assert "torchscript" in kinds and section.ratios["torchscript_vs_ort_fp32_b2"] > 0
+    assert section.ratios["torchscript_check_top1_agreement"] == 1.0
     if importlib.util.find_spec("openvino") is not None:
         assert {"openvino_fp32", "openvino_int8", "auto"} <= kinds
     assert all(r["ms_per_image"] > 0 for r in section.rows)

@@ -1,0 +1,126 @@
+"""Two figures of the edge table measured by modules of their own, plugged in where they exist.
+
+Hook points (each imported guarded: a checkout without the module gets a note "not available", and the
+ratios and goals below stay in the table as not measured):
+
+- ``benchmarks.edge_cpp.cpp_ms_per_image(bundle, batch_sizes, repeats) -> dict``: the C++ libtorch
+  binary running the bundle's model.torchscript.pt (docs/howto/cpp-libtorch.md). Read from the dict:
+  ``ms_per_image`` ``{batch: ms}`` (or those ``{batch: ms}`` pairs at its top level), and either
+  ``top1`` (the binary's top-1 class per check image, in the bundle's check-image order) or
+  ``top1_agreement`` (its own figure against ONNX Runtime). Row ``cpp_libtorch``; ratios
+  ``cpp_libtorch_vs_ort_fp32_bN`` (ORT ms / C++ ms), ``cpp_libtorch_check_top1_agreement``; goal
+  "C++ agrees with ORT image for image". Timed in its own process, so not interleaved with the others.
+- ``benchmarks.edge_train_formats.train_step_rows(bundle, batch, repeats) -> dict``: one LoRA step through
+  train.pt2 and through train.torchscript.pt on a training bundle exported with TorchScript. Read from
+  the dict: ``ms_per_step`` ``{format: ms}``, or ``rows`` (dicts with ``format`` and ``ms_per_step``), or
+  ``{format: ms}`` at its top level; a format naming ``pt2`` is train.pt2, one naming ``torchscript`` is
+  train.torchscript.pt. Rows ``lora_step_pt2`` / ``lora_step_torchscript``; ratio
+  ``lora_step_torchscript_time_vs_pt2_bN`` (TorchScript ms / pt2 ms); goal "LoRA step through
+  TorchScript within 1.3x of train.pt2".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Goal, Section, ratio
+
+CPP_ROW = "cpp_libtorch"
+
+
+def _short(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+
+
+def measure(bundle: Path, work: Path, name: str, classes: int, attributes: int, batches: list[int], repeats: int,
+            reference_top1: list[int] | None) -> dict[str, Any]:
+    """Both hooks' figures where their modules exist: ``{"cpp", "train", "notes"}``."""
+    out: dict[str, Any] = {"cpp": None, "train": None, "train_batch": batches[-1], "notes": [],
+                           "reference_top1": reference_top1}
+    try:
+        from benchmarks.edge_cpp import cpp_ms_per_image
+    except ImportError:
+        out["notes"].append("C++ libtorch row: not available (benchmarks.edge_cpp is not in this checkout)")
+    else:
+        try:
+            out["cpp"] = cpp_ms_per_image(bundle, list(batches), repeats)
+        except Exception as err:  # noqa: BLE001 - e.g. the binary is not built here: a note, not a crash
+            out["notes"].append(f"C++ libtorch row: {_short(err)}")
+    try:
+        from benchmarks.edge_train_formats import train_step_rows
+    except ImportError:
+        out["notes"].append("LoRA step rows (train.pt2 vs TorchScript): not available "
+                            "(benchmarks.edge_train_formats is not in this checkout)")
+    else:
+        from benchmarks.edge_models import random_bundle
+
+        try:  # a training bundle: the inference bundle of the table carries no training program
+            trainable = random_bundle(work / "train", name, classes, attributes, training=True, torchscript=True)
+            out["train"] = train_step_rows(trainable, batches[-1], repeats)
+        except Exception as err:  # noqa: BLE001
+            out["notes"].append(f"LoRA step rows (train.pt2 vs TorchScript): {_short(err)}")
+    return out
+
+
+def _is_batch(key: Any) -> bool:
+    return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
+
+
+def cpp_figures(result: dict, reference_top1: list[int] | None) -> tuple[dict[int, float], float | None, int | None]:
+    """``({batch: ms per image}, top-1 agreement with ORT fp32 on the check images, images compared)``."""
+    ms = result.get("ms_per_image", {k: v for k, v in result.items() if _is_batch(k)})
+    ms = {int(k): float(v) for k, v in ms.items() if v is not None}
+    agreement, images = result.get("top1_agreement"), result.get("check_images")
+    top1 = result.get("top1")
+    if agreement is None and top1 is not None and reference_top1 is not None:
+        images = min(len(top1), len(reference_top1))
+        same = sum(int(a) == int(b) for a, b in zip(top1, reference_top1))
+        agreement = same / len(reference_top1) if reference_top1 else None  # a missing image is a disagreement
+    return ms, (float(agreement) if agreement is not None else None), images
+
+
+def train_figures(result: dict) -> dict[str, float]:
+    """``{"pt2": ms per step, "torchscript": ms per step}`` from what ``train_step_rows`` returned."""
+    if isinstance(result.get("rows"), list):
+        raw = {str(r.get("format") or r.get("runtime")): r.get("ms_per_step") for r in result["rows"]}
+    elif isinstance(result.get("ms_per_step"), dict):
+        raw = result["ms_per_step"]
+    else:
+        raw = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out: dict[str, float] = {}
+    for key, value in raw.items():
+        kind = "torchscript" if "torchscript" in str(key) else "pt2" if "pt2" in str(key) else None
+        if kind and value is not None:
+            out.setdefault(kind, float(value))
+    return out
+
+
+def apply(section: Section, hooks: dict[str, Any], ms: dict[tuple[str, int], float], batches: list[int]) -> None:
+    """The hooks' rows, ratios (None where not measured) and goals into ``section``."""
+    section.notes += hooks["notes"]
+    ms_cpp, agreement, images = cpp_figures(hooks["cpp"], hooks["reference_top1"]) if hooks["cpp"] else ({}, None, None)
+    if ms_cpp:
+        section.notes.append(f"{CPP_ROW}: timed by benchmarks.edge_cpp after the interleaved rows, not among them")
+    for b in batches:
+        if b in ms_cpp:
+            section.rows.append({"runtime": CPP_ROW, "batch": b, "ms_per_batch": round(ms_cpp[b] * b, 2),
+                                 "ms_per_image": round(ms_cpp[b], 2), "check_images": images,
+                                 "check_top1_agreement": agreement})
+        section.ratios[f"{CPP_ROW}_vs_ort_fp32_b{b}"] = _round(ratio(ms.get(("ort_fp32", b)), ms_cpp.get(b)))
+        section.ratios[f"{CPP_ROW}_time_vs_torchscript_b{b}"] = _round(ratio(ms_cpp.get(b), ms.get(("torchscript", b))))
+    section.ratios[f"{CPP_ROW}_check_top1_agreement"] = agreement
+    section.goals.append(Goal.at_least("C++ agrees with ORT image for image (top-1 agreement on the check images)",
+                                       agreement, 1.0, ""))
+    batch = hooks["train_batch"]
+    steps = train_figures(hooks["train"]) if hooks["train"] else {}
+    for kind, value in steps.items():
+        section.rows.append({"runtime": f"lora_step_{kind}", "batch": batch, "ms_per_step": round(value, 2)})
+    slower = _round(ratio(steps.get("torchscript"), steps.get("pt2")))
+    section.ratios[f"lora_step_torchscript_time_vs_pt2_b{batch}"] = slower
+    section.goals.append(Goal.at_most(f"LoRA step through TorchScript within 1.3x of train.pt2 (time ratio, batch "
+                                      f"{batch})", slower, 1.3))
+
+
+def _round(value: float | None) -> float | None:
+    return round(value, 4) if value is not None else None
