@@ -32,6 +32,17 @@ def _cpp_ms(binary: Path, bundle: Path, batch: int, repeats: int, threads: int) 
     return float(bench["ms_per_image_median"]), float(bench["ms_per_image_min"])
 
 
+def check_top1(binary: Path, bundle: Path, threads: int) -> list[int]:
+    """The binary's top-1 class index per check image, in the bundle's check-image order (what the edge table
+    compares with ONNX Runtime's image for image)."""
+    proc = subprocess.run([str(binary), str(bundle), "--check-images", "--json", "--top", "1",
+                           "--threads", str(threads)], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{binary}: --check-images failed: {proc.stderr.strip()}")
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return [int(line["top_k"][0]["index"]) for line in lines]
+
+
 def _ort_ms(bundle: Path, batch_sizes: tuple[int, ...], repeats: int,
             threads: int) -> dict[int, tuple[float, float]]:
     """ONNX Runtime fp32 on the bundle (edge-client's Predictor, the bundle's LoRA): median and fastest
@@ -61,7 +72,8 @@ def _ort_ms(bundle: Path, batch_sizes: tuple[int, ...], repeats: int,
 
 def cpp_ms_per_image(bundle: Path, batch_sizes: tuple[int, ...] = (1, 8), repeats: int = 20,
                      threads: int | None = None, binary: Path | None = None) -> dict[str, Any]:
-    """``{"cpp": {batch: ms}, "ort_fp32": {batch: ms}, "cpp_over_ort": {batch: ratio}, ...}``: median ms per
+    """``{"cpp": {batch: ms}, "ort_fp32": {batch: ms}, "cpp_over_ort": {batch: ratio}, "top1": [...], ...}``:
+    the binary's top-1 per check image, and median ms per
     image of the libtorch binary and of ONNX Runtime fp32 (``*_min``: the fastest call, what a loaded
     machine distorts least), both on ``threads`` threads (all cores by default).
     Builds the binary unless given (cached per source: benchmarks/cpp_build.py)."""
@@ -72,7 +84,8 @@ def cpp_ms_per_image(bundle: Path, batch_sizes: tuple[int, ...] = (1, 8), repeat
     cpp = {b: _cpp_ms(binary, Path(bundle), b, repeats, threads) for b in batch_sizes}
     ort = _ort_ms(Path(bundle), tuple(batch_sizes), repeats, threads)
     out: dict[str, Any] = {"bundle": str(bundle), "threads": threads, "repeats": repeats,
-                           "build_seconds": round(build_seconds, 1)}
+                           "build_seconds": round(build_seconds, 1),
+                           "top1": check_top1(binary, Path(bundle), threads)}
     for key, pick in (("", 0), ("_min", 1)):
         out[f"cpp{key}"] = {b: round(cpp[b][pick], 3) for b in batch_sizes}
         out[f"ort_fp32{key}"] = {b: round(ort[b][pick], 3) for b in batch_sizes}

@@ -5,16 +5,13 @@ ratios and goals below stay in the table as not measured):
 
 - ``benchmarks.edge_cpp.cpp_ms_per_image(bundle, batch_sizes, repeats) -> dict``: the C++ libtorch
   binary running the bundle's model.torchscript.pt (docs/howto/cpp-libtorch.md). Read from the dict:
-  ``ms_per_image`` ``{batch: ms}`` (or those ``{batch: ms}`` pairs at its top level), and either
-  ``top1`` (the binary's top-1 class per check image, in the bundle's check-image order) or
-  ``top1_agreement`` (its own figure against ONNX Runtime). Row ``cpp_libtorch``; ratios
+  ``cpp`` ``{batch: median ms per image}`` and ``top1`` (the binary's top-1 class per check image, in the
+  bundle's check-image order). Row ``cpp_libtorch``; ratios
   ``cpp_libtorch_vs_ort_fp32_bN`` (ORT ms / C++ ms), ``cpp_libtorch_check_top1_agreement``; goal
   "C++ agrees with ORT image for image". Timed in its own process, so not interleaved with the others.
 - ``benchmarks.edge_train_formats.train_step_rows(bundle, batch, repeats) -> dict``: one LoRA step through
   train.pt2 and through train.torchscript.pt on a training bundle exported with TorchScript. Read from
-  the dict: ``ms_per_step`` ``{format: ms}``, or ``rows`` (dicts with ``format`` and ``ms_per_step``), or
-  ``{format: ms}`` at its top level; a format naming ``pt2`` is train.pt2, one naming ``torchscript`` is
-  train.torchscript.pt. Rows ``lora_step_pt2`` / ``lora_step_torchscript``; ratio
+  the dict: ``pt2_ms`` and ``torchscript_ms`` (median ms per step). Rows ``lora_step_pt2`` / ``lora_step_torchscript``; ratio
   ``lora_step_torchscript_time_vs_pt2_bN`` (TorchScript ms / pt2 ms); goal "LoRA step through
   TorchScript within 1.3x of train.pt2".
 """
@@ -63,37 +60,20 @@ def measure(bundle: Path, work: Path, name: str, classes: int, attributes: int, 
     return out
 
 
-def _is_batch(key: Any) -> bool:
-    return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
-
-
 def cpp_figures(result: dict, reference_top1: list[int] | None) -> tuple[dict[int, float], float | None, int | None]:
     """``({batch: ms per image}, top-1 agreement with ORT fp32 on the check images, images compared)``."""
-    ms = result.get("ms_per_image", {k: v for k, v in result.items() if _is_batch(k)})
-    ms = {int(k): float(v) for k, v in ms.items() if v is not None}
-    agreement, images = result.get("top1_agreement"), result.get("check_images")
-    top1 = result.get("top1")
-    if agreement is None and top1 is not None and reference_top1 is not None:
-        images = min(len(top1), len(reference_top1))
+    ms = {int(k): float(v) for k, v in (result.get("cpp") or {}).items() if v is not None}
+    top1, agreement, images = result.get("top1"), None, None
+    if top1 is not None and reference_top1:
+        images = len(reference_top1)
         same = sum(int(a) == int(b) for a, b in zip(top1, reference_top1))
-        agreement = same / len(reference_top1) if reference_top1 else None  # a missing image is a disagreement
-    return ms, (float(agreement) if agreement is not None else None), images
+        agreement = same / len(reference_top1)  # a missing image is a disagreement
+    return ms, agreement, images
 
 
 def train_figures(result: dict) -> dict[str, float]:
     """``{"pt2": ms per step, "torchscript": ms per step}`` from what ``train_step_rows`` returned."""
-    if isinstance(result.get("rows"), list):
-        raw = {str(r.get("format") or r.get("runtime")): r.get("ms_per_step") for r in result["rows"]}
-    elif isinstance(result.get("ms_per_step"), dict):
-        raw = result["ms_per_step"]
-    else:
-        raw = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    out: dict[str, float] = {}
-    for key, value in raw.items():
-        kind = "torchscript" if "torchscript" in str(key) else "pt2" if "pt2" in str(key) else None
-        if kind and value is not None:
-            out.setdefault(kind, float(value))
-    return out
+    return {kind: float(result[f"{kind}_ms"]) for kind in ("pt2", "torchscript") if result.get(f"{kind}_ms") is not None}
 
 
 def apply(section: Section, hooks: dict[str, Any], ms: dict[tuple[str, int], float], batches: list[int]) -> None:

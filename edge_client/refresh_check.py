@@ -74,9 +74,9 @@ def _program_logits(bundle: Bundle, pixels: np.ndarray, weights_path: Path,
     except ImportError as err:
         raise BundleError(f"{bundle.path}: the parity check of a refresh needs torch ({err}); install "
                           f"fedmvp[edge-train] or pass no check images") from None
-    from edge_client.program import load_program
+    from edge_client.program import load_runner
 
-    runner = load_program(bundle)
+    runner = load_runner(bundle)[0]  # train.pt2, or the TorchScript module where this torch cannot load it
     weights: dict[str, Any] = dict(sorted(load_safetensors(weights_path, framework="pt").items()))
     tensors = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in sorted(lora.items())}
     x = torch.from_numpy(pixels)

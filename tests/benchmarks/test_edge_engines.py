@@ -32,9 +32,8 @@ def test_an_engine_not_measured_keeps_its_ratios_and_goals_as_not_measured():
     assert all(g.met is None for g in edge_engines.engine_goals(r, [1, 8], "fedmvp-tiny", []))
 
 
-@pytest.mark.parametrize("result", [
-    {"ms_per_image": {1: 100.0, 8: 80.0}, "top1": [0, 1, 2, 3]},
-    {"1": 100.0, "8": 80.0, "top1": [0, 1, 2, 3]},
+@pytest.mark.parametrize("result", [  # benchmarks.edge_cpp.cpp_ms_per_image's keys
+    {"cpp": {1: 100.0, 8: 80.0}, "ort_fp32": {1: 90.0, 8: 70.0}, "top1": [0, 1, 2, 3]},
 ])
 def test_the_cpp_hook_becomes_a_row_ratios_and_the_agreement_goal(monkeypatch, tmp_path, result):
     seen = {}
@@ -61,8 +60,7 @@ def test_the_train_hook_reads_rows_and_a_missing_hook_is_a_note(monkeypatch, tmp
     monkeypatch.setitem(sys.modules, "benchmarks.edge_cpp", None)  # import fails: as without the module
     monkeypatch.setitem(sys.modules, "benchmarks.edge_train_formats", None)
     section = Section("edge")
-    hooks = {"cpp": None, "train": {"rows": [{"format": "train.pt2", "ms_per_step": 400.0},
-                                             {"format": "train.torchscript.pt", "ms_per_step": 480.0}]},
+    hooks = {"cpp": None, "train": {"batch": 8, "pt2_ms": 400.0, "torchscript_ms": 480.0, "ratio": 1.2},
              "train_batch": 8, "notes": [], "reference_top1": None}
     hooks["notes"] = edge_hooks.measure(tmp_path, tmp_path, "fedmvp-tiny", 4, 1, [1, 8], 3, None)["notes"][:1]
     edge_hooks.apply(section, hooks, MS, [1, 8])
