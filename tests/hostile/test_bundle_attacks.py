@@ -59,11 +59,18 @@ def _manifest(root: Path, change: Callable[[dict], None]) -> None:
 
 # ---- 1: the manifest names files outside the bundle ------------------------------------------------------
 def _listed(name: str, target: Callable[[Path], Path], role: str | None = None) -> Setup:
-    """The manifest lists ``name`` (hashed as ``target`` is, so the hashes would match), maybe for ``role``."""
+    """The manifest lists ``name`` (hashed as ``target`` is, so the hashes would match), maybe for ``role``;
+    consistently, as an attacker who writes the manifest would (its ``requires`` row names the file too)."""
     def setup(root: Path) -> None:
         entry = _sha(target(root))
-        _manifest(root, lambda m: (m["files"].__setitem__(name, entry),
-                                   role and m["files_by_role"].__setitem__(role, name)))
+
+        def edit(m: dict) -> None:
+            m["files"][name] = entry
+            if role:
+                m["files_by_role"][role] = name
+                if role in m.get("requires", {}):
+                    m["requires"][role]["file"] = name
+        _manifest(root, edit)
     return setup
 
 
