@@ -13,6 +13,7 @@ and its code may define no ``__setstate__``/``__getstate__``; after loading, the
 from __future__ import annotations
 
 import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,25 @@ def _entry_problem(info: zipfile.ZipInfo, prefix: str, seen: set[str]) -> str | 
     if info.compress_type == zipfile.ZIP_DEFLATED and info.file_size > _MAX_RATIO * max(info.compress_size, 1):
         return f"{entry} would inflate {info.compress_size} bytes to {info.file_size} (a zip bomb)"
     return None
+
+
+def load_checked(path: Path, kind: str = "inference") -> Any:
+    """The TorchScript module at ``path``, loaded only after its archive passed ``check_archive`` and run only
+    after it passed ``check_module``: the one way the device loads a bundle's TorchScript (``kind``: inference
+    or training). torch.jit is deprecated since torch 2.14 but is the artifact's format: its warning is quiet."""
+    import torch
+
+    check_archive(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            module = torch.jit.load(str(path), map_location="cpu")
+        except Exception as err:  # noqa: BLE001 - torch raises many kinds for a bad archive
+            raise fail(path, f"cannot load the TorchScript {kind} module with torch {torch.__version__} "
+                             f"({' '.join(str(err).split())[:300]})") from None
+    check_module(path, module, kind)
+    return module
 
 
 def check_module(path: Path, module: Any, kind: str = "inference") -> None:

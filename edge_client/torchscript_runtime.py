@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -23,7 +22,7 @@ from fedmvp_formats.bundle_manifest import TORCHSCRIPT_ROLE
 
 from edge_client.bundle import Bundle
 from edge_client.module_io import ModuleIO, ModuleRuntime, engine_section, why_not_offered
-from edge_client.torchscript_check import check_archive, check_module
+from edge_client.torchscript_check import load_checked
 
 
 def not_offered(bundle: Bundle) -> str | None:
@@ -40,13 +39,7 @@ class TorchScriptEngine:
     def __init__(self, bundle: Bundle, threads: int | None = None,
                  initializers: Mapping[str, np.ndarray] | None = None) -> None:
         torch, section = engine_section(bundle, TORCHSCRIPT_ROLE, not_offered(bundle), threads)
-        with warnings.catch_warnings():  # torch.jit is deprecated (torch 2.14) but is the artifact's format
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            path = bundle.file(TORCHSCRIPT_ROLE)
-            check_archive(path)  # before torch reads it: only a traced module's entries, no load hooks
-            self._module = torch.jit.load(str(path), map_location="cpu").eval()
-            check_module(path, self._module)  # before it runs: forward alone, known operators alone
+        self._module = load_checked(bundle.file(TORCHSCRIPT_ROLE)).eval()  # archive and operators checked
         self._torch = torch
         self.device = "TorchScript CPU"
         self._io = ModuleIO(bundle, section, initializers)

@@ -12,13 +12,12 @@ a constrained GPU, not correctness. Needs torch; imported only when training.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from fedmvp_formats.bundle_manifest import TORCHSCRIPT_TRAINING_ROLE
 
 from edge_client.bundle import Bundle, BundleError
-from edge_client.torchscript_check import check_archive, check_module
+from edge_client.torchscript_check import load_checked
 
 _RUNNERS: dict[str, ScriptRunner] = {}
 
@@ -30,7 +29,6 @@ def has_module(bundle: Bundle) -> bool:
 
 def load_script_runner(bundle: Bundle) -> ScriptRunner:
     """The bundle's TorchScript training module as a `ScriptRunner` (checked, loaded once per file hash)."""
-    import torch
 
     if not has_module(bundle):
         raise BundleError(f"{bundle.path}: the bundle carries no TorchScript training module "
@@ -39,16 +37,7 @@ def load_script_runner(bundle: Bundle) -> ScriptRunner:
     path = bundle.file(TORCHSCRIPT_TRAINING_ROLE)
     key = bundle.manifest["files"][path.name]["sha256"]  # read_bundle verified it
     if key not in _RUNNERS:
-        check_archive(path)  # before torch reads it: a traced module's entries, no load hooks
-        with warnings.catch_warnings():  # torch.jit is deprecated (torch 2.14) but is the artifact's format
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            try:
-                module = torch.jit.load(str(path), map_location="cpu")
-            except Exception as err:  # noqa: BLE001 - torch raises many kinds for a bad archive
-                raise BundleError(f"{path}: cannot load the TorchScript training module with torch "
-                                  f"{torch.__version__} ({' '.join(str(err).split())[:300]})") from None
-        check_module(path, module, "training")  # before it runs: forward alone, known operators alone
+        module = load_checked(path, "training")  # archive and operators checked before it loads / runs
         _RUNNERS.clear()  # one module per process, as for train.pt2
         _RUNNERS[key] = ScriptRunner(module, list(section["lora_inputs"]), list(section.get("weight_inputs") or []))
     return _RUNNERS[key]
