@@ -79,7 +79,12 @@ def choose(bundle: Bundle, runtime: str = DEFAULT_RUNTIME, precision: str = "aut
     if len(found) == 1:
         only = found[0]
         how = "named" if runtime != "auto" and precision != "auto" else "only"
-        reason = "" if how == "named" else f" (the only one offered here{': ' + '; '.join(notes) if notes else ''})"
+        if how == "named":
+            reason = ""
+        elif runtime != "auto":  # the runtime was named; of its precisions, one is offered
+            reason = " (named; its only precision offered here)"
+        else:
+            reason = f" (the only one offered here{': ' + '; '.join(notes) if notes else ''})"
         return Choice(only, how, f"runtime: {only.describe()}{reason}", skipped=skipped)
     if DEFAULT_RUNTIME in skipped:  # auto's reference is the bundle as exported on ONNX Runtime
         raise ProviderError(f"auto verifies against ONNX Runtime, which cannot run this bundle here "

@@ -55,6 +55,7 @@ def test_infer_by_name_matches_ort(ts_bundle, data_root):
     out, lines = _infer(ts_bundle, data_root, "--runtime", "torchscript", "--bundle-lora")
     assert out.exit_code == 0, out.output
     assert "runtime: torchscript fp32" in out.stderr and {line["runtime"] for line in lines} == {"torchscript"}
+    assert "only one offered" not in out.stderr  # named: ONNX Runtime is offered too, the line must not say otherwise
     _, ort = _infer(ts_bundle, data_root, "--runtime", "ort", "--bundle-lora")
     assert [line["top_k"][0]["class"] for line in lines] == [line["top_k"][0]["class"] for line in ort]
     assert len(lines) == len(ort) > 0
