@@ -10,7 +10,7 @@ ratios and goals below stay in the table as not measured):
   ``cpp_libtorch_vs_ort_fp32_bN`` (ORT ms / C++ ms), ``cpp_libtorch_check_top1_agreement``; goal
   "C++ agrees with ORT image for image". Timed in its own process, so not interleaved with the others.
 - ``benchmarks.edge_train_formats.train_step_rows(bundle, batch, repeats) -> dict``: one LoRA step through
-  train.pt2 and through train.torchscript.pt on a training bundle exported with TorchScript. Read from
+  train.pt2 and through train.torchscript.pt on the table's bundle (edge_models.build exports it trainable with TorchScript), else one exported for it. Read from
   the dict: ``pt2_ms`` and ``torchscript_ms`` (median ms per step). Rows ``lora_step_pt2`` / ``lora_step_torchscript``; ratio
   ``lora_step_torchscript_time_vs_pt2_bN`` (TorchScript ms / pt2 ms); goal "LoRA step through
   TorchScript within 1.3x of train.pt2".
@@ -18,6 +18,7 @@ ratios and goals below stay in the table as not measured):
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,11 @@ def measure(bundle: Path, work: Path, name: str, classes: int, attributes: int, 
     else:
         from benchmarks.edge_models import random_bundle
 
-        try:  # a training bundle: the inference bundle of the table carries no training program
-            trainable = random_bundle(work / "train", name, classes, attributes, training=True, torchscript=True)
+        try:  # the table's bundle where it carries both training files (edge_models.build), else one exported here
+            manifest = json.loads((Path(bundle) / "manifest.json").read_text())
+            roles = manifest.get("files_by_role", {})
+            trainable = bundle if {"training", "torchscript_training"} <= set(roles) else \
+                random_bundle(work / "train", name, classes, attributes, training=True, torchscript=True)
             out["train"] = train_step_rows(trainable, batches[-1], repeats)
         except Exception as err:  # noqa: BLE001
             out["notes"].append(f"LoRA step rows (train.pt2 vs TorchScript): {_short(err)}")

@@ -130,6 +130,7 @@ def test_edge_and_prompts_quick_sections_measure_every_runtime():
     steps = {r["runtime"]: r["ms_per_step"] for r in section.rows if r["runtime"].startswith("lora_step_")}
     assert set(steps) == {"lora_step_pt2", "lora_step_torchscript"} and all(v > 0 for v in steps.values())
     assert section.ratios["lora_step_torchscript_time_vs_pt2_b2"] > 0
+    assert section.config["build_seconds"]["export_training"] > 0  # the steps ran on the table's own bundle
     if any(r["runtime"] == "cpp_libtorch" for r in section.rows):  # where a compiler and libjpeg/libpng exist
         assert section.ratios["cpp_libtorch_check_top1_agreement"] == 1.0
         assert section.ratios["cpp_libtorch_vs_ort_fp32_b2"] > 0
