@@ -10,8 +10,9 @@ ratios and goals below stay in the table as not measured):
   ``cpp_libtorch_vs_ort_fp32_bN`` (ORT ms / C++ ms), ``cpp_libtorch_check_top1_agreement``; goal
   "C++ agrees with ORT image for image". Timed in its own process, so not interleaved with the others.
 - ``benchmarks.edge_train_formats.train_step_rows(bundle, batch, repeats) -> dict``: one LoRA step through
-  train.pt2 and through train.torchscript.pt on the table's bundle (edge_models.build exports it trainable with TorchScript), else one exported for it. Read from
-  the dict: ``pt2_ms`` and ``torchscript_ms`` (median ms per step). Rows ``lora_step_pt2`` / ``lora_step_torchscript``; ratio
+  train.pt2 and through train.torchscript.pt on the table's bundle (edge_models.build exports it trainable
+  with TorchScript), else on one exported for it. Read from the dict: ``pt2_ms`` and ``torchscript_ms``
+  (median ms per step). Rows ``lora_step_pt2`` / ``lora_step_torchscript``; ratio
   ``lora_step_torchscript_time_vs_pt2_bN`` (TorchScript ms / pt2 ms); goal "LoRA step through
   TorchScript within 1.3x of train.pt2".
 """
