@@ -73,6 +73,9 @@ class Aggregate:
     weights: list[dict[str, Any]]
     privacy: dict[str, Any] | None = None
     clipped: list[float | None] = field(default_factory=list)  # per update: its LoRA delta's norm when clipped
+    # per update the rule did not take whole (robust rules: docs/howto/robust.md): its index in the updates,
+    # "action" ("dropped", "down-weighted", "clipped"), "reason" (one line) and "weight" (as in ``weights``)
+    screened: list[dict[str, Any]] = field(default_factory=list)
 
 
 def apply_updates(theta: Mapping[str, np.ndarray], updates: Sequence[Update], *, server_lr: float = 1.0,

@@ -216,7 +216,8 @@ class BufferedStrategy(FedMVPStrategy):
         taken.sort(key=lambda c: (c.base, c.bundle_id, c.node))
         charged = self.writer.charge(1.0, version + 1)  # devices are not sampled by the server: q = 1
         step = self.writer.apply(f"version {version + 1}", state, [
-            Update(c.arrays, c.examples, c.staleness, self.bases[c.base]) for c in taken])
+            Update(c.arrays, c.examples, c.staleness, self.bases[c.base]) for c in taken],
+            [(c.node, schema.EDGE) for c in taken])
         new = {**state, **step.tensors}
         total = sum(c.examples for c in taken)
         summary = {"train-loss": sum(c.loss * c.examples for c in taken) / total, "train-ce": float("nan"),
@@ -227,7 +228,8 @@ class BufferedStrategy(FedMVPStrategy):
             [(c.node, schema.EDGE, None, list(c.arrays)) for c in taken])
         record = self._record(version + 1, summary, released, replies=[
             {"node": c.node, "role": schema.EDGE, "examples": c.examples, "loss": c.loss, "bundle_id": c.bundle_id,
-             "base": c.base, **weight} for c, weight in zip(taken, step.weights)])
+             "base": c.base, **weight} for c, weight in zip(taken, step.weights)],
+            screened=self.writer.screened(step))
         record.timed_out, record.seconds = list(self.timed_out), time.monotonic() - self.began
         self.rejected, self.timed_out = [], []
         self.global_state = new

@@ -180,7 +180,8 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
     spent = writer.charge(INGEST_SAMPLING_RATE, base + 1)
     updates = [Update(v.arrays, int(v.num_examples), base - int(v.bundle_round),
                       None if v.bundle_round == base else bases(int(v.bundle_round))) for v in accepted]
-    step = writer.apply(f"round {base + 1}", lora, updates)
+    # an update file has no node id: its screened entries name the file, as its "ingest" entry does
+    step = writer.apply(f"round {base + 1}", lora, updates, [(v.file, "edge") for v in accepted])
     for verdict, weight, clipped in zip(accepted, step.weights, step.clipped):
         verdict.staleness, verdict.s, verdict.weight = weight["staleness"], weight["s"], weight["weight"]
         verdict.clipped_from = verdict.clipped_from if clipped is None else clipped
@@ -196,7 +197,8 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
     record = RoundRecord(result.round, row, carried=carried, seconds=time.monotonic() - began,
                          ingest={"source": SOURCE, "ingested_onto": base, "ingest_rules": rules.server.subset(
                              INGEST_RULES), "ingest": [v.record() for v in verdicts]},
-                         privacy=writer.released(spent, step, result.round, None).get("privacy"))
+                         privacy=writer.released(spent, step, result.round, None).get("privacy"),
+                         screened=writer.screened(step))
     writer.save(record, {**checkpoint.tensors, **to_torch_state(step.tensors)}, replace=False)
     return result
 

@@ -5,7 +5,8 @@ files), a round is written the same way: the updates are checked (every tensor f
 the tensor it updates), the round is charged to the privacy budget (``privacy_budget.charge``; past
 ``max_epsilon`` nothing is written), the run's update rule (``update_rules``: [server] update_rule) is
 applied, the result must be finite, the round is summarised into one `RoundRecord` (its ``to_json`` is
-the round's state.json) and saved whole (``RunDir.save_checkpoint``, atomic), then its metrics row is
+the round's state.json; a rule other than fedavg adds ``screened``: the updates it did not take whole, with one
+log line per round) and saved whole (``RunDir.save_checkpoint``, atomic), then its metrics row is
 appended and the progress shown. docs/method.md §6 (the rule), docs/howto/privacy.md (the charge).
 """
 
@@ -14,16 +15,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from logging import INFO
 from typing import Any
 
 import numpy as np
+from flwr.supercore import log
 
 from fedmvp_formats.privacy import PrivacyRecord
 
 from fedmvp.federated.aggregate import Aggregate, Update
 from fedmvp.federated.privacy_budget import BudgetExceeded, Event, charge
 from fedmvp.federated.private_rounds import Draw, release
-from fedmvp.federated.update_rules import update_rule
+from fedmvp.federated.robust_rules import privacy_problem
+from fedmvp.federated.update_rules import DEFAULT_RULE, takes_server, update_rule
 from fedmvp.presets.server import ServerSpec
 
 
@@ -54,6 +58,8 @@ class RoundRecord:
     seconds: float = 0.0  # wall-clock seconds the round took (training, checks and the update rule)
     carried: dict[str, Any] | None = None  # an ingested round: its base round's state.json, keys in place
     ingest: dict[str, Any] | None = None  # an ingested round: source, ingested_onto, ingest_rules, ingest
+    screened: list[dict] | None = None  # a rule other than fedavg: per update not taken whole, node, role, action,
+    # reason, weight (docs/howto/robust.md); None: the key is not written (fedavg's record is unchanged)
 
     def to_json(self) -> dict[str, Any]:
         if self.carried is not None:  # `fedmvp ingest`: the base round's record with this round's parts
@@ -66,6 +72,8 @@ class RoundRecord:
             out["privacy"] = self.privacy
         if self.not_private is not None:
             out["not_private"] = self.not_private
+        if self.screened is not None:
+            out["screened"] = list(self.screened)
         return {**out, "timed_out": list(self.timed_out), "seconds": self.seconds}
 
 
@@ -115,6 +123,10 @@ class RoundWriter:
             self.rule = update_rule(self.server.update_rule)
         except ValueError as err:  # a rule this fedmvp does not know (a run of a newer one, a typo)
             raise fail(str(err)) from None
+        problem = privacy_problem(self.server.update_rule, privacy)  # a run record edited after the preset check
+        if problem is not None:
+            raise fail(problem)
+        self.rule_options = {"server": self.server} if takes_server(self.rule) else {}
 
     def charge(self, rate: float, round_number: int) -> dict[str, Any] | None:
         """The round's privacy record at sampling rate ``rate`` (None: no [privacy]); past max_epsilon the
@@ -126,9 +138,11 @@ class RoundWriter:
         except BudgetExceeded as err:
             raise self.fail(str(err)) from None
 
-    def apply(self, label: str, theta: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Aggregate:
+    def apply(self, label: str, theta: Mapping[str, np.ndarray], updates: Sequence[Update],
+              senders: Sequence[tuple[Any, str]] = ()) -> Aggregate:
         """The update rule over checked ``updates`` applied to ``theta``; ``label`` ("round 3") names the
-        round in a failure. A non-finite result is never published: the run stops."""
+        round in a failure and its screening line. ``senders``: per update its node (an update file: its
+        name) and role, which name the rule's ``screened`` entries. A non-finite result is never published."""
         for i, update in enumerate(updates):
             base = update.base if update.base is not None else theta
             for key, value in update.arrays.items():
@@ -138,11 +152,18 @@ class RoundWriter:
                 if not np.all(np.isfinite(value)):
                     raise self.fail(f"{label}: update {i} holds NaN or infinite values in {key}")
         step = self.rule(theta, updates, server_lr=self.server.server_lr, exponent=self.server.staleness_exponent,
-                         privacy=self.privacy)
+                         privacy=self.privacy, **self.rule_options)
         bad = next((k for k, v in step.tensors.items() if not np.all(np.isfinite(v))), None)
         if bad is not None:  # never publish (or train on) a NaN global state
             raise self.fail(f"{label}: the averaged tensor {bad} holds NaN or infinite values; the run stops")
+        if self.server.update_rule != DEFAULT_RULE:
+            step.screened = [_named(entry, senders) for entry in step.screened]
+            log(INFO, "%s", screening_line(label, self.server.update_rule, step.screened, len(updates)))
         return step
+
+    def screened(self, step: Aggregate) -> list[dict] | None:
+        """The round record's ``screened`` (None under fedavg: its record keeps its keys)."""
+        return None if self.server.update_rule == DEFAULT_RULE else list(step.screened)
 
     def released(self, charged: dict[str, Any] | None, step: Aggregate, round_number: int, draw: Draw | None,
                  contents: Sequence[tuple[int | None, str, int | None, Collection[str]]] = ()) -> dict[str, Any]:
@@ -169,6 +190,24 @@ class RoundWriter:
             plot(self.run)
         if self.progress is not None:
             self.progress(record)
+
+
+def _named(entry: dict[str, Any], senders: Sequence[tuple[Any, str]]) -> dict[str, Any]:
+    """A rule's screened entry (``update``: an index) as state.json keeps it: node, role, action, reason, weight."""
+    if "update" not in entry:
+        return entry
+    node, role = senders[entry["update"]] if entry["update"] < len(senders) else (entry["update"], None)
+    return {"node": node, "role": role, "action": entry["action"], "reason": entry["reason"],
+            "weight": entry["weight"]}
+
+
+def screening_line(label: str, rule: str, screened: Sequence[dict[str, Any]], count: int) -> str:
+    """The round's one line: the update the rule weighed least, and how many more it screened."""
+    if not screened:
+        return f"{label}: update rule {rule} took all {count} updates whole"
+    worst = min(screened, key=lambda e: (e["weight"], str(e["node"])))
+    more = f"; {len(screened) - 1} more screened (state.json 'screened')" if len(screened) > 1 else ""
+    return f"{label}: update rule {rule} {worst['action']} node {worst['node']} ({worst['reason']}){more}"
 
 
 def finite_loss(label: str, loss: float) -> None:

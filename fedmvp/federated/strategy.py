@@ -284,7 +284,8 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
             self.charge_privacy(round_number)
         # every reply of a synchronous round is fresh: t = 0, its base the global state
         step = self.writer.apply(f"round {round_number}", self.global_state,
-                                 [Update(v.arrays, int(m[schema.NUM_EXAMPLES])) for _, v, m, _ in contents])
+                                 [Update(v.arrays, int(m[schema.NUM_EXAMPLES])) for _, v, m, _ in contents],
+                                 [(node, v.role) for node, v, _, _ in contents])
         self.global_state = {**self.global_state, **step.tensors}
         for _, verdict, metrics, _ in contents:
             if verdict.role == schema.SITE and int(metrics.get(schema.SWITCH_NEXT, 0)):
@@ -299,7 +300,8 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
         self.charged = None
         self.written = self._record(round_number, summary, released, sites=[
             v.site for _, v, _, _ in contents if v.role == "site"], replies=[
-            reply_record(node, v, m, i, w) for (node, v, m, i), w in zip(contents, step.weights)])
+            reply_record(node, v, m, i, w) for (node, v, m, i), w in zip(contents, step.weights)],
+            screened=self.writer.screened(step))
         return array_record(self.global_state), MetricRecord({k: v for k, v in summary.items()
                                                               if isinstance(v, (int, float))})
 

@@ -282,6 +282,7 @@ def _check_values(preset: Preset, err: Any) -> None:
     problem = preset.privacy.problem() if preset.privacy is not None else None  # fedmvp_formats/privacy.py
     if problem:
         raise err(f"[privacy]: {problem}")
+    _check_update_rule(preset, err)
     if not 0 < t.fraction_fit <= 1:
         raise err(f"[train]: fraction_fit must be in (0, 1], got {t.fraction_fit}")
     if preset.federation is not None:
@@ -321,6 +322,21 @@ def _check_values(preset: Preset, err: Any) -> None:
                 raise err(f"{where}: dirichlet_alpha must be > 0, needs num_clients and excludes clients")
         if d.clients is not None and (d.num_clients is not None or d.classes_per_client is not None):
             raise err(f"{where}: clients lists exclude num_clients and classes_per_client")
+
+
+def _check_update_rule(preset: Preset, err: Any) -> None:
+    """[server] update_rule names a registered rule, and not one refused with the [privacy] mode
+    (docs/howto/robust.md): one line each, at preset load rather than at the first round."""
+    from fedmvp.federated.robust_rules import privacy_problem
+    from fedmvp.federated.update_rules import update_rule
+
+    try:
+        update_rule(preset.server.update_rule)
+    except ValueError as exc:
+        raise err(str(exc)) from None
+    problem = privacy_problem(preset.server.update_rule, preset.privacy)
+    if problem:
+        raise err(problem)
 
 
 def _layout_problem(d: DatasetSpec) -> str | None:

@@ -61,9 +61,21 @@ class ServerSpec(Record):
                                    "train asynchronously and a version is written every buffer_size updates "
                                    "(FedBuff; `fedmvp serve` only)", OneOf(MODES))
     update_rule: str = record_field("fedavg", "the server's update rule by name (fedmvp/federated/update_rules.py): "
-                                              "'fedavg', the staleness-weighted FedAvg of the updates' deltas")
+                                              "'fedavg', the staleness-weighted FedAvg of the updates' deltas; "
+                                              "robust rules (docs/howto/robust.md): 'norm_clip', 'trimmed_mean', "
+                                              "'median', 'multi_krum' (refused with [privacy] mode = 'central')")
     concurrency: int = record_field(4, "mode = 'buffered': edge devices kept training at once")
     buffer_size: int = record_field(2, "mode = 'buffered': accepted device updates that make the next version")
+    # -- the robust update rules' keys (fedmvp/federated/robust_rules.py, docs/howto/robust.md)
+    robust_clip_factor: float = record_field(2.0, "update_rule = 'norm_clip': each (staleness-discounted) delta is "
+                                                "clipped to this times the median of the round's delta norms",
+                                             _POSITIVE)
+    trim_fraction: float = record_field(0.1, "update_rule = 'trimmed_mean': the share of the updates dropped at each "
+                                           "end per coordinate (at least 1 when > 0 and 3 or more updates)",
+                                        Bound(0, 0.5, below=True, shows=str))
+    assumed_malicious: int = record_field(1, "update_rule = 'multi_krum': f, the attackers assumed among a round's "
+                                           "n updates; the n - f with the lowest Krum scores are averaged (its "
+                                           "guarantee needs n >= 2 f + 3)", Bound(0))
 
     @classmethod
     def cross_problem(cls, values: Mapping[str, Any]) -> str | None:
