@@ -220,8 +220,8 @@ def multi_krum(theta: Mapping[str, np.ndarray], updates: Sequence[Update], *, se
     middle = float(np.median(scores))
     for i in range(len(updates)):
         if not kept[i]:
-            ratio = f"{scores[i] / middle:.1f}x the median" if middle > 0 else "the median is 0"
-            _screen(out, i, "dropped", f"Krum score {scores[i]:.1e}, {ratio} (assumed_malicious {f})")
+            ratio = f"{scores[i] / middle:.3g}x the median" if middle > 0 else "the median is 0"
+            _screen(out, i, "dropped", f"Krum score {scores[i]:.2g}, {ratio}; assumed_malicious {f}")
     return out
 
 
