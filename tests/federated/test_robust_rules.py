@@ -93,7 +93,7 @@ def ref_multi_krum(theta, updates, a, eta, f):
 
 
 REFERENCES = {"norm_clip": (ref_norm_clip, "robust_clip_factor", (2.0, 1.0, 0.5)),
-              "trimmed_mean": (ref_trimmed_mean, "trim_fraction", (0.0, 0.2, 0.4)),
+              "trimmed_mean": (ref_trimmed_mean, "trim_fraction", (0.2, 0.4, 0.0)),
               "median": (ref_median, None, (None,)),
               "multi_krum": (ref_multi_krum, "assumed_malicious", (1, 2, 3))}
 
