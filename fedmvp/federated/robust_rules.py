@@ -221,7 +221,7 @@ def multi_krum(theta: Mapping[str, np.ndarray], updates: Sequence[Update], *, se
     for i in range(len(updates)):
         if not kept[i]:
             ratio = f"{scores[i] / middle:.3g}x the median" if middle > 0 else "the median is 0"
-            _screen(out, i, "dropped", f"Krum score {scores[i]:.2g}, {ratio}; assumed_malicious {f}")
+            _screen(out, i, "dropped", f"Krum score {scores[i]:.2e}, {ratio}; assumed_malicious {f}")
     return out
 
 

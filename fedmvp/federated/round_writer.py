@@ -206,8 +206,9 @@ def screening_line(label: str, rule: str, screened: Sequence[dict[str, Any]], co
     if not screened:
         return f"{label}: update rule {rule} took all {count} updates whole"
     worst = min(screened, key=lambda e: (e["weight"], str(e["node"])))
+    node = str(worst["node"]) if str(worst["node"]).isprintable() else repr(worst["node"])  # a file's name: one line
     more = f"; {len(screened) - 1} more screened (state.json 'screened')" if len(screened) > 1 else ""
-    return f"{label}: update rule {rule} {worst['action']} node {worst['node']} ({worst['reason']}){more}"
+    return f"{label}: update rule {rule} {worst['action']} node {node} ({worst['reason']}){more}"
 
 
 def finite_loss(label: str, loss: float) -> None:

@@ -35,7 +35,8 @@ def ingest(run_dir: str, updates: tuple[str, ...], max_staleness: int | None, wa
     accepted before. Each accepted file is a delta against the LoRA of its bundle's round;
     round R+1's LoRA is round R's plus [server] server_lr times the example-weighted mean
     of those deltas, each discounted by s(t) = (1+t)^-staleness_exponent for a bundle t
-    rounds behind R (every file fresh: FedAvg, as before). Under [privacy] the round's
+    rounds behind R (every file fresh: FedAvg, as before); a robust [server] update_rule
+    replaces that mean (docs/howto/robust.md). Under [privacy] the round's
     epsilon is charged first; a round past max_epsilon is refused (exit 2). Round R's
     other tensors stay unchanged; a rejected file changes nothing. It never overlaps another writer of the run
     (another ingest, a live `fedmvp train` or Flower server): it exits 2 naming the holder

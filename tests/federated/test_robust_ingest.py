@@ -9,6 +9,8 @@ combinations docs/howto/robust.md refuses are one line at preset load and at ing
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -97,6 +99,25 @@ def test_fedavg_is_apply_updates_bit_for_bit_and_writes_no_screened_key(run, tmp
     after = lora_of(run, 3)
     assert all(np.array_equal(after[k], expected[k]) for k in theta)
     assert "screened" not in RunDir(run).load_checkpoint(3).state
+
+
+@pytest.mark.processes
+def test_the_cli_says_one_line_per_round_and_its_json_stays_clean(run, tmp_path):
+    """`fedmvp ingest --json` as a real process: stdout is the JSON report, stderr the round's one line."""
+    import json
+    import subprocess
+
+    from tests.federated.processes import ENV, FEDMVP
+
+    configure(run, {**SERVER, "max_staleness": 3, "update_rule": "multi_krum", "assumed_malicious": 1})
+    files, _, _ = _files(run, tmp_path)
+    done = subprocess.run([*FEDMVP, "ingest", "--run", str(run), "--json", *map(str, files)], capture_output=True,
+                          text=True, timeout=300, env=ENV, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["round"] == 3
+    lines = [line for line in done.stderr.splitlines() if "update rule" in line]
+    assert len(lines) == 1 and f"round 3: update rule multi_krum dropped node {files[5]} (Krum score" in lines[0]
+    assert RunDir(run).load_checkpoint(3).state["screened"][0]["node"] == str(files[5])
 
 
 @pytest.mark.parametrize("name", ["norm_clip", "trimmed_mean", "median", "multi_krum"])

@@ -194,6 +194,8 @@ def test_the_round_line_names_the_least_weighed_update():
     assert screening_line("round 3", "multi_krum", screened, 5) == \
         "round 3: update rule multi_krum dropped node 123 (Krum score 4.2e+01); 1 more screened (state.json 'screened')"
     assert screening_line("round 3", "median", [], 4) == "round 3: update rule median took all 4 updates whole"
+    odd = [{**screened[1], "node": "u\n1.st"}]  # a file name with a newline stays one line
+    assert screening_line("round 3", "multi_krum", odd, 5).count("\n") == 0
 
 
 def test_an_online_round_records_the_screened_node(caplog):
