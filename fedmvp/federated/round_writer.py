@@ -151,6 +151,9 @@ class RoundWriter:
                                     f"state it updates does not hold")
                 if not np.all(np.isfinite(value)):
                     raise self.fail(f"{label}: update {i} holds NaN or infinite values in {key}")
+        problem = privacy_problem(self.server.update_rule, self.privacy)  # privacy set after construction
+        if problem is not None:
+            raise self.fail(problem)
         step = self.rule(theta, updates, server_lr=self.server.server_lr, exponent=self.server.staleness_exponent,
                          privacy=self.privacy, **self.rule_options)
         bad = next((k for k, v in step.tensors.items() if not np.all(np.isfinite(v))), None)
