@@ -250,3 +250,27 @@ def test_a_buffered_version_records_the_screened_device():
     (record,) = written
     assert [(e["node"], e["role"], e["action"], e["weight"]) for e in record.to_json()["screened"]] == \
         [(9, "edge", "dropped", 0.0)]
+
+
+@pytest.mark.parametrize("name, mode, refused", [("median", "central", True), ("norm_clip", "central", True),
+                                                 ("median", "local", False), ("fedavg", "central", False)])
+def test_the_writer_refuses_a_robust_rule_with_central_privacy(name, mode, refused):
+    """However the privacy settings arrive (the run's record, or set on a strategy after it was built)."""
+    from fedmvp.federated.round_writer import RoundFailed
+    from fedmvp_formats.privacy import PrivacyRecord
+
+    privacy = PrivacyRecord(clip_norm=0.1, mode=mode)
+    line = f"[server] update_rule = {name!r} with [privacy] mode = 'central' is refused"
+    if refused:
+        with pytest.raises(RoundFailed, match=line.replace("[", r"\[").replace("]", r"\]")):
+            RoundWriter(None, ServerSpec(update_rule=name), privacy)
+    else:
+        RoundWriter(None, ServerSpec(update_rule=name), privacy)
+    theta, updates = _world(6)
+    writer = RoundWriter(None, ServerSpec(update_rule=name))
+    writer.privacy = privacy
+    if refused:
+        with pytest.raises(RoundFailed, match="is refused"):
+            writer.apply("round 1", theta, updates)
+    else:
+        writer.apply("round 1", theta, updates)
