@@ -20,9 +20,9 @@ A reply staler than ``max_staleness`` is left out (a line, and the version's ``r
 message changes nothing. ``over_selection`` keeps ``ceil(factor x concurrency)`` devices busy, and a version
 that has gathered for ``round_timeout`` is written with ``min_buffer`` or more updates
 (``dropouts``, docs/howto/buffered.md "Dropouts and over-selection"); each version records its
-``devices``: sent work, replied, taken, stale, timed out. Each version is a checkpoint like a round (atomic, resumable, recorded with every
-reply's base, t, s(t) and weight); a resumed server starts from the last one, and devices that were
-mid-update are simply sent the newest version again.
+``devices``: sent work, replied, taken, stale, timed out. Each version is a checkpoint like a round
+(atomic, resumable, recorded with every reply's base, t, s(t) and weight); a resumed server starts from
+the last one, and devices that were mid-update are simply sent the newest version again.
 
 Only edge devices train here (they train the LoRA alone, so the PromptFormer stays the run's);
 sites keep synchronous rounds (``mode = "sync"``) and evaluate each due version where their data is.

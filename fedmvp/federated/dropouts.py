@@ -56,10 +56,12 @@ class RoundClose:
         self.messages, self.edges = list(messages), set(edges)
         self.wanted, self.needed = wanted, needed
         self.late: list[int] = []
+        self.sent: dict[str, int] | None = None  # message id -> its node, once the messages are pushed
 
     def _node(self, reply: Message) -> int:
-        sent = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in self.messages}
-        return sent.get(reply.metadata.reply_to_message_id, int(reply.metadata.src_node_id))
+        if self.sent is None:
+            self.sent = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in self.messages}
+        return self.sent.get(reply.metadata.reply_to_message_id, int(reply.metadata.src_node_id))
 
     def enough(self, replies: list[Message]) -> bool:
         """Every site's node answered, ``wanted`` devices replied and at least ``needed`` replies came."""
