@@ -15,11 +15,14 @@ step there, each version charged to the budget with q = 1 (devices are not sampl
 as for `fedmvp ingest`). Under ``[privacy]`` a version holds at most one update per device: the noise
 z C / m is calibrated to one device's share C / m, so a fast device that replied again waits, its
 update buffered, until the version is written, and is sent no work meanwhile (docs/howto/privacy.md).
-A reply staler than ``max_staleness`` is left out.
-A device that never answers (killed, offline) is forgotten after ``round_timeout``: its message
-changes nothing. Each version is a checkpoint like a round (atomic, resumable, recorded with every
-reply's base, t, s(t) and weight); a resumed server starts from the last one, and devices that were
-mid-update are simply sent the newest version again.
+A reply staler than ``max_staleness`` is left out (a line, and the version's ``rejected`` and ``devices``
+``stale`` say it). A device that never answers (killed, offline) is forgotten after ``round_timeout``: its
+message changes nothing. ``over_selection`` keeps ``ceil(factor x concurrency)`` devices busy, and a version
+that has gathered for ``round_timeout`` is written with ``min_buffer`` or more updates
+(``dropouts``, docs/howto/buffered.md "Dropouts and over-selection"); each version records its
+``devices``: sent work, replied, taken, stale, timed out. Each version is a checkpoint like a round
+(atomic, resumable, recorded with every reply's base, t, s(t) and weight); a resumed server starts from
+the last one, and devices that were mid-update are simply sent the newest version again.
 
 Only edge devices train here (they train the LoRA alone, so the PromptFormer stays the run's);
 sites keep synchronous rounds (``mode = "sync"``) and evaluate each due version where their data is.
@@ -43,6 +46,7 @@ from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.aggregate import Update
+from fedmvp.federated.dropouts import busy_devices, devices_record
 from fedmvp.federated.grid_poll import SeparatePulls
 from fedmvp.federated.private_rounds import BUFFERED, Draw
 from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
@@ -91,6 +95,8 @@ class BufferedStrategy(FedMVPStrategy):
         self.population = 0  # edge devices connected at the last send (recorded with a private version)
         self.timed_out: list[str] = []  # devices whose message expired since the last version
         self.began = time.monotonic()  # when the version being gathered began
+        self.busy = busy_devices(self.server.concurrency, self.server.over_selection)  # devices kept training
+        self.counts = {"selected": 0, "replied": 0, "stale": 0}  # since the last version (its ``devices``)
 
     # ---- one version's LoRA and who may be sent it ------------------------------------------------------
     def _lora(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -103,7 +109,7 @@ class BufferedStrategy(FedMVPStrategy):
         busy = {p.node for p in self.pending.values()} | self._waiting()
         free = sorted((n for n in self.registry.edges(connected) if n not in busy),
                       key=lambda n: (self.served.get(n, 0), n))
-        room = max(0, self.server.concurrency - len(self.pending))
+        room = max(0, self.busy - len(self.pending))
         self.population = len(self.registry.edges(connected))
         if not free or not room:
             return
@@ -121,6 +127,7 @@ class BufferedStrategy(FedMVPStrategy):
             if message_id:
                 self.pending[message_id] = Pending(node, version, now)
                 self.served[node] = self.served.get(node, 0) + 1
+                self.counts["selected"] += 1
         self.bases.setdefault(version, self._lora(state))
 
     def _waiting(self) -> set[int]:
@@ -136,6 +143,7 @@ class BufferedStrategy(FedMVPStrategy):
         for msg in replies:
             sent = self.pending.pop(msg.metadata.reply_to_message_id, None)
             if sent is not None:
+                self.counts["replied"] += 1
                 self._take(msg, sent, state, version)
         return len(replies)
 
@@ -168,8 +176,8 @@ class BufferedStrategy(FedMVPStrategy):
                                         str(identity.bundle_id or "")))
 
     def _split(self) -> tuple[list[Contribution], list[Contribution]]:
-        """(the next version's ``buffer_size`` updates, the ones that stay buffered): the oldest first, and
-        under [privacy] at most one per device (a second waits for the version after)."""
+        """(the next version's updates, at most ``buffer_size``, the ones that stay buffered): the oldest
+        first, and under [privacy] at most one per device (a second waits for the version after)."""
         taken: list[Contribution] = []
         rest: list[Contribution] = []
         for c in self.buffer:
@@ -183,6 +191,7 @@ class BufferedStrategy(FedMVPStrategy):
         staleness = version - base
         if staleness <= self.server.max_staleness:
             return False
+        self.counts["stale"] += 1
         self._leave_out(version, node, f"based on version {base}, {staleness} versions behind (max_staleness "
                                     f"{self.server.max_staleness})")
         return True
@@ -201,15 +210,25 @@ class BufferedStrategy(FedMVPStrategy):
                 self._leave_out(version, sent.node, f"no reply within round_timeout {self.server.round_timeout:g} s")
 
     # ---- the versions -----------------------------------------------------------------------------------
-    def _write(self, grid: Grid, state: dict[str, np.ndarray], version: int) -> dict[str, np.ndarray]:
-        """The next version from the buffer (``buffer_size`` deltas), written by the run's ``RoundWriter``."""
+    def _due(self) -> int:
+        """Updates the version being gathered is written with now: ``buffer_size`` once that many are
+        buffered; after ``round_timeout`` seconds ``min_buffer`` (``dropouts``); 0: not yet."""
+        if len(self.buffer) >= self.server.buffer_size:
+            return self.server.buffer_size
+        least = self.server.min_buffer
+        waited = time.monotonic() - self.began >= self.server.round_timeout
+        return least if least is not None and waited and len(self.buffer) >= least else 0
+
+    def _write(self, grid: Grid, state: dict[str, np.ndarray], version: int, need: int) -> dict[str, np.ndarray]:
+        """The next version from the buffer (``need`` to ``buffer_size`` deltas), written by the run's
+        ``RoundWriter``."""
         # Staleness is counted when the delta is used: a reply that waited in the buffer got staler.
         self.buffer = [replace(c, staleness=version - c.base) for c in self.buffer
                        if not self._too_stale(c.node, c.base, version)]
-        if len(self.buffer) < self.server.buffer_size:
+        if len(self.buffer) < need:
             return state
         taken, rest = self._split()
-        if len(taken) < self.server.buffer_size:  # [privacy]: too few different devices yet
+        if len(taken) < need:  # [privacy]: too few different devices yet
             return state
         self.buffer = rest
         # Arrival order must not change a bit: the deltas are summed by base version, bundle and node.
@@ -231,12 +250,17 @@ class BufferedStrategy(FedMVPStrategy):
              "base": c.base, **weight} for c, weight in zip(taken, step.weights)],
             screened=self.writer.screened(step))
         record.timed_out, record.seconds = list(self.timed_out), time.monotonic() - self.began
+        record.devices = devices_record(self.counts["selected"], self.server.buffer_size, self.counts["replied"], 0,
+                                        len(self.timed_out), taken=len(taken), stale=self.counts["stale"],
+                                        closed="buffer_size" if need == self.server.buffer_size else "min_buffer")
+        self.counts = dict.fromkeys(self.counts, 0)
         self.rejected, self.timed_out = [], []
         self.global_state = new
         self.close_round(grid, record, new)
         self.began = time.monotonic()
-        log(INFO, "version %s written from %s device updates (staleness %s)", version + 1, len(taken),
-            [c.staleness for c in taken])
+        log(INFO, "version %s written from %s device updates (staleness %s)%s", version + 1, len(taken),
+            [c.staleness for c in taken], "" if need == self.server.buffer_size else
+            f", after round_timeout {self.server.round_timeout:g} s with min_buffer {need}")
         return new
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = None,
@@ -249,7 +273,7 @@ class BufferedStrategy(FedMVPStrategy):
         result = Result(arrays=initial_arrays)
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
-        self.pulls = SeparatePulls(grid, self.server.concurrency)
+        self.pulls = SeparatePulls(grid, self.busy)
         try:
             state = self._versions(grid, initial_arrays, self.round_offset, self.round_offset + num_rounds)
         finally:
@@ -265,8 +289,8 @@ class BufferedStrategy(FedMVPStrategy):
             self._send(grid, state, version)
             arrived = self._receive(grid, state, version)
             self._expire(version)
-            while len(self.buffer) >= self.server.buffer_size and version < total:
-                written = self._write(grid, state, version)
+            while (need := self._due()) and version < total:
+                written = self._write(grid, state, version, need)
                 if written is state:  # stale deltas were dropped: the buffer is short again
                     break
                 state, version = written, version + 1

@@ -22,7 +22,7 @@ import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from fedmvp.scoped import attribute
 
@@ -33,8 +33,10 @@ FIRST_POLL_SECONDS = 0.05
 MAX_POLL_SECONDS = 0.25  # Flower: 3 s
 
 
-def send_and_receive(grid, messages: Iterable, timeout: float | None) -> list:
-    """The replies to ``messages`` that arrived within ``timeout`` seconds (None: until all came)."""
+def send_and_receive(grid, messages: Iterable, timeout: float | None,
+                     enough: Callable[[list], bool] | None = None) -> list:
+    """The replies to ``messages`` that arrived within ``timeout`` seconds (None: until all came), or
+    until ``enough`` of the replies so far says they are enough (an over-selected round: ``dropouts``)."""
     waiting = set(grid.push_messages(messages))
     end = None if timeout is None else time.time() + timeout
     replies: list = []
@@ -44,7 +46,7 @@ def send_and_receive(grid, messages: Iterable, timeout: float | None) -> list:
         replies.extend(pulled)
         waiting.difference_update(msg.metadata.reply_to_message_id for msg in pulled)
         left = None if end is None else end - time.time()
-        if not waiting or (left is not None and left <= 0):
+        if not waiting or (left is not None and left <= 0) or (enough is not None and pulled and enough(replies)):
             break
         time.sleep(pause if left is None else min(pause, left))
         pause = min(pause * 2, MAX_POLL_SECONDS)

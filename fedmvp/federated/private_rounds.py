@@ -37,13 +37,14 @@ class Draw:
 
 
 def draw_edges(privacy: PrivacyRecord | None, fraction: float, pool: Sequence[int], seed: int, round_number: int,
-               attempt: int, tries: int) -> tuple[list[int], Draw]:
+               attempt: int, tries: int, factor: float = 1.0) -> tuple[list[int], Draw]:
     """The round's edge devices out of ``pool``: under ``[privacy]`` with a population large enough,
     Poisson sampling from OS entropy (``tries``/``attempt`` > 0: a draw made again, ``REDRAWN``);
-    otherwise the run's seeded draw of a fixed number (``sampling.sample_edges``)."""
+    otherwise the run's seeded draw of a fixed number (``sampling.sample_edges``), over-selected by
+    ``factor`` ([server] over_selection; a Poisson draw never is: ``dropouts``)."""
     if privacy is not None and poisson_fits(fraction, len(pool)):
         return poisson_edges(fraction, pool), Draw(POISSON if attempt == 0 and tries == 0 else REDRAWN, len(pool))
-    return sample_edges(seed, fraction, pool, round_number, attempt), Draw(FIXED, len(pool))
+    return sample_edges(seed, fraction, pool, round_number, attempt, factor), Draw(FIXED, len(pool))
 
 
 def round_rate(privacy: PrivacyRecord, fraction: float, draw: Draw, lora_sites: Collection[int]) -> float:

@@ -56,6 +56,8 @@ class RoundRecord:
     not_private: str | None = None  # why the round is not differentially private (None: it is, or no [privacy])
     timed_out: list[str] = field(default_factory=list)  # who was sent the round's work and never replied
     seconds: float = 0.0  # wall-clock seconds the round took (training, checks and the update rule)
+    late: list[str] = field(default_factory=list)  # over-selected devices discarded as late (``dropouts``)
+    devices: dict[str, Any] | None = None  # edge devices selected, wanted, replied, late, timed out (None: ingest)
     carried: dict[str, Any] | None = None  # an ingested round: its base round's state.json, keys in place
     ingest: dict[str, Any] | None = None  # an ingested round: source, ingested_onto, ingest_rules, ingest
     screened: list[dict] | None = None  # a rule other than fedavg: per update not taken whole, node, role, action,
@@ -74,7 +76,8 @@ class RoundRecord:
             out["not_private"] = self.not_private
         if self.screened is not None:
             out["screened"] = list(self.screened)
-        return {**out, "timed_out": list(self.timed_out), "seconds": self.seconds}
+        return {**out, "timed_out": list(self.timed_out), "seconds": self.seconds,
+                **({"late": list(self.late), "devices": dict(self.devices)} if self.devices is not None else {})}
 
 
 def _ingest_order(carried: dict[str, Any], ingest: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ charged q = 1.
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
 from collections.abc import Iterable, Sequence
@@ -60,10 +61,23 @@ def sample_among(seed: int, fraction: float, sites: Sequence[int], round_number:
     return sorted(rng.sample(sites, count))
 
 
-def sample_edges(seed: int, fraction: float, edges: Iterable[int], round_number: int, attempt: int) -> list[int]:
-    """The round's edge devices: the same fraction of the connected ones (at least one when any is)."""
+def edge_count(fraction: float, population: int) -> int:
+    """The edge devices a round wants: ``fraction`` of the connected ones (at least one when any is)."""
+    return min(population, max(1, round(fraction * population)))
+
+
+def over_selected(wanted: int, factor: float, available: int) -> int:
+    """Devices sent work for ``wanted`` of them ([server] over_selection, ``dropouts``): ``ceil(factor x
+    wanted)``, at most ``available`` (the product rounded to 9 digits first: 1.3 x 10 is 13, not 14)."""
+    return min(available, math.ceil(round(factor * wanted, 9)))
+
+
+def sample_edges(seed: int, fraction: float, edges: Iterable[int], round_number: int, attempt: int,
+                 factor: float = 1.0) -> list[int]:
+    """The round's edge devices: the same fraction of the connected ones (at least one when any is),
+    over-selected by ``factor`` ([server] over_selection; 1: exactly that many)."""
     edges = sorted(edges)
-    count = min(len(edges), max(1, round(fraction * len(edges))))
+    count = over_selected(edge_count(fraction, len(edges)), factor, len(edges))
     if count >= len(edges):
         return edges
     rng = random.Random(derived_seed(seed, "edges", round_number, attempt))

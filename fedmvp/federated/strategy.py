@@ -43,6 +43,7 @@ from fedmvp_formats.privacy import PrivacyRecord
 from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.aggregate import Update
+from fedmvp.federated.dropouts import RoundClose, wanted_devices
 from fedmvp.federated.flower_log import log_left_out
 from fedmvp.federated.grid_poll import send_and_receive
 from fedmvp.federated.metrics import loss_summary
@@ -94,7 +95,7 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
                                      self.open_sites.registry if self.open_sites is not None else None,
                                      options.site_keys)
         self._sync_sites(force=True)
-        self.asked_edges = 0  # edge devices sent this round's work
+        self.asked_edges, self.sent_edges, self.wanted_edges = 0, [], 0  # edge devices sent work, wanted of them
         self.evaluation: dict[str, Any] = {}  # the last evaluation, None for a metric no site could compute
         self.writer = writer or RoundWriter(None, self.policy.server, options.privacy, options.privacy_events)
         self.charged: dict[str, Any] | None = None  # the round's privacy record once it is charged
@@ -174,9 +175,10 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
             selected = self.selected_clients(round_number)
             sites = self.registry.nodes_of(selected, connected)
             edges, self.draw = draw_edges(self.privacy, self.fraction, self.registry.edges(connected), self.seed,
-                                          round_number, attempt, tries)  # [privacy]: Poisson, OS entropy
+                                          round_number, attempt, tries, server.over_selection)  # [privacy]: Poisson
             tries += 1
-            self.asked_edges = len(edges)
+            self.asked_edges, self.sent_edges = len(edges), edges
+            self.wanted_edges = wanted_devices(self.draw, self.fraction, len(edges))  # over_selection: dropouts
             needed = self.needed_replies(round_number)  # the one rule: min_nodes, at most the nodes asked
             present = len({self.registry.site_of(node) for node in sites}) + len(edges)
             if self.open_sites is not None:  # it samples whoever is there: first min_nodes (one) of them
@@ -349,9 +351,12 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
             left_out: list[dict] = []  # every try's left-out replies: what the failure names
             for attempt in range(self.policy.server.round_retries):
                 messages = self.configure_train(server_round, arrays, ConfigRecord(train_config or {}), grid, attempt)
-                replies = list(send_and_receive(grid, messages, timeout))
+                closing = RoundClose(messages, self.sent_edges, self.wanted_edges, self.needed_replies(round_number))
+                replies = list(send_and_receive(grid, messages, timeout, closing.enough if len(
+                    self.sent_edges) > self.wanted_edges else None))  # over-selected: closes once enough replied
                 self.sent_to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages}
-                aggregated, metrics = self.aggregate_train(server_round, replies)
+                aggregated, metrics = self.aggregate_train(server_round, closing.split(
+                    replies, round_number, self.policy.server.over_selection))
                 if aggregated is not None:
                     result.arrays = arrays = aggregated
                     result.train_metrics_clientapp[server_round] = metrics
@@ -364,7 +369,7 @@ class FedMVPStrategy(NodeEvaluation, Strategy):
                 raise RoundFailed(round_failed(round_number, self.needed_replies(round_number),
                                                self.policy.server.round_retries, left_out))
             record = self.written
-            record.timed_out = self.unanswered(messages, replies)
+            record.timed_out, record.late, record.devices = closing.record(replies, self.unanswered(messages, replies))
             record.seconds = time.monotonic() - began
             self.close_round(grid, record, self.global_state)
             if self.options.due(round_number):

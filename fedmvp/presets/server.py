@@ -76,6 +76,16 @@ class ServerSpec(Record):
     assumed_malicious: int = record_field(1, "update_rule = 'multi_krum': f, the attackers assumed among a round's "
                                            "n updates; the n - f with the lowest Krum scores are averaged (its "
                                            "guarantee needs n >= 2 f + 3)", Bound(0))
+    # Dropouts and over-selection (docs/howto/buffered.md, "Dropouts and over-selection")
+    over_selection: float = record_field(1.0, "edge devices sent work per device wanted (1.3: 130%, as device "
+                                              "fleets over-select for their dropouts): 'sync': ceil(factor x the "
+                                              "round's devices) are sent work, the round closes once the wanted "
+                                              "number replied and later ones are discarded as late; 'buffered': "
+                                              "ceil(factor x concurrency) devices kept busy",
+                                         Bound(1, finite=True, shows=str))
+    min_buffer: int | None = record_field(None, "mode = 'buffered': a version that has gathered for round_timeout "
+                                                "seconds is written with the updates that arrived if there are at "
+                                                "least this many (default: buffer_size, i.e. never early)", Bound(1))
 
     @classmethod
     def cross_problem(cls, values: Mapping[str, Any]) -> str | None:
@@ -83,6 +93,8 @@ class ServerSpec(Record):
         if values["concurrency"] < 1 or values["buffer_size"] < 1:
             return (f"concurrency and buffer_size must be at least 1, got {values['concurrency']} and "
                     f"{values['buffer_size']}")
+        if values["min_buffer"] is not None and values["min_buffer"] > values["buffer_size"]:
+            return f"min_buffer must be at most buffer_size {values['buffer_size']}, got {values['min_buffer']}"
         return None
 
     @classmethod

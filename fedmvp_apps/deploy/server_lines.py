@@ -42,7 +42,8 @@ def who(entry: dict) -> str:
 
 def round_record(state: dict) -> dict[str, Any]:
     """One round as the operator reads it, from its state.json: ``round``, ``total_rounds``, ``replied``,
-    ``left_out`` (who, reason), ``timed_out``, ``train_loss``, ``evaluation`` (None: not evaluated),
+    ``left_out`` (who, reason), ``timed_out``, ``late`` (only where devices were discarded as late),
+    ``train_loss``, ``evaluation`` (None: not evaluated),
     ``seconds`` (None: a round written before they were recorded, or by `fedmvp ingest`)."""
     metrics = state.get("metrics") or {}
     record = {"round": state.get("round"), "total_rounds": state.get("total_rounds"),
@@ -51,6 +52,8 @@ def round_record(state: dict) -> dict[str, Any]:
               "timed_out": [str(name) for name in state.get("timed_out") or []],
               "train_loss": metrics.get("train_loss"), "seconds": state.get("seconds"),
               "evaluation": {key: metrics.get(key) for key, _ in FIGURES if key in metrics} if "hm" in metrics else None}
+    if state.get("late"):  # an over-selected round's devices discarded as late (fedmvp/federated/dropouts.py)
+        record["late"] = [str(name) for name in state["late"]]
     if state.get("source") == "ingest":  # a round of update files, not of replies (fedmvp/federated/ingest.py)
         files = state.get("ingest") or []
         record["ingested"] = [sum(bool(f.get("accepted")) for f in files), len(files)]
@@ -79,7 +82,8 @@ def round_line(record: dict) -> str:
     else:
         left = [f"{e['who']}: {_reason(e['reason'])}" for e in record["left_out"]]
         parts.append(f"replied {len(record['replied'])}{_names(record['replied'])}, left out {len(left)}"
-                     f"{_names(left)}, timed out {len(record['timed_out'])}{_names(record['timed_out'])}")
+                     f"{_names(left)}, timed out {len(record['timed_out'])}{_names(record['timed_out'])}"
+                     + (f", late {len(record['late'])}{_names(record['late'])}" if record.get("late") else ""))
     line = " ".join(parts)
     loss = record.get("train_loss")
     if isinstance(loss, (int, float)):

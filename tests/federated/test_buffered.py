@@ -96,11 +96,17 @@ def test_buffered_versions_fast_devices_never_wait_stale_replies_are_discounted(
     by_examples = {n: name for name, n in EXAMPLES.items()}
     for number, state in versions.items():
         assert len(state["replies"]) == 2 and state["sites"] == []
+        devices = state["devices"]  # what happened to the devices since the version before (dropouts.py)
+        assert (devices["taken"], devices["wanted"], devices["closed"]) == (2, 2, "buffer_size")
+        assert devices["late"] == 0
         total = sum(r["examples"] for r in state["replies"])
         for reply in state["replies"]:
             assert reply["staleness"] == number - 1 - reply["base"] >= 0
             assert reply["s"] == pytest.approx((1 + reply["staleness"]) ** -0.5)
             assert reply["weight"] == pytest.approx(reply["examples"] * reply["s"] / total)
+    # Every update taken was sent and replied to, counted once in a version's ``devices``.
+    assert sum(s["devices"]["selected"] for s in versions.values()) >= 2 * len(versions)
+    assert sum(s["devices"]["replied"] for s in versions.values()) >= 2 * len(versions)
     # The fast devices never waited for C: versions were written while it slept, from A and B (and at
     # most the one reply C had sent before it fell asleep).
     assert len(slept) >= 2

@@ -42,6 +42,10 @@ CASES = {
                  "metrics": {"train_loss": 0.9}},  # docs/tutorials/across-machines.md shows this one
                 "round 1/3: replied 1 (north-ward), left out 1 (south-ward: the client failed: boom), timed out 1 "
                 "(site 2); loss 0.9000; 2.0 s"),
+    "late": ({"round": 2, "total_rounds": 3, "replies": [EDGE], "rejected": [], "timed_out": [], "seconds": 1.0,
+              "late": ["edge node 41", "edge node 42"], "metrics": {"train_loss": 0.7}},  # over_selection
+             "round 2/3: replied 1 (edge node 40), left out 0, timed out 0, late 2 (edge node 41, edge node 42); "
+             "loss 0.7000; 1.0 s"),
     "none": ({"round": 4, "replies": [], "rejected": []},  # a round written before timed_out and seconds
              "round 4: replied 0, left out 0, timed out 0"),
     "ingest": ({"round": 5, "total_rounds": 3, "source": "ingest", "replies": [], "rejected": [],
