@@ -246,7 +246,7 @@ def test_a_buffered_version_records_the_screened_device():
                        for n, d in shifts.items()]
     written = []
     strategy.close_round = lambda grid, record, state: written.append(record)
-    strategy._write(None, {**lora}, 1)  # staleness 1 each: the rule sees s(1) x delta
+    strategy._write(None, {**lora}, 1, server.buffer_size)  # staleness 1 each: the rule sees s(1) x delta
     (record,) = written
     assert [(e["node"], e["role"], e["action"], e["weight"]) for e in record.to_json()["screened"]] == \
         [(9, "edge", "dropped", 0.0)]
