@@ -5,10 +5,14 @@ simulated: any run kind, since only its checkpoints are read) and the central ru
 progress as ONE update, through `fedmvp ingest`, checked as a device's file is. Two steps:
 
 * `region_start`: the region's run is made from the central run's round R: its records (config.json
-  with a run id of its own, the class set, the preset copy) and round R's folder, bit for bit, plus
+  with a run id of its own and a round budget of its own, the class set, the preset copy) and round R's
+  folder, bit for bit, plus
   ``region.json``, the link back (the central run's id, R, the sha256 of R's ``global.safetensors``,
-  R's PromptFormer digest and the central ``edge_max_examples``). A region has its own run id, so its
-  devices' update files can never be mistaken for the central run's.
+  R's PromptFormer digest, the central ``edge_max_examples`` and the region's round budget N). A region
+  has its own run id, so its devices' update files and replies can never be mistaken for the central
+  run's. Its config.json ``rounds`` is R + N: a served run counts rounds (or buffered versions) from 1,
+  so `fedmvp serve` resumed on the region writes rounds R+1..R+N and stops (the central run's own
+  ``rounds`` would leave a region started from a finished central run nothing to serve).
 * `region_update`: the region's last round L against round R. An update file's tensors are values
   whose delta ingest takes against the LoRA of the central round it names (``bundle_round``); the
   region's round R is central round R bit for bit (checked on its sha256), so the file holds round L's
@@ -58,6 +62,7 @@ class RegionLink:
     checkpoint_sha256: str  # of the central round's global.safetensors: the base the region's copy must be
     promptformer_digest: str
     edge_max_examples: int  # the central run's [server] bound when the region started
+    rounds: int | None = None  # the rounds (buffered: versions) the region serves after central_round
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -75,14 +80,19 @@ def _numpy(tensors: dict[str, Any], prefix: str) -> dict[str, np.ndarray]:
     return {k: v.detach().float().cpu().numpy() for k, v in sorted(tensors.items()) if k.startswith(prefix)}
 
 
-def region_start(central: str | Path, out: str | Path, round_number: int | None = None) -> RegionLink:
-    """Make the regional run ``out`` from central round ``round_number`` (default: its last); ``RunError``
-    when the central run or the round is missing, the round holds no LoRA, or ``out`` exists."""
+def region_start(central: str | Path, out: str | Path, round_number: int | None = None,
+                 rounds: int | None = None) -> RegionLink:
+    """Make the regional run ``out`` from central round ``round_number`` (default: its last), to serve
+    ``rounds`` rounds or versions after it (default: the central run's ``rounds``); ``RunError`` when the
+    central run or the round is missing, the round holds no LoRA, ``rounds`` < 1, or ``out`` exists."""
     run, out = RunDir(central), Path(out)
     config = run.read_config()
     base = run.last_round() if round_number is None else round_number
     if base is None or base not in run.rounds():
         raise RunError(f"{run.path}: no complete round{'' if base is None else f' {base}'} to start a region from")
+    budget = int(config.get("rounds") or 1) if rounds is None else rounds
+    if budget < 1:
+        raise RunError(f"{out}: a region serves at least 1 round after round {base}, not {budget}")
     if out.exists() or out.is_symlink():
         raise RunError(f"{out}: exists (a region starts in a new folder)")
     tensors = run.load_checkpoint(base).tensors
@@ -90,13 +100,15 @@ def region_start(central: str | Path, out: str | Path, round_number: int | None 
         raise RunError(f"{run.round_path(base)}: round {base} holds no {LORA_PREFIX}* tensors: an update file "
                        f"carries only the LoRA, so a region has nothing to send")
     link = RegionLink(str(run.path.resolve()), config.get("run_id"), base, _sha256(run.round_weights_path(base)),
-                      promptformer_digest(_numpy(tensors, PROMPTFORMER_PREFIX)), run.server().edge_max_examples)
+                      promptformer_digest(_numpy(tensors, PROMPTFORMER_PREFIX)), run.server().edge_max_examples,
+                      budget)
     with atomic_dir(out) as tmp:
         for name in KEPT_FILES:
             if (run.path / name).is_file():
                 shutil.copy2(run.path / name, tmp / name)
         shutil.copytree(run.round_path(base), tmp / run.round_path(base).name)
-        atomic.write_json(tmp / RUN_CONFIG, {**config, "run_id": uuid.uuid4().hex})  # the region's own id
+        atomic.write_json(tmp / RUN_CONFIG, {**config, "run_id": uuid.uuid4().hex,  # the region's own id
+                                             "rounds": base + budget})  # serve resumes after R for N
         atomic.write_json(tmp / REGION_RECORD, link.to_json())
     if _sha256(out / run.round_path(base).relative_to(run.path) / run.ROUND_WEIGHTS) != link.checkpoint_sha256:
         raise RunError(f"{run.round_weights_path(base)}: changed while it was copied; start the region again")
@@ -110,7 +122,8 @@ def read_link(region: RunDir) -> RegionLink:
         raise RunError(f"{path}: missing: not a region (make one with `fedmvp region-start`)")
     try:
         record = read_record(path)
-        link = RegionLink(**{k: record[k] for k in RegionLink.__dataclass_fields__})
+        link = RegionLink(**{k: record[k] for k in RegionLink.__dataclass_fields__ if k != "rounds"},
+                          rounds=record.get("rounds"))
     except (KeyError, TypeError) as err:
         raise RunError(f"{path}: not a region record (lacks {err})") from None
     if not isinstance(link.central_round, int) or isinstance(link.central_round, bool) or link.central_round < 0:

@@ -12,24 +12,29 @@ from fedmvp_apps.cli.common import BadInput, emit_json
               help="The central run directory the region starts from.")
 @click.option("--round", "round_number", type=click.IntRange(min=0), default=None,
               help="The central round to start from (default: its last complete round).")
+@click.option("--rounds", "rounds", type=click.IntRange(min=1), default=None,
+              help="Rounds (buffered: versions) the region serves after that round: its config.json rounds is "
+                   "ROUND + this (default: the central run's rounds).")
 @click.option("--out", required=True, type=click.Path(), help="The region's new run directory (must not exist).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a line.")
-def region_start(central: str, round_number: int | None, out: str, as_json: bool) -> None:
+def region_start(central: str, round_number: int | None, rounds: int | None, out: str, as_json: bool) -> None:
     """Make a regional run from a central run's round.
 
     The region gets the central run's records (config.json with a run id of its own,
     classes.json, preset.toml) and the round's folder bit for bit, plus OUT/region.json:
     the central run's id, the round, the sha256 of its global.safetensors, its PromptFormer
-    digest and the central [server] edge_max_examples. Train the region with any run kind
-    (devices' update files with `fedmvp ingest --run OUT`, a served or buffered federation
-    resumed on OUT); `fedmvp region-update` then turns its progress into one update file
+    digest, the central [server] edge_max_examples and --rounds. Train the region with any
+    run kind: devices' update files with `fedmvp ingest --run OUT`, or a served federation
+    resumed on OUT (`fedmvp serve --config PRESET --run-dir OUT --mode buffered`, PRESET the
+    central run's preset; it writes rounds ROUND+1..ROUND+--rounds, devices join with bundles
+    exported from OUT). `fedmvp region-update` then turns its progress into one update file
     for the central run's `fedmvp ingest`. Exit codes: 0 written, 2 bad input (no central
     run or round, a round without LoRA, OUT exists)."""
     from fedmvp.federated.regions import region_start as start
     from fedmvp.runs import RunError
 
     try:
-        link = start(central, out, round_number)
+        link = start(central, out, round_number, rounds)
     except RunError as err:
         raise BadInput(str(err)) from None
     except OSError as err:
@@ -38,7 +43,8 @@ def region_start(central: str, round_number: int | None, out: str, as_json: bool
         emit_json({"region": out, **link.to_json()})
     else:
         click.echo(f"region {out} starts from round {link.central_round} of {central} "
-                   f"(checkpoint {link.checkpoint_sha256[:12]}); train it, then `fedmvp region-update --run {out}`")
+                   f"(checkpoint {link.checkpoint_sha256[:12]}) for {link.rounds} rounds; train it, then "
+                   f"`fedmvp region-update --run {out}`")
 
 
 @click.command("region-update")

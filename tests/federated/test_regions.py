@@ -108,6 +108,12 @@ def test_a_region_has_its_own_run_id_and_the_central_round_bit_for_bit(central, 
     assert region.rounds() == [2] and region.read_config()["run_id"] not in (None, RUN_ID)
     assert (region.round_weights_path(2).read_bytes() == RunDir(central).round_weights_path(2).read_bytes())
     assert (link.central_run_id, link.edge_max_examples) == (RUN_ID, 100)
+    central_rounds = RunDir(central).read_config()["rounds"]  # default budget: the central run's rounds
+    assert (link.rounds, region.read_config()["rounds"]) == (central_rounds, 2 + central_rounds)
+    assert region_start(central, tmp_path / "r5", 1, rounds=5).rounds == 5  # a served region's own budget
+    assert RunDir(tmp_path / "r5").read_config()["rounds"] == 6  # `fedmvp serve` writes rounds 2..6
+    with pytest.raises(RunError, match="at least 1 round after round 2, not 0"):
+        region_start(central, tmp_path / "r0", rounds=0)
     with pytest.raises(RunError, match="exists"):
         region_start(central, tmp_path / "r")
     with pytest.raises(RunError, match="no complete round 7"):
