@@ -36,7 +36,8 @@ FORMAT_VERSION = 1
 FIELDS: dict[str, str] = {  # metadata key: its meaning
     "format": f"``{FORMAT}``",
     "format_version": f"``{FORMAT_VERSION}``",
-    "bundle_id": "the bundle's id: sha256 of its ``manifest.json`` (which hashes every file)",
+    "bundle_id": "the bundle's id: sha256 of its ``manifest.json`` (which hashes every file); a region's update "
+                 "(``region_run_id``): sha256 of the central round's ``global.safetensors`` it started from",
     "bundle_round": "the federated round the bundle was exported from (empty: none recorded)",
     "run_id": "the run its weights come from: the manifest's ``source.run_id`` (after a refresh from another "
               "run, that run; only when the manifest records one)",
@@ -55,6 +56,9 @@ FIELDS: dict[str, str] = {  # metadata key: its meaning
     "device": "where it trained (``cpu``, ``cuda``)",
     "images_digest": "sha256 of the images it trained on (each image's class and decoded pixels, in no order): "
                      "two updates over the same images count their examples once (`fedmvp ingest`)",
+    "region_run_id": "a region's update (`fedmvp region-update`, docs/howto/regions.md): the regional run whose "
+                     "rounds it sums; ``num_examples`` is then the examples of every device update of those rounds",
+    "region_rounds": "a region's update: JSON ``[first, last]``, the regional rounds it sums",
 }
 REQUIRED = ("format", "format_version", "bundle_id", "bundle_round", "num_examples", "mean_loss", "created")
 INT_FIELDS = ("format_version", "bundle_round", "num_examples", "epochs")

@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "train": "fedmvp_apps.cli.train:train",
     "evaluate": "fedmvp_apps.cli.evaluate:evaluate",
     "ingest": "fedmvp_apps.cli.ingest:ingest",
+    "region-start": "fedmvp_apps.cli.regions:region_start",
+    "region-update": "fedmvp_apps.cli.regions:region_update",
     "attributes": "fedmvp_apps.cli.attributes:attributes",
     "certs": "fedmvp_apps.cli.certs:certs",
     "serve": "fedmvp_apps.cli.serve:serve",

@@ -50,6 +50,21 @@ class Processes:
             assert time.time() < deadline, f"no {what} within {timeout} s\n{self.log(watch)[-3000:]}"
             time.sleep(0.3)
 
+    def start_buffered(self, preset: Path, run: Path, certs: Path, port: int,
+                       devices: dict[str, tuple[Path, Path]]) -> None:
+        """`fedmvp serve --mode buffered` on ``run`` (TLS, any node, 127.0.0.1:``port``), then one
+        `edge-client join` per device name -> (bundle, data), its update files under ROOT/device-NAME/updates."""
+        self.start("serve", ["serve", "--config", str(preset), "--run-dir", str(run), "--certs", str(certs),
+                             "--allow-any-node", "--address", f"127.0.0.1:{port}", "--min-nodes", "1", "--mode",
+                             "buffered", "--json"])
+        self.wait_for("SuperLink", lambda: "SuperLink listening" in self.log("serve"), 60)
+        for name, (bundle, data) in devices.items():
+            self.start(f"edge-{name}", ["--superlink", f"127.0.0.1:{port}", "--bundle", str(bundle), "--data",
+                                        str(data), "--root-certificates", str(certs / "ca.crt"), "--out",
+                                        str(self.root / f"device-{name}" / "updates"), "--epochs", "1", "--lr", "0.01",
+                                        "--optimizer", "adamw", "--eval-fraction", "0.25", "--threads", "1"],
+                       command=[str(Path(sys.executable).parent / "edge-client"), "join"])
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
         try:

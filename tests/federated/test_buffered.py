@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,20 +56,9 @@ def test_buffered_versions_fast_devices_never_wait_stale_replies_are_discounted(
     subprocess.run([*FEDMVP, "certs", "--out", str(certs)], check=True, capture_output=True, env=ENV)
     port = free_port()
     procs = Processes(tmp_path)
-    edge_client = str(Path(sys.executable).parent / "edge-client")
     paused: list[int] = []
     try:
-        procs.start("serve", ["serve", "--config", str(preset), "--run-dir", str(run), "--certs", str(certs),
-                              "--allow-any-node", "--address", f"127.0.0.1:{port}", "--min-nodes", "1", "--mode",
-                              "buffered", "--json"])
-        procs.wait_for("SuperLink", lambda: "SuperLink listening" in procs.log("serve"), 60)
-        for name in "abc":
-            procs.start(f"edge-{name}", ["--superlink", f"127.0.0.1:{port}", "--bundle", str(bundles[name]),
-                                         "--data", str(data[name]), "--root-certificates", str(certs / "ca.crt"),
-                                         "--out", str(tmp_path / f"device-{name}" / "updates"), "--epochs", "1",
-                                         "--lr", "0.01", "--optimizer", "adamw", "--eval-fraction", "0.25",
-                                         "--threads", "1"],
-                        command=[edge_client, "join"])
+        procs.start_buffered(preset, run, certs, port, {name: (bundles[name], data[name]) for name in "abc"})
         procs.wait_for("version 3", lambda: FIRST in states(run), 300)
         os.killpg(procs.procs["edge-c"].pid, signal.SIGSTOP)  # C sleeps, mid-update or idle
         paused.append(procs.procs["edge-c"].pid)
