@@ -176,6 +176,7 @@ def run(options: Options) -> Section:
         devices = deal(local, work / "devices", plan.devices)
         made = update_files(work, devices, bundle, target, plan)
         start, honest, backdoor = made["start"], made["honest"][0], made["attacks"]["backdoor"][0]
+        before = judge.clean(start)  # the exported bundle's own LoRA: what the round starts from
         attacker = {"honest_target_rate": judge.success(honest.tensors),
                     "backdoor_target_rate": judge.success(backdoor.tensors),
                     "honest_clean": judge.clean(honest.tensors), "backdoor_clean": judge.clean(backdoor.tensors),
@@ -201,10 +202,11 @@ def run(options: Options) -> Section:
         start_round = trained_round(base)
     section = Section("poison", config={
         "run": str(source), "run_origin": origin, "start_round": start_round, "devices": plan.devices,
-        "malicious": list(plan.malicious), "epochs": plan.epochs,
-        "attacker_epochs": plan.attacker_epochs, "attacker_lr": ATTACKER_LR, "scale_factor": plan.scale, "target_class": target,
+        "malicious": list(plan.malicious), "epochs": plan.epochs, "attacker_epochs": plan.attacker_epochs,
+        "attacker_lr": ATTACKER_LR, "scale_factor": plan.scale, "target_class": target,
         "rules": rules, "rule_settings": {r: rule_record(r, plan) for r in rules}, "attacker_local": attacker,
         "new_classes": len(classes), "hm": "not applicable: the edge task's held-out images are new classes only"})
+    section.ratios["clean_acc_before_training"] = before
     fill(section, results, rules, plan)
     section.seconds = round(time.perf_counter() - began, 1)
     plot(section, [p for p in (options.out, options.run) if p] or [default_out()])
@@ -227,10 +229,12 @@ def fill(section: Section, results: dict[tuple[str, int, str], dict], rules: lis
             "attack_success": found.get("success"), "attacker_weight": None if attack == "none" else sum(
                 w or 0.0 for name, w in found.get("weights", {}).items() if "attacker" in name),
             "clean_drop_points": None if value is None or reference is None else 100 * (reference - value),
-            "screened": len(found.get("screened", [])), "screened_attackers": screened_attackers(found.get("screened", [])),
+            "screened": len(found.get("screened", [])),
+            "screened_attackers": screened_attackers(found.get("screened", [])),
             "refused_by_ingest": len(found.get("refused", [])), "clipped_by_ingest": len(found.get("clipped", [])),
             "error": found.get("error")})
-    section.config["results"] = [{"attack": a, "malicious": m, "rule": r, **found} for (a, m, r), found in results.items()]
+    section.config["results"] = [{"attack": a, "malicious": m, "rule": r, **found}
+                                 for (a, m, r), found in results.items()]
     section.config["rule_cost_points_no_attack"] = {
         r: None if clean("none", 0, r) is None or reference is None else 100 * (reference - clean("none", 0, r))
         for r in rules}
@@ -251,9 +255,9 @@ def fill(section: Section, results: dict[tuple[str, int, str], dict], rules: lis
     attacker = section.config["attacker_local"]
     r["attacker_local_backdoor_target_rate"] = attacker["backdoor_target_rate"]
     r["attacker_local_honest_target_rate"] = attacker["honest_target_rate"]
-    section.notes.append(f"one round, {plan.devices} devices x {plan.epochs} local epochs; attackers are devices 0 .. m-1; "
-                         f"scaling x{plan.scale:g}, sign flipping x-1 of the attacker's honest delta; backdoor target "
-                         f"{section.config['target_class']}; best rule (least backdoor success at 1 of "
+    section.notes.append(f"one round, {plan.devices} devices x {plan.epochs} local epochs; attackers are devices "
+                         f"0 .. m-1; scaling x{plan.scale:g}, sign flipping x-1 of the attacker's honest delta; "
+                         f"backdoor target {section.config['target_class']}; best rule (least backdoor success at 1 of "
                          f"{plan.devices}): {best}; rules present: {', '.join(rules)}")
     if len(rules) == 1:
         section.notes.append("only the default rule is registered here: the table has no robust rule to compare")
@@ -286,7 +290,7 @@ def plot(section: Section, folders: list[Path]) -> None:
                    label="no attack" if attack == "none" else f"{attack}, {m}")
         ax.set_xticks([j + width * (len(shown) - 1) / 2 for j in range(len(rules))], rules, fontsize=8)
         ax.set_ylabel(title)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
     fig.suptitle(f"poisoned updates: {section.config['devices']} devices, one ingest round")
     fig.tight_layout()
     section.config["plots"] = save_figure(fig, folders, "poison.png")

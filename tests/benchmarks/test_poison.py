@@ -52,6 +52,7 @@ def test_quick_section_has_the_keys_rows_and_plot(quick) -> None:
     plan = poison.PLANS["quick"]
     ratios, config = record["ratios"], record["config"]
     assert all(key in ratios for key in KEYS)
+    assert 0.0 <= ratios["clean_acc_before_training"] <= 1.0
     assert config["rules"] == ["fedavg", NAME]  # the registry as it is at run time, the default first
     settings = [("none", 0)] + [(a, m) for a in ("backdoor", "scaling", "sign_flip") for m in plan.malicious]
     assert [(r["attack"], r["malicious"], r["rule"]) for r in record["rows"]] == [
