@@ -146,3 +146,22 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
         return None
     return numerator / denominator
 
+
+
+def save_figure(fig, folders: list[Path], name: str) -> list[str]:
+    """A matplotlib figure as PNG ``name`` into each folder (made if missing, written atomically), closed;
+    the paths written, for a section's ``config["plots"]``."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    from fedmvp.atomic import write_bytes
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    written = []
+    for folder in folders:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        written.append(str(write_bytes(Path(folder) / name, buffer.getvalue())))
+    return written

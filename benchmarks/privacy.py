@@ -38,7 +38,6 @@ Goal (reported): within 3 points of the non-private edge accuracy at epsilon <= 
 
 from __future__ import annotations
 
-import io
 import shutil
 import statistics
 import sys
@@ -50,7 +49,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, Goal, Options, Section  # noqa: E402
+from benchmarks.common import REPO, Goal, Options, Section, save_figure  # noqa: E402
 from benchmarks.sections_cli import section_main  # noqa: E402
 
 DELTA = 1e-5  # the papers' delta (FedASK, FedSVD report epsilon 1, 3, 6 at 1e-5)
@@ -295,8 +294,6 @@ def plot(section: Section, folders: list[Path]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedmvp.atomic import write_bytes
-
     r = section.ratios
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for mode in section.config["modes"]:
@@ -318,14 +315,7 @@ def plot(section: Section, folders: list[Path]) -> None:
     ax.set_title(f"edge accuracy vs privacy ({section.config['devices']} devices, {section.config['rounds']} rounds)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    written = []
-    for folder in folders:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        written.append(str(write_bytes(Path(folder) / "privacy.png", buffer.getvalue())))
-    section.config["plots"] = written
+    section.config["plots"] = save_figure(fig, folders, "privacy.png")
 
 
 def show(section: Section) -> None:
