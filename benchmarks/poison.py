@@ -55,6 +55,7 @@ class Plan:
 
 PLANS = {"full": Plan(devices=10, malicious=(1, 2), epochs=10, attacker_epochs=20, scale=20.0),
          "quick": Plan(devices=5, malicious=(1,), epochs=2, attacker_epochs=10, scale=20.0)}
+BACKDOORS = ("none", "backdoor", "backdoor_boosted")  # the settings whose triggered images are judged
 ATTACKER_LR = 0.1  # `edge-client train --lr 0.1`: at the demo's 0.01 the LoRA does not learn the trigger
 
 
@@ -105,6 +106,12 @@ def update_files(work: Path, devices: list[Path], bundle: Path, target: str, pla
         attacks[attack] = [crafted_update(work / "updates" / f"attacker-{attack}-{k:02d}.safetensors", opened, start,
                                           honest[k].tensors, factor, honest[k].num_examples, honest[k].mean_loss)
                            for k in attackers]
+    # Model replacement (Bagdasaryan et al.): the backdoor's delta boosted by the devices of a round, so that
+    # FedAvg's 1/n share of it is the whole trained backdoor.
+    attacks["backdoor_boosted"] = [
+        crafted_update(work / "updates" / f"attacker-backdoor_boosted-{k:02d}.safetensors", opened, start,
+                       trained.tensors, float(plan.devices), trained.num_examples, trained.mean_loss)
+        for k, trained in zip(attackers, attacks["backdoor"])]
     return {"start": start, "honest": honest, "attacks": attacks}
 
 
@@ -196,7 +203,7 @@ def run(options: Options) -> Section:
                 if "lora" in found:
                     lora = found.pop("lora")
                     found["clean"] = judge.clean(lora)
-                    found["success"] = judge.success(lora) if attack in ("none", "backdoor") else None
+                    found["success"] = judge.success(lora) if attack in BACKDOORS else None
                 results[(attack, m, rule)] = found
             print(f"[poison] {attack} {m}/{plan.devices} done", file=sys.stderr, flush=True)
         start_round = trained_round(base)
@@ -250,6 +257,12 @@ def fill(section: Section, results: dict[tuple[str, int, str], dict], rules: lis
     r["clean_drop_points_best_rule"] = (None if best is None or reference is None or one[best].get("clean") is None
                                         else 100 * (reference - one[best]["clean"]))
     r["default_rule_cost_points_no_attack"] = section.config["rule_cost_points_no_attack"].get(default)
+    boosted = {rule: results.get(("backdoor_boosted", 1, rule), {}) for rule in rules}
+    hardest = sorted((rule for rule in rules if boosted[rule].get("success") is not None),
+                     key=lambda rule: (boosted[rule]["success"], -(boosted[rule].get("clean") or 0.0)))
+    section.config["best_rule_boosted"] = hardest[0] if hardest else None
+    r["boosted_backdoor_success_no_defence"] = boosted.get("fedavg", {}).get("success")
+    r["boosted_backdoor_success_best_rule"] = boosted[hardest[0]]["success"] if hardest else None
     r["clean_acc_no_attack_fedavg"] = reference
     r["backdoor_success_no_attacker_fedavg"] = results.get(("none", 0, "fedavg"), {}).get("success")
     attacker = section.config["attacker_local"]
@@ -278,7 +291,7 @@ def plot(section: Section, folders: list[Path]) -> None:
     rows = section.rows
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, key, wanted, title in ((left, "clean_acc", None, "clean top-1 on held-out new classes (%)"),
-                                   (right, "attack_success", ("none", "backdoor"),
+                                   (right, "attack_success", BACKDOORS,
                                     "triggered images classified as the target (%)")):
         shown = [s for s in dict.fromkeys((row["attack"], row["malicious"]) for row in rows)
                  if wanted is None or s[0] in wanted]

@@ -9,6 +9,8 @@ file a malicious device could sync, and the two figures that judge an aggregate.
   (``edge_client.update.write_update``: names, shapes, finite, metadata as the format types it), so the
   file passes every form check and only the run's rules (``max_update_norm``) or the update rule judge it.
 - sign flipping: the honest delta negated, by the same writer.
+- boosted backdoor (model replacement): the backdoor's trained delta times the round's devices, by the same
+  writer, so FedAvg's share of it is the whole backdoor.
 
 Clean accuracy is top-1 on the held-out new-class images; attack success is the share of triggered
 held-out images of the other classes classified as the target.
@@ -25,7 +27,7 @@ import numpy as np
 TRIGGER_FRACTION = 0.4  # the trigger's side as a share of the shorter side (13 px on the demo's 32: at 8 px the
 # frozen image encoder barely sees it and the LoRA, in the PromptFormer only, does not learn it)
 CHECKER = 2  # checker cells of this many pixels: visible at 32 px, not a flat colour the model could ignore
-ATTACKS = ("backdoor", "scaling", "sign_flip")
+ATTACKS = ("backdoor", "scaling", "sign_flip", "backdoor_boosted")
 
 
 def add_trigger(source: Path, dest: Path) -> None:

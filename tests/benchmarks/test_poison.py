@@ -1,9 +1,7 @@
 """`python -m benchmarks poison --quick` for real: a one-round run of the demo's smallest federation, five
 devices, one of them malicious. The record holds the keys, every registered rule aggregates every
 setting, the backdoor is real (the attacker's own LoRA sends triggered images to the target more than
-the honest one does), and the rule the copy's server record names is the one ingest applied. A stand-in
-second rule (tests/benchmarks/poison_standin.py, registered in the benchmark's process only) gives the
-table something to compare before the robust rules exist."""
+the honest one does), and the rule the copy's server record names is the one ingest applied."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
+ROBUST = ("median", "multi_krum", "norm_clip", "trimmed_mean")
 KEYS = ("backdoor_success_best_rule", "clean_drop_points_best_rule", "backdoor_success_no_defence",
         "default_rule_cost_points_no_attack")
 
@@ -30,14 +28,11 @@ def quick(tmp_path_factory) -> tuple[dict, Path]:
 
 
 def run_quick(out: Path) -> dict:
-    """The section's CLI in a process of its own, the stand-in rule registered there first."""
-    code = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); import poison_standin; poison_standin.register(); "
-            "sys.argv = ['benchmarks', 'poison', '--quick', '--json', '--out', sys.argv[2]]; "
-            "runpy.run_module('benchmarks', run_name='__main__')")
+    """The section's CLI in a process of its own."""
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-c", code, str(HERE), str(out)], cwd=out, env=env, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "poison", "--quick", "--json", "--out", str(out)],
+                          cwd=out, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -45,7 +40,6 @@ def run_quick(out: Path) -> dict:
 @pytest.mark.timeout(900)
 def test_quick_section_has_the_keys_rows_and_plot(quick) -> None:
     from benchmarks import poison, suite
-    from poison_standin import NAME
 
     record, out = quick
     assert suite.SECTIONS["poison"] == "benchmarks.poison"
@@ -53,8 +47,8 @@ def test_quick_section_has_the_keys_rows_and_plot(quick) -> None:
     ratios, config = record["ratios"], record["config"]
     assert all(key in ratios for key in KEYS)
     assert 0.0 <= ratios["clean_acc_before_training"] <= 1.0
-    assert config["rules"] == ["fedavg", NAME]  # the registry as it is at run time, the default first
-    settings = [("none", 0)] + [(a, m) for a in ("backdoor", "scaling", "sign_flip") for m in plan.malicious]
+    assert config["rules"] == ["fedavg", *ROBUST]  # the registry as it is at run time, the default first
+    settings = [("none", 0)] + [(a, m) for a in ("backdoor", "scaling", "sign_flip", "backdoor_boosted") for m in plan.malicious]
     assert [(r["attack"], r["malicious"], r["rule"]) for r in record["rows"]] == [
         (a, f"{m} of {plan.devices}", rule) for a, m in settings for rule in config["rules"]]
     assert all(r["error"] is None and 0.0 <= r["clean_acc"] <= 1.0 for r in record["rows"])
@@ -75,16 +69,14 @@ def test_quick_backdoor_is_trained_into_the_attackers_lora(quick) -> None:
 
 @pytest.mark.timeout(900)
 def test_quick_rule_named_in_the_run_record_is_the_one_applied(quick) -> None:
-    """Each run copy's [server] update_rule reaches ingest: under the stand-in the ×20 scaled file (the
-    largest delta) weighs nothing; under fedavg it weighs its examples' share."""
-    from poison_standin import NAME
-
+    """Each run copy's [server] update_rule reaches ingest: under Multi-Krum (assumed_malicious 1) the ×20
+    scaled file (the farthest delta) weighs nothing; under fedavg it weighs its examples' share."""
     results = {(r["attack"], r["rule"]): r for r in quick[0]["config"]["results"] if r["malicious"] == 1}
     scaled = [name for name in results[("scaling", "fedavg")]["weights"] if "attacker" in name]
     assert len(scaled) == 1
-    assert results[("scaling", NAME)]["weights"][scaled[0]] == 0.0
+    assert results[("scaling", "multi_krum")]["weights"][scaled[0]] == 0.0
     assert results[("scaling", "fedavg")]["weights"][scaled[0]] > 0.0
-    assert quick[0]["config"]["rule_settings"][NAME] == {"update_rule": NAME}
+    assert quick[0]["config"]["rule_settings"]["multi_krum"] == {"update_rule": "multi_krum", "assumed_malicious": 1}
 
 
 def test_best_rule_is_the_least_backdoor_success_and_points_are_against_fedavg() -> None:

@@ -70,7 +70,7 @@ def test_multi_krum_screens_a_backdoor_device_out_of_a_served_round(tmp_path, sm
         procs.start("serve", ["serve", "--config", str(preset), "--run-dir", str(run), "--certs", str(certs),
                               "--node-keys", str(admitted), "--address", f"127.0.0.1:{port}", "--min-nodes",
                               str(len(names)), "--json"])
-        procs.wait_for("node keys", lambda: "SuperNode keys admitted" in procs.log("serve"), 60)
+        procs.wait_for("node keys", lambda: "SuperNode keys admitted" in procs.log("serve"), 180)
         for i, name in enumerate(names):
             recipe = ["--epochs", "3", "--lr", "0.1"] if name == "m" else ["--epochs", "1", "--lr", "0.01"]
             procs.start(f"edge-{name}", ["--superlink", f"127.0.0.1:{port}", "--bundle", str(bundles[name]),
