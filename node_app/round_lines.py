@@ -31,7 +31,8 @@ def _metrics(reply: Message) -> dict:
     if not reply.has_content():
         return {}
     try:
-        return schema.read_metrics(read_envelope(reply.content, reply.content.config_records).get(schema.METRICS, {}))
+        records = read_envelope(reply.content, reply.content.config_records)
+        return schema.read_metrics(records.get(schema.METRICS, {}))
     except schema.MessageError:
         return {}
 

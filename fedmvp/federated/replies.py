@@ -14,7 +14,8 @@ every value the server later uses of the type it uses it as (a NaN loss or a str
 the round, not just this reply). The tensors travel packed (.npy bytes and their ``layout`` record,
 ``fedmvp_formats.packed``); ``wire_arrays`` converts them only after the layout's names and shapes,
 the bytes' type and count, and the .npy header inside them (float32 only, as every client sends, of
-the layout's element count), all match the round: ``np.load`` allocates whatever shape a header declares. The tensor checks are the leaf's one (``fedmvp_formats.tensors``); the update-norm bound
+the layout's element count), all match the round: ``np.load`` allocates whatever shape a header
+declares. The tensor checks are the leaf's one (``fedmvp_formats.tensors``); the update-norm bound
 (``bound_update``) also judges the update files of `fedmvp ingest` (``ingest.py``).
 
 A site's reply also says what it trained on, its ``classes`` record (class name -> training images):

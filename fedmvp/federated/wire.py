@@ -115,7 +115,7 @@ def node_contents(instruction: Instruction, config: ConfigRecord, site_of: Calla
             if key[0] not in packed:
                 packed[key[0]] = state_records(numpy_state(arrays))
             tensors = packed[key[0]]
-            made[key] = instruction_content(tensors, instruction if key[1] is None else replace(instruction, site=key[1]),
-                                            config)
+            own = instruction if key[1] is None else replace(instruction, site=key[1])
+            made[key] = instruction_content(tensors, own, config)
         return made[key]
     return content
