@@ -94,3 +94,40 @@ def test_the_per_name_encoding_this_replaces_was_many_more():
     per_name = content.copy() if hasattr(content, "copy") else content
     per_name["arrays"] = ArrayRecord({k: Array(v) for k, v in FULL.items()})
     assert message_objects(per_name) > 2 * len(FULL)
+
+
+def test_folded_records_come_back_whatever_their_keys_hold():
+    """Record names hold no '.', so the first '.' splits a key: a class name or a metric may hold dots."""
+    from fedmvp_formats.envelope import fold, unfold
+
+    records = {"classes": {"st. bernard": 3, "a.b.c": 1}, "metrics": {"local:correct": 2}, "class-set": {"names": ["x"]}}
+    assert unfold(fold(records)) == records
+    with pytest.raises(ValueError, match="holds '.'"):
+        fold({"a.b": {"k": 1}})
+
+
+@pytest.mark.parametrize("content,reason", [
+    ({}, "got 0 record(s)"),
+    ({"fedmvp": {"config.round": 1}, "config": {"round": 1}}, "got 2 record(s)"),
+    ({"config": {"round": 1}}, "got 1 record(s) (config)"),
+    ({"fedmvp": {"round": 1}}, "fedmvp key round is not <record>.<key>"),
+    ({"fedmvp": {".round": 1}}, "is not <record>.<key>"),
+    ({"fedmvp": {"config.": 1}}, "is not <record>.<key>"),
+], ids=["empty", "two-records", "another-name", "unfolded", "no-record-name", "no-key"])
+def test_a_content_that_is_not_one_folded_config_record_is_refused_in_one_line(content, reason):
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedmvp_formats.messages import MessageError
+
+    with pytest.raises(MessageError, match=reason.replace("(", r"\(").replace(")", r"\)")) as err:
+        content_records(RecordDict({k: ConfigRecord(v) for k, v in content.items()}))
+    assert "\n" not in str(err.value)
+
+
+def test_a_metric_record_in_place_of_the_config_record_is_refused():
+    from flwr.app import MetricRecord, RecordDict
+
+    from fedmvp_formats.messages import MessageError
+
+    with pytest.raises(MessageError, match="expected one fedmvp ConfigRecord"):
+        content_records(RecordDict({"fedmvp": MetricRecord({"metrics.num-examples": 8})}))
