@@ -16,6 +16,10 @@ after one warm-up call each (the image index and frozen targets built, as in a s
 sites run one after the other here and at the same time in the deployment, on the same CPUs: the
 same work, so their sum is what a round's training costs on this machine.
 
+``objects_per_message``: the Flower objects each message and reply of the warm deployment cost the
+SuperLink (each a request and a transaction), counted in its own database
+(``fedmvp_apps.deploy.object_log``); every message is 3 (docs/architecture.md "Records that travel").
+
 Without --quick the cold path is measured too: the same deployment with Flower's default
 ``--isolation subprocess`` (a fresh ClientApp process per message: torch, CLIP and the data index
 loaded every time), what `fedmvp join` ran before the warm executor.
