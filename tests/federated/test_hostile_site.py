@@ -66,7 +66,7 @@ def train(msg: Message, context: Context) -> Message:
         layout["dims"].append(1)
     return Message(content=records_content(records), reply_to=msg)
 '''
-LIES = {1: "values declared, more than 2147483648 float32s", 2: "they hold float64", 3: "unexpected"}
+LIES = {1: "values declared, more than 2147483648 float32s", 2: "the bytes are not a .npy of", 3: "unexpected"}
 
 
 @pytest.mark.timeout(420)
