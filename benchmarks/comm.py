@@ -44,15 +44,16 @@ def model_tensors(name: str) -> dict[str, dict[str, np.ndarray]]:
 
 
 def flower_bytes(tensors: dict[str, np.ndarray]) -> int:
-    """Bytes of the records a round message carries its tensors in (the packed ArrayRecord and its
-    layout), serialised as Flower sends them (protobuf)."""
-    from flwr.app import ArrayRecord
-    from flwr.common.serde import array_record_to_proto, config_record_to_proto
+    """Bytes of the record a round message carries its tensors in (the packed .npy bytes and their
+    layout, folded into the message's one ConfigRecord), serialised as Flower sends them (protobuf)."""
+    from flwr.app import ConfigRecord
+    from flwr.common.serde import config_record_to_proto
+
+    from fedmvp_formats.envelope import fold
 
     from fedmvp.federated.wire import state_records
 
-    return sum((array_record_to_proto(r) if isinstance(r, ArrayRecord) else config_record_to_proto(r)).ByteSize()
-               for r in state_records(tensors).values())
+    return config_record_to_proto(ConfigRecord(fold(state_records(tensors)))).ByteSize()
 
 
 def message_rows(name: str, parts: dict[str, dict[str, np.ndarray]]) -> list[dict]:

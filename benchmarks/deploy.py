@@ -16,6 +16,10 @@ after one warm-up call each (the image index and frozen targets built, as in a s
 sites run one after the other here and at the same time in the deployment, on the same CPUs: the
 same work, so their sum is what a round's training costs on this machine.
 
+``objects_per_message``: the Flower objects each message and reply of the warm deployment cost the
+SuperLink (each a request and a transaction), counted in its own database
+(``fedmvp_apps.deploy.object_log``); every message is 3 (docs/architecture.md "Records that travel").
+
 Without --quick the cold path is measured too: the same deployment with Flower's default
 ``--isolation subprocess`` (a fresh ClientApp process per message: torch, CLIP and the data index
 loaded every time), what `fedmvp join` ran before the warm executor.
@@ -146,6 +150,7 @@ def site_command(superlink: str, preset: Path, site: int, ca: Path, warm: bool) 
 def deploy(preset: Path, work: Path, rounds: int, warm: bool, timeout: float) -> dict:
     """One deployment of ``rounds`` rounds; each round's seconds from its checkpoint's time."""
     from fedmvp.runs import RunDir
+    from fedmvp_apps.deploy.object_log import objects_per_message, superlink_database, watch
     from fedmvp_apps.deploy.supernode import free_port
 
     work.mkdir(parents=True)
@@ -163,6 +168,7 @@ def deploy(preset: Path, work: Path, rounds: int, warm: bool, timeout: float) ->
             if procs.procs["serve"].poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"serve did not start: {procs.log('serve')[-500:]}")
             time.sleep(0.3)
+        watch(superlink_database(run))  # each message's objects, counted from the SuperLink's database
         began = time.time()
         for site in SITES:
             command, env = site_command(superlink, preset, site, work / "certs" / "ca.crt", warm)
@@ -191,6 +197,7 @@ def deploy(preset: Path, work: Path, rounds: int, warm: bool, timeout: float) ->
     if len(cpu) == 2 and rounds > 2:  # CPU seconds per steady round, by role
         steady_cpu = {role: seconds / (rounds - 2) for role, seconds in cpu_between(cpu[1], cpu[rounds - 1]).items()}
     return {"run": run, "round_seconds": [b - a for a, b in zip(marks, marks[1:])], "steady_cpu": steady_cpu,
+            "objects_per_message": objects_per_message(superlink_database(run)),
             "steady_flwr_commands": len(commands),
             # a task logged twice counts once
             "tasks": [len({(n, pid) for n, pid, _ in t}) for t in tasks], "executor_pids": [len({pid for _, pid, _ in t}) for t in tasks],
@@ -259,7 +266,11 @@ def run(options: Options) -> Section:
     section.ratios["deploy_round_vs_local_train"] = figure["warm"]
     if "cold" in figure:
         section.ratios["cold_deploy_round_vs_local_train"] = figure["cold"]
+    # Flower objects a message and its reply cost the SuperLink (each a request and a transaction): the mean over
+    # every message of the warm deployment, read from the SuperLink's database (fedmvp_apps.deploy.object_log)
+    section.ratios["objects_per_message"] = results["warm"]["objects_per_message"]
     section.goals.append(Goal.at_most("steady deployment round / the sites' local training", figure["warm"], 1.3))
+    section.goals.append(Goal.at_most("Flower objects per message (mean)", section.ratios["objects_per_message"], 3, ""))
     section.notes.append("round seconds from checkpoint times; the steady rounds are those between the first and "
                          "the last (median); local training is both sites' round-2 local_train one after the "
                          "other in this process, after a warm-up call each, the median of "

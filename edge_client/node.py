@@ -33,14 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore import log
 
 from fedmvp_formats import messages as schema
 from fedmvp_formats.class_set import read_class_set
+from fedmvp_formats.envelope import RECORD, fold, read_envelope
 from fedmvp_formats.messages import Identity, Instruction, read_instruction
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
-from fedmvp_formats.packed import LAYOUT, PACKED, pack, read_wire
+from fedmvp_formats.packed import LAYOUT, packed_records, read_wire
 from fedmvp_formats.privacy import PrivacyRecord, device_privacy
 from fedmvp_formats.promptformer import promptformer_digest
 from fedmvp_formats.shown import name_shown, path_shown
@@ -125,15 +126,15 @@ class EdgeNodeConfig:
 
 
 # ---- the global tensors and the bundle ---------------------------------------------------------------
+def _records(content: RecordDict) -> dict[str, dict[str, Any]]:
+    """The schema's records of a message: its one ConfigRecord, unfolded (``fedmvp_formats.envelope``)."""
+    return read_envelope(content, content.config_records)
+
+
 def _arrays(content: RecordDict) -> dict[str, np.ndarray]:
     """The tensors the server sent, packed (``fedmvp_formats.packed``), judged before use."""
-    return read_wire(content[schema.ARRAYS], content[LAYOUT] if LAYOUT in content else None)
-
-
-def _records(tensors: dict[str, np.ndarray]) -> dict[str, ArrayRecord | ConfigRecord]:
-    """The reply's tensors as the server reads them: one packed Array and its layout."""
-    flat, layout = pack(tensors)
-    return {schema.ARRAYS: ArrayRecord({PACKED: Array(flat)}), LAYOUT: ConfigRecord(layout)}
+    records = _records(content)
+    return read_wire(records.get(schema.ARRAYS), records.get(LAYOUT))
 
 
 @dataclass
@@ -215,26 +216,31 @@ def check_class_set(bundle: Bundle, class_set: dict | None, run_id: str | None) 
                           f"{name_shown(str(run_id))}'s ({what}); export a bundle from that run (fedmvp-export)")
 
 
-def _identity(instruction: Instruction, synced: Synced | None = None) -> ConfigRecord:
+def _identity(instruction: Instruction, synced: Synced | None = None) -> dict[str, Any]:
     """Who replies: an edge device, its bundle, for this run and round (checked by the server)."""
     bundle = {} if synced is None else {
         "bundle_id": synced.bundle.id, "promptformer_digest": str(synced.bundle.promptformer_digest),
         "refreshed": synced.refreshed, "refresh_bytes": synced.refresh_bytes,
         "classes_digest": synced.bundle.classes_digest}
-    return ConfigRecord(Identity(round=instruction.round, run_id=instruction.run_id, **bundle).record())
+    return Identity(round=instruction.round, run_id=instruction.run_id, **bundle).record()
 
 
 def _instruction(msg: Message) -> Instruction:
     """The server's instruction, every value checked (``fedmvp_formats.messages``)."""
-    return read_instruction({name: dict(record) for name, record in msg.content.config_records.items()})
+    return read_instruction(_records(msg.content))
 
 
 def _reply(msg: Message, instruction: Instruction, synced: Synced | None, metrics: dict,
            arrays: dict[str, np.ndarray] | None = None) -> Message:
-    records = {schema.METRICS: MetricRecord(metrics), schema.IDENTITY: _identity(instruction, synced)}
-    if arrays is not None:
-        records = {**_records(arrays), **records}
-    return Message(content=RecordDict(records), reply_to=msg)
+    records = {schema.METRICS: metrics, schema.IDENTITY: _identity(instruction, synced)}
+    if arrays is not None:  # the reply's tensors as the server reads them: packed bytes and their layout
+        records = {**packed_records(arrays), **records}
+    return Message(content=_content(records), reply_to=msg)
+
+
+def _content(records: dict[str, dict[str, Any]]) -> RecordDict:
+    """``records`` folded into one ConfigRecord: a message of 3 Flower objects (``fedmvp_formats.envelope``)."""
+    return RecordDict({RECORD: ConfigRecord(fold(records))})
 
 
 def _global_lora(arrays: dict[str, np.ndarray], bundle: Bundle) -> dict[str, np.ndarray]:
@@ -248,7 +254,7 @@ def _global_lora(arrays: dict[str, np.ndarray], bundle: Bundle) -> dict[str, np.
 # ---- the handlers --------------------------------------------------------------------------------------
 def identify(msg: Message, context: Context) -> Message:
     """Who this node is, asked once by the server before any work: an edge device of this run."""
-    return Message(content=RecordDict({schema.IDENTITY: _identity(_instruction(msg))}), reply_to=msg)
+    return Message(content=_content({schema.IDENTITY: _identity(_instruction(msg))}), reply_to=msg)
 
 
 def train(msg: Message, context: Context) -> Message:

@@ -4,17 +4,20 @@ One definition for the server's strategy (``fedmvp.federated.strategy``), a site
 (``fedmvp.federated.client_app``) and an edge device (``edge_client.node``); docs/architecture.md
 "Records that travel". Flower is not imported here (the leaf stays numpy, safetensors and the
 standard library): records are plain dicts of ConfigRecord values (int, float, str, bool, bytes,
-or a list of one of those), and each package wraps them into ``ConfigRecord``s of the message's
-``RecordDict`` at its edge. No value is a JSON string: a list travels as a list, and a mapping as
-its own record in the RecordDict:
+or a list of one of those), all of a message's folded into its ONE ``ConfigRecord`` as
+``<record>.<key>`` keys (``fedmvp_formats.envelope``: a message is 3 Flower objects), which each
+package wraps at its edge. No value is a JSON string: a list travels as a list, and a mapping as
+its own record:
 
 ===============  ======================================================================
-``arrays``       the tensors (an ArrayRecord: the global state down, the trained one up)
+``arrays``       the tensors: ``tensors``, the packed .npy bytes (the global state down, the
+                 trained one up; ``fedmvp_formats.packed``)
+``layout``       where each tensor is in them (``names``, ``ranks``, ``dims``)
 ``config``       the instruction's scalars and lists (``Instruction``)
 ``method``       the run's method record (``FedMVPConfig.to_dict()``), train and evaluate
 ``local``        a site's round settings (``LocalSettings``), train only
 ``assignment``   evaluation set name -> the site that evaluates it, evaluate only
-``metrics``      a reply's numbers (a MetricRecord: ``train_metrics``, ``count_metrics``)
+``metrics``      a reply's numbers (``train_metrics``, ``count_metrics``; ``read_metrics``)
 ``identity``     who replies, for which run and round (``Identity``: one builder, one reader)
 ``classes``      a site's train reply: class name -> training images (``read_class_counts``)
 ``privacy``      the run's ``[privacy]`` settings (``fedmvp_formats.privacy``), train only, when set
@@ -284,6 +287,19 @@ def train_metrics(num_examples: int, loss: float, **parts: float | int | bool | 
         if value is not None:
             out[keys[name]] = int(value) if keys[name] in FLAGS else float(value)
     return out
+
+
+def read_metrics(record: Any) -> dict[str, Any]:
+    """A reply's ``metrics`` record: numbers only (an int or a finite-or-not float, never a bool, a
+    string or bytes; or a list of them), as a Flower MetricRecord holds; a string count would stop
+    the round, not just this reply. `MessageError` otherwise."""
+    if not isinstance(record, Mapping):
+        raise MessageError(f"the {METRICS} record is not a mapping")
+    for key, value in record.items():
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
+            raise MessageError(f"{METRICS} {name_shown(str(key))}: {shown(value)} is not a number")
+    return dict(record)
 
 
 def check_train_metrics(fields: Mapping[str, Any]) -> None:

@@ -4,8 +4,9 @@ Why one array: Flower stores every ``Array`` of a message as objects of its own 
 chunks), and its SuperLink serves each object with an HTTP request and a database transaction. The
 demo's 26 tensors made 51 objects a message, some 250 requests a round, and the SuperLink's CPU was
 what a deployed round waited on (the deploy benchmark: a steady round of 5.5 s for 0.8 s of training on 2
-cores). Packed, a message is 5 objects whatever the model (docs/architecture.md "Names that travel",
-docs/benchmarks.md "deploy").
+cores). Packed, the tensors are one .npy ``bytes`` value (``arrays.tensors``) and a layout beside it, both
+folded into the message's one record (``fedmvp_formats.envelope``): a message is 3 objects whatever the
+model (docs/architecture.md "Names that travel", docs/benchmarks.md "deploy").
 
 The tensors are concatenated in sorted name order, float32, each C-contiguous; the layout says
 where each one is, as the plain lists a Flower ``ConfigRecord`` carries (``names``, each tensor's
@@ -23,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from fedmvp_formats.messages import MessageError
+from fedmvp_formats.messages import ARRAYS, MessageError
 from fedmvp_formats.shown import name_shown, shown
 from fedmvp_formats.tensors import names_problem, shape_text
 
-PACKED = "tensors"  # the one Array of a message's ``arrays`` record
-LAYOUT = "layout"  # the ConfigRecord beside it: where each tensor is in the packed array
+PACKED = "tensors"  # the packed .npy bytes: the one key of a message's ``arrays`` record
+LAYOUT = "layout"  # the record beside it: where each tensor is in the packed array
 NAMES, RANKS, DIMS = "names", "ranks", "dims"
 MAX_RANK = 8
 MAX_NPY_HEADER = 4096  # np.save writes 128 bytes for a 1-D float32 array
@@ -42,6 +43,17 @@ def pack(state: Mapping[str, np.ndarray]) -> tuple[np.ndarray, dict[str, list]]:
     flat = np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0, np.float32)
     layout = {NAMES: names, RANKS: [a.ndim for a in arrays], DIMS: [int(d) for a in arrays for d in a.shape]}
     return np.ascontiguousarray(flat, dtype=np.float32), layout
+
+
+def packed_records(state: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    """A state as a message's records: ``arrays`` (``PACKED``: the .npy bytes of the packed array) and
+    its ``layout``; no tensors: no records (``read_wire`` reads their absence as no tensors)."""
+    if not state:
+        return {}
+    flat, layout = pack(state)
+    buffer = io.BytesIO()
+    np.save(buffer, flat, allow_pickle=False)
+    return {ARRAYS: {PACKED: buffer.getvalue()}, LAYOUT: layout}
 
 
 def read_layout(layout: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -101,18 +113,19 @@ def read_packed(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str,
     return out
 
 
-def read_wire(arrays: Mapping[str, Any], layout: Mapping[str, Any] | None,
+def read_wire(arrays: Mapping[str, Any] | None, layout: Mapping[str, Any] | None,
               expected: Mapping[str, tuple[int, ...]] | None = None, of: str = "the round") -> dict[str, np.ndarray]:
-    """The tensors a message carries: its ``arrays`` record (a Flower ``ArrayRecord``: one ``PACKED``
-    Array, or none for no tensors) and its ``layout`` record, each judged before it is read: the
-    layout (``read_layout``); where ``expected`` is given (a reply the server asked for), names and
-    shapes exactly those; the Array's declared serialisation, dtype and shape; its bytes
-    (``read_packed``). `MessageError` (one line) otherwise."""
+    """The tensors a message carries: its ``arrays`` record (``PACKED``: .npy bytes; None or empty: no
+    tensors) and its ``layout`` record, each judged before it is read: the layout (``read_layout``);
+    where ``expected`` is given (a reply the server asked for), names and shapes exactly those; the
+    bytes (``read_packed``: their .npy header's dtype and shape, their length). `MessageError` (one line)
+    otherwise."""
+    arrays = arrays or {}
     if not arrays and layout is None:
         shapes: dict[str, tuple[int, ...]] = {}
     elif set(arrays) != {PACKED} or layout is None:
-        raise MessageError(f"arrays: expected one {PACKED} array and a {LAYOUT} record, got "
-                           f"{len(arrays)} array(s) ({', '.join(name_shown(str(k)) for k in list(arrays)[:3])})"
+        raise MessageError(f"{ARRAYS}: expected one {PACKED} value and a {LAYOUT} record, got "
+                           f"{len(arrays)} value(s) ({', '.join(name_shown(str(k)) for k in list(arrays)[:3])})"
                            f"{'' if layout is not None else ' and no layout'}")
     else:
         shapes = read_layout(layout)
@@ -125,12 +138,7 @@ def read_wire(arrays: Mapping[str, Any], layout: Mapping[str, Any] | None,
                 raise MessageError(f"{name}: shape {shape_text(shapes[name])}, {of}'s is {list(expected[name])}")
     if not shapes:
         return {}
-    array = arrays[PACKED]
-    count = values_in(shapes)
-    if array.stype != "numpy.ndarray":
-        raise MessageError(f"{PACKED}: serialisation {shown(array.stype)} is not numpy.ndarray")
-    if array.dtype != "float32":
-        raise MessageError(f"{PACKED}: dtype {shown(array.dtype)} is not float32")
-    if list(array.shape) != [count]:
-        raise MessageError(f"{PACKED}: shape {shape_text(array.shape)}, the layout's is [{count}]")
-    return read_packed(array.data, shapes)
+    data = arrays[PACKED]
+    if not isinstance(data, bytes):
+        raise MessageError(f"{PACKED}: {shown(data, 40)} is not bytes")
+    return read_packed(data, shapes)

@@ -31,6 +31,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from fedmvp_formats.class_set import read_class_set
+from fedmvp_formats.envelope import read_envelope
 from fedmvp_formats.messages import CLASS_SET, EDGE, IDENTIFY, SITE, MessageError
 from node_app.round_lines import MARK, said
 
@@ -89,7 +90,7 @@ def _site(handler: Callable[[Message, Context], Message], msg: Message, context:
     from fedmvp.federated.site_classes import FROM_SERVER, taken_line
 
     reply = handler(msg, context)
-    record = msg.content.config_records.get(CLASS_SET)
+    record = read_envelope(msg.content, msg.content.config_records).get(CLASS_SET)
     if context.node_config.get(FROM_SERVER) is True and record is not None:
         run = read_class_set(dict(record))  # checked by the handler already: it used this set
         if run.digest not in _TAKEN:

@@ -14,20 +14,32 @@ from typing import Callable
 from flwr.app import Message
 
 from fedmvp_formats import messages as schema
+from fedmvp_formats.envelope import read_envelope
 
 MARK = "[fedmvp] "  # fedmvp_apps.deploy.node_lines.MARK (this package may not import fedmvp_apps)
 
 
 def _round(msg: Message) -> str:
     try:
-        return str(schema.read_instruction({k: dict(r) for k, r in msg.content.config_records.items()}).round)
+        return str(schema.read_instruction(read_envelope(msg.content, msg.content.config_records)).round)
     except Exception:  # noqa: BLE001 - a message without a readable instruction is refused by its handler
         return "?"
 
 
+def _metrics(reply: Message) -> dict:
+    """The reply's ``metrics`` record ({} where it has none it can say: an error reply)."""
+    if not reply.has_content():
+        return {}
+    try:
+        records = read_envelope(reply.content, reply.content.config_records)
+        return schema.read_metrics(records.get(schema.METRICS, {}))
+    except schema.MessageError:
+        return {}
+
+
 def line(kind: str, msg: Message, reply: Message, seconds: float) -> str:
     """What the reply says of the round: images and loss (train), counts (evaluate)."""
-    metrics = dict(reply.content.metric_records.get(schema.METRICS, {})) if reply.has_content() else {}
+    metrics = _metrics(reply)
     if kind == "train":
         return (f"round {_round(msg)}: trained on {metrics.get(schema.NUM_EXAMPLES, 0)} images "
                 f"(loss {float(metrics.get(schema.TRAIN_LOSS, float('nan'))):.4f}, {seconds:.1f} s)")

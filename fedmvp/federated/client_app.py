@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedmvp_formats import messages as schema
@@ -33,7 +33,8 @@ from fedmvp.federated.site_classes import FROM_SERVER, ClassSetMismatch, SiteCla
 from fedmvp.federated.site_keys import AUTH_KEY, NONCE, PROOF, PROOF_REQUEST, payload, sign
 from fedmvp.presets.schema import load_preset
 from fedmvp.federated.task import LocalSettings, local_train, task_context, train_class_counts
-from fedmvp.federated.wire import content_instruction, content_torch_state, state_records, to_numpy_state
+from fedmvp.federated.wire import (content_instruction, content_records, content_torch_state, records_content,
+                                  state_records, to_numpy_state)
 from fedmvp.model import FedMVPConfig
 
 app = ClientApp()
@@ -105,12 +106,12 @@ def _device(device: str | None) -> str:
 
 def _reply(msg: Message, identity: Identity, metrics: dict, state: dict[str, torch.Tensor] | None = None,
            classes: dict[str, int] | None = None) -> Message:
-    records = {schema.METRICS: MetricRecord(metrics), schema.IDENTITY: ConfigRecord(identity.record())}
+    records = {schema.METRICS: metrics, schema.IDENTITY: identity.record()}
     if classes is not None:  # a train reply: its training images per class (the server records them)
-        records[schema.CLASSES] = ConfigRecord(classes)
-    if state is not None:  # packed: one Array and its layout (fedmvp.federated.wire)
+        records[schema.CLASSES] = classes
+    if state is not None:  # packed: .npy bytes and their layout (fedmvp.federated.wire)
         records = {**state_records(to_numpy_state(state)), **records}
-    return Message(content=RecordDict(records), reply_to=msg)
+    return Message(content=records_content(records), reply_to=msg)
 
 
 @app.query(schema.IDENTIFY)
@@ -125,14 +126,13 @@ def identify(msg: Message, context: Context) -> Message:
 
 
 def _reply_identity(msg: Message, identity: Identity, extra: dict | None = None) -> Message:
-    return Message(content=RecordDict({schema.IDENTITY: ConfigRecord({**identity.record(), **(extra or {})})}),
-                   reply_to=msg)
+    return Message(content=records_content({schema.IDENTITY: {**identity.record(), **(extra or {})}}), reply_to=msg)
 
 
 def proof(msg: Message, context: Context, identity: Identity) -> dict:
     """A named site's proof that it holds its SuperNode's key (the node config's ``auth-key``), for the
     server's nonce: a site bound to a key is sent work only with it (fedmvp.federated.site_keys)."""
-    request, key_file = msg.content.config_records.get(PROOF_REQUEST), context.node_config.get(AUTH_KEY)
+    request, key_file = content_records(msg.content).get(PROOF_REQUEST), context.node_config.get(AUTH_KEY)
     if request is None or not key_file or identity.name is None or not isinstance(request.get(NONCE), str):
         return {}
     data = payload(identity.run_id, identity.round, msg.metadata.dst_node_id, identity.name, request[NONCE])

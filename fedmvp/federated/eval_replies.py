@@ -22,6 +22,7 @@ from fedmvp_formats.messages import MessageError, read_identity
 from fedmvp.federated.flower_log import log_left_out
 from fedmvp.federated.metrics import counted, evaluation_sites
 from fedmvp.federated.replies import name_problem, one_line, site_counts
+from fedmvp.federated.wire import content_records
 
 
 def combine_eval_replies(replies: Iterable[Message], *, run_id: str, round_number: int, record: dict,
@@ -38,10 +39,10 @@ def combine_eval_replies(replies: Iterable[Message], *, run_id: str, round_numbe
             log_left_out(f"evaluation of round {round_number}: left out the reply of node {node}: it failed: "
                          f"{one_line(msg.error.reason)}")
             continue
-        metrics = dict(msg.content[schema.METRICS]) if schema.METRICS in msg.content else {}
         try:
-            identity = read_identity(dict(msg.content[schema.IDENTITY]) if schema.IDENTITY in msg.content
-                                     else {}, run_id, round_number)
+            records = content_records(msg.content)
+            metrics = schema.read_metrics(records.get(schema.METRICS, {}))
+            identity = read_identity(records.get(schema.IDENTITY, {}), run_id, round_number)
             if identity.site is not None and (identity.site not in range(num_sites) or identity.site in counts):
                 raise MessageError(f"site {identity.site} unknown or told twice")
             wrong_name = name_problem(identity, site_names)

@@ -8,14 +8,14 @@ rejection (node, site, reason) and records it in the round's state.json; the rou
 with the other replies. A reason is one line: whatever the sender wrote in it is escaped and cut
 short (``shown``).
 
-Before those rules, ``reply_fields`` checks the records themselves: an ``ArrayRecord``, a
-``MetricRecord`` and a ``ConfigRecord`` identity, no key told twice with two values, every value
-the server later uses of the type it uses it as (a NaN loss or a string byte count would stop
-the round, not just this reply). The tensors travel packed (one Array and its ``layout`` record,
+Before those rules, ``reply_fields`` checks the records themselves: one ConfigRecord of folded
+records (``fedmvp_formats.envelope``), numbers only in ``metrics``, no key told twice with two values,
+every value the server later uses of the type it uses it as (a NaN loss or a string byte count would stop
+the round, not just this reply). The tensors travel packed (.npy bytes and their ``layout`` record,
 ``fedmvp_formats.packed``); ``wire_arrays`` converts them only after the layout's names and shapes,
-the Array's declared serialisation, dtype (float32 only, as every client sends), shape and byte
-count, and the .npy header inside the bytes, all match the round: ``np.load`` allocates whatever
-shape a header declares. The tensor checks are the leaf's one (``fedmvp_formats.tensors``); the update-norm bound
+the bytes' type and count, and the .npy header inside them (float32 only, as every client sends, of
+the layout's element count), all match the round: ``np.load`` allocates whatever shape a header
+declares. The tensor checks are the leaf's one (``fedmvp_formats.tensors``); the update-norm bound
 (``bound_update``) also judges the update files of `fedmvp ingest` (``ingest.py``).
 
 A site's reply also says what it trained on, its ``classes`` record (class name -> training images):
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import RecordDict
 
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity, MessageError, count_pair, count_sets, is_int, read_identity
@@ -45,6 +45,7 @@ from fedmvp_formats.packed import LAYOUT, read_wire
 from fedmvp_formats.shown import name_shown, shown
 from fedmvp_formats.tensors import tensor_problem
 
+from fedmvp.federated.wire import content_records
 from fedmvp.presets.server import ServerSpec
 
 
@@ -52,8 +53,8 @@ from fedmvp.presets.server import ServerSpec
 class WireTensors:
     """A reply's tensors as they came: its ``arrays`` record and its ``layout`` (None: none sent)."""
 
-    arrays: ArrayRecord
-    layout: ConfigRecord | None = None
+    arrays: dict[str, Any] | None
+    layout: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,23 +93,18 @@ def reply_fields(content: RecordDict) -> tuple[WireTensors, dict[str, Any]] | st
     under that key) merged, or why the records cannot be used. A key in both must have one value: the rules would otherwise check one
     and the average use the other."""
     try:
-        arrays, metrics = content[schema.ARRAYS], content[schema.METRICS]
-        identity = content[schema.IDENTITY] if schema.IDENTITY in content else ConfigRecord()
-        layout = content[LAYOUT] if LAYOUT in content else None
+        records = content_records(content)
+        metrics = schema.read_metrics(records[schema.METRICS])
     except KeyError as err:
         return f"malformed reply (no {name_shown(str(err.args[0]))} record)"
-    if not (isinstance(arrays, ArrayRecord) and isinstance(metrics, MetricRecord)
-            and isinstance(identity, ConfigRecord) and isinstance(layout, (ConfigRecord, type(None)))):
-        return "malformed reply (arrays, metrics, identity, layout are not an ArrayRecord, a MetricRecord, " \
-               "a ConfigRecord, a ConfigRecord)"
+    except MessageError as err:
+        return f"malformed reply ({err})"
+    identity = records.get(schema.IDENTITY, {})
     fields = dict(metrics)
-    if schema.CLASSES in content:  # its own record (a mapping), checked by reply_classes
+    if schema.CLASSES in records:  # its own record (a mapping), checked by reply_classes
         if schema.CLASSES in metrics or schema.CLASSES in identity:
             return f"metrics or identity also hold {schema.CLASSES}, a record of its own"
-        classes = content[schema.CLASSES]
-        if not isinstance(classes, ConfigRecord):
-            return f"malformed reply ({schema.CLASSES} is not a ConfigRecord)"
-        fields[schema.CLASSES] = dict(classes)
+        fields[schema.CLASSES] = dict(records[schema.CLASSES])
     for key, value in identity.items():
         if key in fields and (type(fields[key]) is not type(value) or fields[key] != value):
             return f"metrics and identity disagree on {name_shown(key)}"
@@ -117,7 +113,7 @@ def reply_fields(content: RecordDict) -> tuple[WireTensors, dict[str, Any]] | st
         schema.check_train_metrics(fields)
     except MessageError as err:
         return str(err)
-    return WireTensors(arrays, layout), fields
+    return WireTensors(records.get(schema.ARRAYS), records.get(LAYOUT)), fields
 
 
 def edge_counts(identity: dict, metrics: dict, run_id: str, round_number: int) -> tuple[int, int] | None:
@@ -249,8 +245,8 @@ def check_reply(arrays: WireTensors | dict[str, np.ndarray], metrics: Any, *, ru
 def wire_arrays(wire: WireTensors, reference: dict[str, np.ndarray], wanted: set[str]
                 ) -> dict[str, np.ndarray] | str:
     """A reply's tensors as float32 numpy, or why not, judged before a byte of them is converted:
-    the layout's names exactly ``wanted`` and its shapes the round's, then the packed Array's declared
-    serialisation, dtype, shape and bytes (``fedmvp_formats.packed.read_wire``)."""
+    the layout's names exactly ``wanted`` and its shapes the round's, then the packed bytes: their type,
+    .npy header (float32, the layout's count) and length (``fedmvp_formats.packed.read_wire``)."""
     try:
         return read_wire(wire.arrays, wire.layout, {name: reference[name].shape for name in wanted})
     except MessageError as err:

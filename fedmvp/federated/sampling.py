@@ -25,7 +25,7 @@ import secrets
 from collections.abc import Iterable, Sequence
 from logging import WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
@@ -39,7 +39,7 @@ from fedmvp.federated.seeds import derived_seed
 from fedmvp.federated.site_keys import NONCE, PROOF, PROOF_REQUEST, SiteKeys, new_nonce, payload
 from fedmvp.federated.site_registry import SiteRegistry
 from fedmvp.federated.site_registry import name_problem as site_name_problem
-from fedmvp.federated.wire import instruction_content
+from fedmvp.federated.wire import content_records, instruction_content
 
 IDENTIFY = f"{MessageType.QUERY}.{schema.IDENTIFY}"  # the message type a node answers with its identity
 
@@ -134,9 +134,8 @@ class NodeRegistry:
         unknown = self.unknown(nodes)
         if not unknown:
             return
-        content = instruction_content(ArrayRecord(), instruction)
         nonce = new_nonce()  # a proof of an earlier request does not verify (site_keys.payload)
-        content[PROOF_REQUEST] = ConfigRecord({NONCE: nonce})
+        content = instruction_content({}, instruction, extra={PROOF_REQUEST: {NONCE: nonce}})
         messages = [Message(content=content, message_type=IDENTIFY, dst_node_id=node) for node in unknown]
         for reply in send_and_receive(grid, messages, timeout):
             node = int(reply.metadata.src_node_id)
@@ -155,7 +154,7 @@ class NodeRegistry:
     def read(self, content: RecordDict, round_number: int, node: int = 0, nonce: str = "") -> int | str:
         """The site (or ``edge``) an identify reply names, checked like a train reply's identity; a site
         bound to a key only with the node's proof of that key for this request (``node``, ``nonce``)."""
-        fields = dict(content[schema.IDENTITY]) if schema.IDENTITY in content.config_records else {}
+        fields = dict(content_records(content).get(schema.IDENTITY, {}))
         identity = read_identity(fields, self.run_id, round_number)
         if identity.role == schema.EDGE:
             return schema.EDGE

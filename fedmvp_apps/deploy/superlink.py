@@ -88,6 +88,12 @@ def _toml_string(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string
 
 
+def flower_home(run_dir: Path) -> Path:
+    """Where `fedmvp serve` keeps the SuperLink's state for ``run_dir`` (its database: ``superlink.db``)."""
+    run_dir = run_dir.resolve()
+    return run_dir.parent / f".{run_dir.name}.flwr"
+
+
 class Server:
     """One SuperLink process and the `flwr` CLI pointed at it (its own FLWR_HOME)."""
 
@@ -95,7 +101,7 @@ class Server:
         self.options = options
         self.stopper = stopper
         run_dir = options.run_dir.resolve()
-        self.home = run_dir.parent / f".{run_dir.name}.flwr"
+        self.home = flower_home(run_dir)
         self.log_path = run_dir.parent / f"{run_dir.name}.superlink.log"
         self.proc: subprocess.Popen | None = None
         self.host, self.port = split_address(options.address, "--address")

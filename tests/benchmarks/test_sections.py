@@ -75,6 +75,7 @@ def test_deploy_quick_runs_each_sites_messages_in_one_warm_process() -> None:
     assert [r["kind"] for r in section.rows if r["runtime"] == "deployment (warm)"] == [
         "first (start-up)", "steady", "last (final evaluation)"]
     assert section.ratios["deploy_round_vs_local_train"] > 0
+    assert section.ratios["objects_per_message"] == 3.0  # every message and reply: 3 objects in the SuperLink
     assert section.goals[0].target == "<= 1.3x"
     if sys.platform.startswith("linux"):  # where a steady round's CPU goes, by role (/proc)
         cpu = section.config["warm_cpu_seconds_per_steady_round"]

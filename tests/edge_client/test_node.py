@@ -52,12 +52,14 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     """The train handler's work (no refresh: the bundle holds the round's PromptFormer). Without ``out``
     the reply carries the trained tensors and nothing is written; with it, the round's update file
     holds exactly what the reply carries."""
-    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.app import Context, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedmvp_formats.messages import Instruction, read_identity
 
-    from edge_client.node import _arrays, _records, evaluate, train
+    from fedmvp_formats.packed import packed_records
+
+    from edge_client.node import _arrays, _content, _records, evaluate, train
     from edge_client.update import read_update
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
@@ -68,13 +70,13 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     assert node.out is None and "out=" not in node.to_node_config()  # no update file unless asked for
     rng = np.random.default_rng(0)
     start = {k: (v + rng.normal(scale=0.05, size=v.shape)).astype(np.float32) for k, v in bundle.lora().items()}
-    config = ConfigRecord(Instruction(round=3, run_id="r", promptformer_digest=bundle.promptformer_digest,
-                                      lr=0.1, lora_clients=()).records()["config"])
+    config = Instruction(round=3, run_id="r", promptformer_digest=bundle.promptformer_digest,
+                         lr=0.1, lora_clients=()).records()["config"]
 
     def one_round(node: EdgeNodeConfig) -> tuple[Message, Context]:
         context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
                           run_config={})
-        message = Message(content=RecordDict({**_records(start), "config": config}), dst_node_id=5,
+        message = Message(content=_content({**packed_records(start), "config": config}), dst_node_id=5,
                           message_type="train")
         return train(message, context), context
 
@@ -83,10 +85,10 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     before = {p.name: p.read_bytes() for p in bundle_dir.iterdir() if p.is_file()}
     reply, context = one_round(node)
     assert sorted(tmp_path.rglob("*")) == files_before  # no update file, nothing else either
-    identity = read_identity(dict(reply.content["identity"]), "r", 3)  # what the server reads of it
+    identity = read_identity(_records(reply.content)["identity"], "r", 3)  # what the server reads of it
     assert identity.role == "edge" and not identity.refreshed and identity.bundle_id == bundle.id
-    assert reply.content["metrics"]["num-examples"] == 6  # 2 classes x 3 training images (1 held out each)
-    trained = _arrays(reply.content)  # as the server reads it: one packed Array and its layout
+    assert _records(reply.content)["metrics"]["num-examples"] == 6  # 2 classes x 3 training images (1 held out each)
+    trained = _arrays(reply.content)  # as the server reads it: packed bytes and their layout
     assert set(trained) == set(start) and any(not np.allclose(trained[k], start[k]) for k in start)
     assert all(v.dtype == np.float32 and list(v.shape) == bundle.lora_shapes[k] for k, v in trained.items())
     assert before == {p.name: p.read_bytes() for p in bundle_dir.iterdir() if p.is_file()}  # nothing changed
@@ -99,19 +101,19 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
     again = _arrays(kept.content)
     assert set(update.tensors) == set(again) and all(np.array_equal(update.tensors[k], again[k]) for k in again)
     assert all(np.array_equal(again[k], trained[k]) for k in trained)  # same round, same seed: same tensors
-    assert update.num_examples == kept.content["metrics"]["num-examples"] == 6
+    assert update.num_examples == _records(kept.content)["metrics"]["num-examples"] == 6
 
-    message = Message(content=RecordDict({"arrays": reply.content["arrays"], "layout": reply.content["layout"],
-                                          "config": ConfigRecord(Instruction(
-                                              round=3, run_id="r", promptformer_digest=bundle.promptformer_digest,
-                                              assignment={}).records()["config"])}),
+    sent = _records(reply.content)
+    message = Message(content=_content({"arrays": sent["arrays"], "layout": sent["layout"], "config": Instruction(
+                          round=3, run_id="r", promptformer_digest=bundle.promptformer_digest,
+                          assignment={}).records()["config"]}),
                       dst_node_id=5, message_type="evaluate")
-    counts = evaluate(message, context).content["metrics"]
+    counts = _records(evaluate(message, context).content)["metrics"]
     assert counts["edge:total"] == 2 and 0 <= counts["edge:correct"] <= 2
     from edge_client import node as edge_node
 
     (engine,) = [p.engine for p in edge_node._PREDICTORS.values()]
-    again = evaluate(message, context).content["metrics"]  # the next round: the same model, fed its LoRA
+    again = _records(evaluate(message, context).content)["metrics"]  # the next round: the same model, fed its LoRA
     assert dict(again) == dict(counts) and [p.engine for p in edge_node._PREDICTORS.values()] == [engine]
 
 
@@ -119,13 +121,15 @@ def test_one_round_on_the_device_trains_the_global_lora_and_leaves_the_bundle_al
 def test_the_runtime_asked_for_evaluates_the_round(edge_bundle, tmp_path, runtime, precision):
     """`join --runtime/--precision` travel in the node config to the predictor the evaluate handler
     runs (and keeps warm): its engine is that runtime's, and its counts are the ones ONNX Runtime gives."""
-    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.app import Context, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedmvp_formats.messages import Instruction
 
     from edge_client import node as edge_node
-    from edge_client.node import _records, evaluate
+    from fedmvp_formats.packed import packed_records
+
+    from edge_client.node import _content, _records, evaluate
 
     if runtime == "openvino":
         pytest.importorskip("openvino")
@@ -134,13 +138,13 @@ def test_the_runtime_asked_for_evaluates_the_round(edge_bundle, tmp_path, runtim
     root = write_local_data(tmp_path / "local", bundle.class_names[:3], per_class=4)
     node = EdgeNodeConfig(bundle=edge_bundle, data=root, eval_fraction=0.5, threads=1, runtime=runtime,
                           precision=precision)
-    config = ConfigRecord(Instruction(round=2, run_id="r", promptformer_digest=bundle.promptformer_digest,
-                                      assignment={}).records()["config"])
-    message = Message(content=RecordDict({**_records(bundle.lora()), "config": config}), dst_node_id=5,
+    config = Instruction(round=2, run_id="r", promptformer_digest=bundle.promptformer_digest,
+                         assignment={}).records()["config"]
+    message = Message(content=_content({**packed_records(bundle.lora()), "config": config}), dst_node_id=5,
                       message_type="evaluate")
     context = Context(run_id=1, node_id=5, node_config={"role": "edge", **parse(node)}, state=RecordDict(),
                       run_config={})
-    counts = evaluate(message, context).content["metrics"]
+    counts = _records(evaluate(message, context).content)["metrics"]
     (predictor,) = edge_node._PREDICTORS.values()
     assert predictor.engine.runtime == runtime and predictor.choice.candidate.runtime == runtime
     assert predictor.engine.precision == (bundle.precision if precision == "auto" else precision)

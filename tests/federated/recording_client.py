@@ -12,13 +12,14 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedmvp.federated import client_app as real
+from fedmvp.federated.wire import content_records
 
 app = ClientApp()
 
 
 def _record(kind: str, msg: Message, context: Context) -> None:
     partition = int(context.node_config["partition-id"])
-    row = {"kind": kind, "round": int(msg.content["config"]["round"]), "partition": partition,
+    row = {"kind": kind, "round": int(content_records(msg.content)["config"]["round"]), "partition": partition,
            "node": int(msg.metadata.dst_node_id), "threads": torch.get_num_threads()}
     path = f"{os.environ['FEDMVP_TEST_RECORD']}/{kind}-r{row['round']}-p{partition}.json"
     assert not os.path.exists(path), f"{path}: asked twice"

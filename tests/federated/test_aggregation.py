@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedmvp.federated.metrics import harmonic_mean
 from fedmvp.federated.aggregate import weighted_average
 from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, StrategyOptions, cosine_lr
 from fedmvp.presets.server import ServerSpec
-from fedmvp.federated.wire import content_state, state_records
+from fedmvp.federated.wire import content_records, content_state, records_content, state_records
 
 
 @pytest.fixture(autouse=True)
@@ -40,12 +40,12 @@ class SiteGrid:
         replies = []
         for msg in messages:
             assert msg.metadata.message_type == "query.identify"
-            node, config = msg.metadata.dst_node_id, msg.content["config"]
+            node, config = msg.metadata.dst_node_id, content_records(msg.content)["config"]
             self.asked.append(node)
             role = self.roles[node]
             who = {"role": "edge"} if role == "edge" else {"partition-id": role}
-            reply = Message(RecordDict({"identity": ConfigRecord({**who, "round": config["round"],
-                                                                  "run-id": config["run-id"]})}), reply_to=msg)
+            reply = Message(records_content({"identity": {**who, "round": config["round"],
+                                                          "run-id": config["run-id"]}}), reply_to=msg)
             reply.metadata._src_node_id = node
             replies.append(reply)
         return replies
@@ -65,13 +65,12 @@ class SiteGrid:
 
 def reply(client: int, arrays: dict[str, np.ndarray], n: int, lora: bool, switch: bool = False,
           round_number: int = 1, run_id: str = RUN) -> Message:
-    metrics = MetricRecord({"num-examples": n, "partition-id": client, "train-loss": 0.1 * (client + 1),
-                            "train-ce": 0.0, "train-consistency": 0.0, "lora-active": int(lora),
-                            "switch-next": int(switch)})
-    identity = ConfigRecord({"partition-id": client, "round": round_number, "run-id": run_id})
-    classes = ConfigRecord({f"class{client}": n})  # its training images per class: all of one class
-    message = Message(content=RecordDict({**state_records(arrays), "metrics": metrics, "identity": identity,
-                                          "classes": classes}), dst_node_id=1, message_type="train")
+    metrics = {"num-examples": n, "partition-id": client, "train-loss": 0.1 * (client + 1),
+               "train-ce": 0.0, "train-consistency": 0.0, "lora-active": int(lora), "switch-next": int(switch)}
+    identity = {"partition-id": client, "round": round_number, "run-id": run_id}
+    classes = {f"class{client}": n}  # its training images per class: all of one class
+    message = Message(content=records_content({**state_records(arrays), "metrics": metrics, "identity": identity,
+                                               "classes": classes}), dst_node_id=1, message_type="train")
     message.metadata._src_node_id = 100 + client  # a reply from node 100 + site (set by Flower in a run)
     return message
 
@@ -130,12 +129,12 @@ def test_configure_sends_flags_schedule_and_a_replayable_sample():
     assert sorted(grid.asked) == [11, 12, 13, 14]  # every node met is asked once who it is
     # only the nodes of the round's sampled sites get work: no broadcast, no empty replies
     assert sorted(m.metadata.dst_node_id for m in messages) == [11 + site for site in strategy.selected_clients(6)]
-    config = messages[0].content["config"]
+    config = content_records(messages[0].content)["config"]
     assert config["round"] == 6 and config["run-id"] == RUN and config["threads"] == 3
     assert config["lr"] == pytest.approx(cosine_lr(0.003, 6, 10))
     assert config["lora-clients"] == [1, 3]  # lists travel as lists, not as JSON text
     assert "selected" not in config  # whoever is asked trains
-    texts = [v for record in messages[0].content.config_records.values() for v in record.values() if isinstance(v, str)]
+    texts = [v for record in content_records(messages[0].content).values() for v in record.values() if isinstance(v, str)]
     assert not [t for t in texts if t[:1] in "[{"]  # no JSON text in any record
     strategy.configure_train(3, ArrayRecord(), ConfigRecord(), grid)
     assert len(grid.asked) == 4  # a node is asked who it is once
@@ -216,10 +215,10 @@ def test_cosine_schedule_and_harmonic_mean():
 # ---- edge devices ----------------------------------------------------------------------------------
 def edge_reply(node: int, arrays: dict[str, np.ndarray], n: int, digest: str = "d1", round_number: int = 1,
                bundle: str = "b") -> Message:
-    metrics = MetricRecord({"num-examples": n, "train-loss": 0.5})
-    identity = ConfigRecord({"role": "edge", "round": round_number, "run-id": RUN, "bundle-id": f"{bundle}{node}",
-                             "promptformer-digest": digest, "refreshed": 0, "refresh-bytes": 0})
-    message = Message(content=RecordDict({**state_records(arrays), "metrics": metrics, "identity": identity}),
+    metrics = {"num-examples": n, "train-loss": 0.5}
+    identity = {"role": "edge", "round": round_number, "run-id": RUN, "bundle-id": f"{bundle}{node}",
+                "promptformer-digest": digest, "refreshed": 0, "refresh-bytes": 0}
+    message = Message(content=records_content({**state_records(arrays), "metrics": metrics, "identity": identity}),
                       dst_node_id=1, message_type="train")
     message.metadata._src_node_id = node
     return message
@@ -256,7 +255,7 @@ def test_edge_replies_average_with_sites_in_lora_mode_and_are_recorded_per_node(
     messages = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(), grid)}
     assert set(content_state(messages[7].content)) == {"lora.a"}
     assert set(content_state(messages[9].content)) == set(content_state(messages[100].content)) == {"lora.a", "promptformer.w"}
-    assert messages[7].content["config"]["promptformer-digest"] == promptformer_digest(strategy.global_state)
+    assert content_records(messages[7].content)["config"]["promptformer-digest"] == promptformer_digest(strategy.global_state)
 
 
 def test_edge_replies_record_what_the_round_state_lists():

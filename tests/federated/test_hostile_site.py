@@ -31,11 +31,14 @@ from tests.federated.processes import ENV, FEDMVP, Processes
 pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 HOSTILE_APP = '''"""A compromised site's ClientApp: fedmvp's own, its train replies spoiled (test_hostile_site.py)."""
+import io
+
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedmvp.federated import client_app as real
+from fedmvp.federated.wire import content_records, records_content
 
 app = ClientApp()
 app.query("identify")(real.identify)
@@ -45,24 +48,25 @@ app.evaluate()(real.evaluate)
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     reply = real.train(msg, context)
-    records = dict(reply.content.items())
-    layout = {key: list(values) for key, values in dict(records["layout"]).items()}
-    lie = int(msg.content["config"]["round"])
+    records = content_records(reply.content)
+    layout = records["layout"]
+    lie = int(content_records(msg.content)["config"]["round"])
     if lie == 1:
         first = layout["ranks"][0]
         layout["ranks"][0] = 2
         layout["dims"] = [2 ** 32, 2 ** 32] + layout["dims"][first:]
     elif lie == 2:
-        flat = records["arrays"]["tensors"].numpy()
-        records["arrays"] = ArrayRecord({"tensors": Array(flat.astype(np.float64))})
+        flat = np.load(io.BytesIO(records["arrays"]["tensors"]), allow_pickle=False)
+        stream = io.BytesIO()
+        np.save(stream, flat.astype(np.float64), allow_pickle=False)
+        records["arrays"]["tensors"] = stream.getvalue()
     else:
         layout["names"].append("lora.planted")
         layout["ranks"].append(1)
         layout["dims"].append(1)
-    records["layout"] = ConfigRecord(layout)
-    return Message(content=RecordDict(records), reply_to=msg)
+    return Message(content=records_content(records), reply_to=msg)
 '''
-LIES = {1: "values declared, more than 2147483648 float32s", 2: "not float32", 3: "unexpected"}
+LIES = {1: "values declared, more than 2147483648 float32s", 2: "the bytes are not a .npy of", 3: "unexpected"}
 
 
 @pytest.mark.timeout(420)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Instruction, MessageError
@@ -21,7 +21,7 @@ from fedmvp_formats.messages import Instruction, MessageError
 from fedmvp.federated.sampling import IDENTIFY, sample_among, sample_sites
 from fedmvp.federated.site_registry import REGISTRY_FILE, SiteRegistry, SiteRegistryError
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy, StrategyOptions
-from fedmvp.federated.wire import array_record, instruction_content, state_records
+from fedmvp.federated.wire import array_record, content_records, instruction_content, records_content, state_records
 from fedmvp.presets.server import ServerSpec
 from tests.site_trees import site_preset, world_classes
 
@@ -117,7 +117,7 @@ def test_an_open_site_identifies_by_name_and_trains_under_the_id_its_message_car
     context = _context(open_preset, "a", open_preset.parent / "sites" / "a")
     content = instruction_content(ArrayRecord(), Instruction(round=4, run_id=RUN, preset=str(open_preset)))
     reply = app(Message(content=content, message_type=IDENTIFY, dst_node_id=7), context)
-    identity = dict(reply.content[schema.IDENTITY])
+    identity = content_records(reply.content)[schema.IDENTITY]
     assert identity[schema.PARTITION_ID] == schema.UNNUMBERED and identity[schema.SITE_NAME] == "a"
     with pytest.raises(MessageError, match="no site"):  # train and evaluate need the id the server gave
         _site(context, str(open_preset), Instruction(round=4, run_id=RUN))
@@ -143,12 +143,12 @@ class NameGrid:
         self._replies = []
         for msg in messages:
             assert msg.metadata.message_type == IDENTIFY
-            node, config = msg.metadata.dst_node_id, msg.content["config"]
+            node, config = msg.metadata.dst_node_id, content_records(msg.content)["config"]
             self.asked.append(node)
             msg.metadata.__dict__["_message_id"] = f"query-{node}"
-            reply = Message(RecordDict({"identity": ConfigRecord({
+            reply = Message(records_content({"identity": {
                 "partition-id": schema.UNNUMBERED, "site-name": self.names[node], "round": config["round"],
-                "run-id": config["run-id"]})}), reply_to=msg)
+                "run-id": config["run-id"]}}), reply_to=msg)
             reply.metadata._src_node_id = node
             self._replies.append(reply)
         return [msg.metadata.message_id for msg in messages]
@@ -167,11 +167,11 @@ def _strategy(run, open_sites, min_nodes: int | None = None, fraction: float = 1
 
 def _reply(node: int, site: int, name: str, run_id: str, classes: dict[str, int]) -> Message:
     n = sum(classes.values())
-    metrics = MetricRecord({"num-examples": n, "train-loss": 0.5, "lora-active": 0, "switch-next": 0})
-    identity = ConfigRecord({"partition-id": site, "site-name": name, "round": 1, "run-id": run_id})
-    message = Message(content=RecordDict({**state_records({"promptformer.w": np.ones(2, np.float32) * site}),
-                                          "metrics": metrics, "identity": identity,
-                                          "classes": ConfigRecord(classes)}), dst_node_id=1, message_type="train")
+    metrics = {"num-examples": n, "train-loss": 0.5, "lora-active": 0, "switch-next": 0}
+    identity = {"partition-id": site, "site-name": name, "round": 1, "run-id": run_id}
+    message = Message(content=records_content({**state_records({"promptformer.w": np.ones(2, np.float32) * site}),
+                                               "metrics": metrics, "identity": identity, "classes": classes}),
+                      dst_node_id=1, message_type="train")
     message.metadata._src_node_id = node
     return message
 
@@ -189,7 +189,7 @@ def test_the_server_numbers_names_sends_each_node_its_id_and_leaves_out_two_node
     # numbered in order of first appearance (node order here), persisted before any work is sent
     assert json.loads((run.path / REGISTRY_FILE).read_text())["sites"] == [{"id": 0, "name": "clinic-z"},
                                                                            {"id": 1, "name": "clinic-y"}]
-    sent = {m.metadata.dst_node_id: m.content["config"][schema.SITE_ID] for m in messages}
+    sent = {m.metadata.dst_node_id: content_records(m.content)["config"][schema.SITE_ID] for m in messages}
     assert sent == {21: 0, 22: 1, 23: 0}
     assert strategy.site_names == {0: "clinic-z", 1: "clinic-y"} and strategy.num_clients == 2
     assert {e["name"] for e in strategy.federation["evaluations"]} == {f"clinics/{k}/{n}" for k in ("base", "new")
@@ -208,7 +208,7 @@ def test_the_server_numbers_names_sends_each_node_its_id_and_leaves_out_two_node
     assert restarted.site_names == {0: "clinic-z", 1: "clinic-y"}
     messages = restarted.configure_train(1, array_record({"promptformer.w": np.zeros(2, np.float32)}),
                                          ConfigRecord(), NameGrid({40: "clinic-y", 41: "clinic-x"}))
-    assert {m.metadata.dst_node_id: m.content["config"][schema.SITE_ID] for m in messages} == {40: 1, 41: 2}
+    assert {m.metadata.dst_node_id: content_records(m.content)["config"][schema.SITE_ID] for m in messages} == {40: 1, 41: 2}
     arrays, metrics = restarted.aggregate_train(1, [_reply(40, 1, "clinic-y", run_id, {base: 5}),
                                                     _reply(41, 2, "clinic-x", run_id, {base: 2})])
     assert arrays is not None and metrics["clients"] == 2
@@ -227,7 +227,7 @@ def test_an_open_round_waits_for_min_nodes_then_samples_the_live_sites_by_the_ro
     grid = NameGrid({n: f"site-{n}" for n in range(10, 16)})
     for round_number in (1, 2, 3):
         messages = strategy.configure_train(round_number, ArrayRecord(), ConfigRecord(), grid)
-        ids = sorted(m.content["config"][schema.SITE_ID] for m in messages)
+        ids = sorted(content_records(m.content)["config"][schema.SITE_ID] for m in messages)
         # site 0 (a) is gone: the round draws among the six live ones (ids 1..6) as a listed federation of six
         # sites draws, by position
         assert ids == sample_among(3, 0.5, list(range(1, 7)), round_number) == \

@@ -171,7 +171,7 @@ def test_data_counts_equal_the_sites_own_evaluate_handler(served):
     from node_app.client_app import app
     from fedmvp.data.federation_plan import plan_record
     from fedmvp.federated.metrics import evaluation_sites
-    from fedmvp.federated.wire import array_record, instruction_content, to_numpy_state
+    from fedmvp.federated.wire import array_record, content_records, instruction_content, to_numpy_state
     from fedmvp.runs import RunDir
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
@@ -183,7 +183,7 @@ def test_data_counts_equal_the_sites_own_evaluate_handler(served):
     message = Message(content=instruction_content(array_record(state), instruction), message_type="evaluate",
                       dst_node_id=11)
     reply = app(message, site_context(11, preset, "a"))
-    metrics = dict(reply.content[schema.METRICS])
+    metrics = content_records(reply.content)[schema.METRICS]
     shown = evaluated(served, "--round", 1, "--data", site_folder(preset, "a"))
     expected = _site_counts(shown, "a")
     assert schema.count_sets(metrics) == set(expected)

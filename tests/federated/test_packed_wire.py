@@ -1,21 +1,19 @@
-"""Tensors travel packed: one Array and its layout, read back exactly (fedmvp_formats.packed).
+"""Tensors travel packed: .npy bytes and their layout, read back exactly (fedmvp_formats.packed).
 
 Hostile packed replies are the rows of test_reply_attacks.py; here: what a sender packs is what a
-reader gets, whatever the names and shapes, and a message's object count no longer grows with its
-tensor count (what made the SuperLink the bottleneck of a deployed round, issue 24 §5)."""
+reader gets, whatever the names and shapes, and a message's object count does not grow with its
+tensor count (what made the SuperLink the bottleneck of a deployed round, docs/benchmarks.md "deploy")."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
-from flwr.supercore.inflatable.inflatable_object import get_object_tree
-from flwr.supercore.inflatable.inflatable_utils import iterate_object_tree
+from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fedmvp_formats.messages import MessageError
 from fedmvp_formats.packed import LAYOUT, PACKED, pack, read_layout, read_wire
 
-from fedmvp.federated.wire import content_state, state_records
+from fedmvp.federated.wire import content_state, message_objects, records_content, state_records
 
 RNG = np.random.default_rng(0)
 
@@ -27,7 +25,7 @@ RNG = np.random.default_rng(0)
     {f"promptformer.t{i:03d}": RNG.normal(size=(i % 4 + 1, 3)).astype(np.float32) for i in range(120)},
 ], ids=["one", "unsorted-float64-scalar", "empty-and-rank-8", "120-tensors"])
 def test_what_is_packed_is_read_back_exactly(state):
-    content = RecordDict(state_records(state))
+    content = records_content(state_records(state))
     back = content_state(content)
     assert list(back) == sorted(state)  # sorted order, whatever the dict's
     for name, value in state.items():
@@ -37,23 +35,21 @@ def test_what_is_packed_is_read_back_exactly(state):
         assert back[name].flags.writeable  # a copy of its own, not a view of the message's bytes
 
 
-def test_no_tensors_is_an_empty_arrays_record_and_no_layout():
-    records = state_records({})
-    assert set(records) == {"arrays"} and len(records["arrays"]) == 0
-    assert content_state(RecordDict(records)) == {}
+def test_no_tensors_is_no_records():
+    assert state_records({}) == {}
+    assert content_state(records_content({})) == {}
 
 
 def test_a_messages_objects_do_not_grow_with_its_tensors():
     """Flower stores each Array (and its chunks) as objects of their own, each one SuperLink request:
-    per-name arrays made 51 objects of the demo's 26 tensors; packed, any count is the same few."""
-    def objects(state: dict) -> int:
-        return sum(1 for _ in iterate_object_tree(get_object_tree(RecordDict(state_records(state)))))
-
+    per-name arrays made 51 objects of the demo's 26 tensors; packed bytes in the one record, any count
+    is the RecordDict and its record (the Message is the third: test_wire_objects.py)."""
     few = {f"lora.t{i}": np.full(4, i, np.float32) for i in range(2)}
     many = {f"lora.t{i}": np.full(4, i, np.float32) for i in range(200)}
-    assert objects(few) == objects(many) <= 6
-    per_name = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in many.items()})})
-    assert sum(1 for _ in iterate_object_tree(get_object_tree(per_name))) > 200
+    assert message_objects(records_content(state_records(few))) == 2
+    assert message_objects(records_content(state_records(many))) == 2
+    per_name = ArrayRecord({k: Array(v) for k, v in many.items()})
+    assert message_objects(per_name) > 200
 
 
 def test_the_layout_is_plain_lists_in_order():
@@ -78,19 +74,25 @@ def test_a_reader_that_expects_names_and_shapes_holds_the_layout_to_them(expecte
             read_wire(records["arrays"], records[LAYOUT], expected)
 
 
-def test_the_packed_array_is_one_float32_vector():
+def test_the_packed_bytes_are_one_float32_vector():
     records = state_records({"a": np.ones((2, 2), np.float32)})
-    array = records["arrays"][PACKED]
-    assert (array.dtype, list(array.shape)) == ("float32", [4])
+    back = np.load(__import__("io").BytesIO(records["arrays"][PACKED]), allow_pickle=False)
+    assert (back.dtype, back.shape) == (np.float32, (4,))
 
 
 @pytest.mark.parametrize("dims", [[2 ** 32, 2 ** 32], [2 ** 62, 4], [2 ** 31 + 1]], ids=["2**64", "2**64-b", "over-bound"])
 def test_a_layout_declaring_more_values_than_a_message_holds_is_refused_before_any_read(dims):
     """int64 products wrap (2**32 * 2**32 is 0 in int64): sizes are exact integers, bounded."""
-    layout = ConfigRecord({"names": ["promptformer.w"], "ranks": [len(dims)], "dims": dims})
-    arrays = ArrayRecord({PACKED: Array(np.zeros(0, np.float32))})
+    layout = {"names": ["promptformer.w"], "ranks": [len(dims)], "dims": dims}
+    arrays = state_records({"promptformer.w": np.zeros(0, np.float32)})["arrays"]
     with pytest.raises(MessageError, match="values declared"):
         read_wire(arrays, layout)
+
+
+def test_packed_values_that_are_not_bytes_are_refused():
+    records = state_records({"a": np.ones(2, np.float32)})
+    with pytest.raises(MessageError, match="is not bytes"):
+        read_wire({PACKED: "text"}, records[LAYOUT])
 
 
 def test_a_rounds_tensors_are_packed_once_for_every_site_of_an_open_federation():
@@ -106,5 +108,6 @@ def test_a_rounds_tensors_are_packed_once_for_every_site_of_an_open_federation()
     made = [content(node, arrays) for node in range(6)]
     assert [content_instruction(c).site for c in made[:3]] == [0, 1, 2]
     assert made[0] is made[3] and made[0] is not made[1]  # one content per site
-    assert all(c["arrays"] is made[0]["arrays"] and c[LAYOUT] is made[0][LAYOUT] for c in made)
+    packed = made[0]["fedmvp"]["arrays.tensors"]
+    assert all(c["fedmvp"]["arrays.tensors"] is packed for c in made)  # the bytes of one packing, shared
     np.testing.assert_array_equal(content_state(made[2])["lora.a"], arrays["lora.a"].numpy())

@@ -22,7 +22,7 @@ from flwr.app import ConfigRecord, Message
 from fedmvp.federated.buffered import BufferedStrategy
 from fedmvp.federated.round_writer import RoundWriter
 from fedmvp.federated.strategy import FedMVPStrategy, RoundFailed, RoundPolicy, StrategyOptions
-from fedmvp.federated.wire import array_record
+from fedmvp.federated.wire import array_record, content_records
 from fedmvp.presets.server import ServerSpec
 from fedmvp.runs import RunDir
 from fedmvp_formats.privacy import PrivacyRecord
@@ -188,7 +188,7 @@ class BufferedGrid(SiteGrid):
             node = message.metadata.dst_node_id
             if self.pulls[message_id] > self.delay[node]:
                 del self.out[message_id]
-                config = message.content["config"]
+                config = content_records(message.content)["config"]
                 lora = {"lora.a": np.random.default_rng(self.sent).normal(size=6).astype(np.float32)}
                 sent = edge_reply(node, lora, 10, digest=config["promptformer-digest"], round_number=config["round"])
                 answer = Message(content=sent.content, reply_to=message)

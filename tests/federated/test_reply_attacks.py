@@ -1,7 +1,8 @@
 """Flower replies as a hostile SuperNode sends them: each is left out with a logged reason, nothing averaged.
 
-Rows are real Flower records (the packed ``Array`` built from raw dtype/shape/stype/bytes as it
-arrives off the wire, its ``layout`` ConfigRecord, ``MetricRecord``, ``ConfigRecord``) in a real ``Message``, handed to the
+Rows are real Flower records (the message's one ConfigRecord of folded records, fedmvp_formats.envelope:
+the packed .npy bytes as they arrive off the wire, their ``layout``, ``metrics``, ``identity``, ``classes``;
+or records beside it) in a real ``Message``, handed to the
 strategy's ``aggregate_train`` beside one good reply: the round must average exactly the good one,
 record the hostile one's reason (one printable line, bounded) and raise nothing. Arrays must be
 refused by their declared shape and bytes before anything is converted (tracemalloc: no copy).
@@ -17,7 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedmvp_formats.envelope import fold
 
 from fedmvp_formats.class_set import ClassSet
 from fedmvp.federated.replies import ClassRules
@@ -54,11 +57,9 @@ def npy(array: np.ndarray | None = None, *, descr: str = "<f4", shape: tuple = S
 FLAT = (6,)  # lora.a [2, 3], packed
 
 
-def wire(dtype: str = "float32", shape: tuple = FLAT, data: bytes | None = None, stype: str = "numpy.ndarray"
-         ) -> Array:
-    """The packed Array as it arrives: its declared fields and bytes, each the sender's to choose."""
-    return Array(dtype=dtype, shape=tuple(shape), stype=stype,
-                 data=npy(np.ones(FLAT, np.float32)) if data is None else data)
+def wire(data: bytes | None = None) -> bytes:
+    """The packed bytes as they arrive: whatever the sender chose (good: the 6 float32 ones of lora.a)."""
+    return npy(np.ones(FLAT, np.float32)) if data is None else data
 
 
 def layout(*tensors: tuple[str, tuple]) -> dict[str, list]:
@@ -76,16 +77,18 @@ class Hostile:
 
     id: str
     reason: str
-    arrays: dict[str, Array] | None = None  # replaces the ArrayRecord's entries (good: one packed Array)
+    arrays: dict[str, Any] | None = None  # replaces the arrays record's values (good: one packed bytes)
     layout: dict[str, Any] | None = None  # replaces the layout record's values
-    metrics: dict[str, Any] = field(default_factory=dict)  # merged into the good MetricRecord (None: drop key)
-    identity: dict[str, Any] = field(default_factory=dict)  # merged into the good ConfigRecord (None: drop key)
-    records: dict[str, Any] = field(default_factory=dict)  # replaces whole records (None: drop the record)
+    metrics: dict[str, Any] = field(default_factory=dict)  # merged into the good metrics (None: drop key)
+    identity: dict[str, Any] = field(default_factory=dict)  # merged into the good identity (None: drop key)
+    records: dict[str, Any] = field(default_factory=dict)  # replaces whole records (None: drop the record;
+    # a ConfigRecord: its values, folded; a MetricRecord: a record of its own beside the one ConfigRecord)
+    folded: dict[str, Any] = field(default_factory=dict)  # keys written into the one ConfigRecord as they are
     edge: bool = False
 
 
-def packed(array: Array) -> dict[str, Array]:
-    return {"tensors": array}
+def packed(data: bytes) -> dict[str, bytes]:
+    return {"tensors": data}
 
 
 def _many() -> dict[str, Any]:
@@ -109,31 +112,36 @@ ROWS = [
     Hostile("dims-do-not-fit", "do not fit", layout={**GOOD_LAYOUT, "dims": [2]}),
     Hostile("extra-layout-key", "expected the keys", layout={**GOOD_LAYOUT, "offsets": [0]}),
     Hostile("no-layout", "no layout", records={"layout": None}),
-    Hostile("layout-as-metric-record", "malformed reply", records={"layout": MetricRecord({"ranks": [2]})}),
-    # the packed Array, before it is converted
-    Hostile("two-arrays", "expected one tensors array", arrays={**packed(wire()), "lora.a": wire()}),
-    Hostile("per-name-arrays", "expected one tensors array", arrays={"lora.a": wire(shape=SHAPE)}),
-    Hostile("npy-header-lies-4-TiB", ".npy", packed(wire(data=npy(shape=(2 ** 40,), payload=b"x" * 24)))),
-    Hostile("16-MB-array", "shape [4000000], the layout's is [6]",
-            packed(wire(shape=(4_000_000,), data=npy(np.ones(4_000_000, np.float32))))),
-    Hostile("float64", "not float32", packed(wire("float64", data=npy(np.ones(FLAT, np.float64))))),
-    Hostile("float16", "not float32", packed(wire("float16", data=npy(np.ones(FLAT, np.float16))))),
-    Hostile("float64-declared-float32", ".npy", packed(wire(data=npy(np.ones(FLAT, np.float64))))),
-    Hostile("big-endian-float32", ".npy", packed(wire(data=npy(np.ones(FLAT, ">f4"))))),
-    Hostile("int32", "not float32", packed(wire("int32", data=npy(np.ones(FLAT, np.int32))))),
-    Hostile("int64", "not float32", packed(wire("int64", data=npy(np.ones(FLAT, np.int64))))),
-    Hostile("bool", "not float32", packed(wire("bool", data=npy(np.ones(FLAT, bool))))),
-    Hostile("complex64", "not float32", packed(wire("complex64", data=npy(np.ones(FLAT, np.complex64))))),
-    Hostile("object-pickle", "not float32", packed(wire("object", data=npy(descr="|O", payload=b"\x80\x04N.")))),
-    Hostile("object-declared-float32", ".npy", packed(wire(data=npy(descr="|O", shape=FLAT, payload=b"\x80\x04N.")))),
-    Hostile("fortran-2d-header", ".npy", packed(wire(data=npy(np.ones(SHAPE, np.float32))))),
-    Hostile("truncated-bytes", ".npy", packed(wire(data=npy(np.ones(FLAT, np.float32))[:-5]))),
-    Hostile("not-npy", ".npy", packed(wire(data=b"\x80\x04\x95" + b"x" * 40))),
-    Hostile("torch-serialisation", "serialisation", packed(wire(stype="torch.Tensor"))),
+    Hostile("layout-as-metric-record", "expected one fedmvp ConfigRecord, got 2 record(s)",
+            records={"layout": None, "layout-beside": MetricRecord({"ranks": [2]})}),
+    # the one record itself
+    Hostile("record-beside-the-one", "expected one fedmvp ConfigRecord", records={"extra": ConfigRecord({"a": 1})}),
+    Hostile("unfolded-key", "fedmvp key tensors is not <record>.<key>", folded={"tensors": b"x"}),
+    Hostile("ansi-unfolded-key", "is not <record>.<key>", folded={ANSI: 1}),
+    # the packed bytes, before they are converted
+    Hostile("two-arrays", "expected one tensors value", arrays={**packed(wire()), "lora.a": wire()}),
+    Hostile("per-name-arrays", "expected one tensors value", arrays={"lora.a": wire()}),
+    Hostile("tensors-as-text", "is not bytes", arrays={"tensors": "x" * 24}),
+    Hostile("tensors-as-list", "is not bytes", arrays={"tensors": [1.0] * 6}),
+    Hostile("npy-header-lies-4-TiB", ".npy", packed(wire(npy(shape=(2 ** 40,), payload=b"x" * 24)))),
+    Hostile("16-MB-array", "16000128 bytes", packed(wire(npy(np.ones(4_000_000, np.float32))))),
+    Hostile("float64", "they hold float64", packed(wire(npy(np.ones(FLAT, np.float64))))),
+    Hostile("float16", "they hold float16", packed(wire(npy(np.ones(FLAT, np.float16))))),
+    Hostile("big-endian-float32", ".npy", packed(wire(npy(np.ones(FLAT, ">f4"))))),
+    Hostile("int32", "they hold int32", packed(wire(npy(np.ones(FLAT, np.int32))))),
+    Hostile("int64", "they hold int64", packed(wire(npy(np.ones(FLAT, np.int64))))),
+    Hostile("bool", "they hold bool", packed(wire(npy(np.ones(FLAT, bool))))),
+    Hostile("complex64", "they hold complex64", packed(wire(npy(np.ones(FLAT, np.complex64))))),
+    Hostile("object-pickle", ".npy", packed(wire(npy(descr="|O", payload=b"\x80\x04N.")))),
+    Hostile("object-declared-shape", ".npy", packed(wire(npy(descr="|O", shape=FLAT, payload=b"\x80\x04N.")))),
+    Hostile("fortran-2d-header", ".npy", packed(wire(npy(np.ones(SHAPE, np.float32))))),
+    Hostile("truncated-bytes", ".npy", packed(wire(npy(np.ones(FLAT, np.float32))[:-5]))),
+    Hostile("not-npy", ".npy", packed(wire(b"\x80\x04\x95" + b"x" * 40))),
     # metrics and identity
     Hostile("no-metrics", "malformed reply", records={"metrics": None}),
-    Hostile("metrics-as-config-record", "malformed reply", records={"metrics": ConfigRecord(
+    Hostile("metrics-as-strings", "malformed reply (metrics num-examples: '8' is not a number", records={"metrics": ConfigRecord(
         {"num-examples": "8", "partition-id": 1, "train-loss": 0.5})}),
+    Hostile("metrics-bytes", "is not a number", metrics={"train-ce": b"0.4"}),
     Hostile("num-examples-only-in-identity", "train-loss", metrics={"num-examples": None, "train-loss": None},
             identity={"num-examples": 8}),
     Hostile("identity-and-metrics-disagree", "disagree on num-examples", metrics={"num-examples": 10 ** 9},
@@ -172,7 +180,8 @@ ROWS = [
     Hostile("no-identity", "unknown site None", records={"identity": None}, metrics={"partition-id": None}),
     # the classes a site says it trained on (class name -> training images)
     Hostile("no-classes", "no classes record", records={"classes": None}),
-    Hostile("classes-not-a-config-record", "classes is not a ConfigRecord", records={"classes": MetricRecord({"cat": 8})}),
+    Hostile("classes-as-a-metric-record", "expected one fedmvp ConfigRecord",
+            records={"classes": None, "classes-beside": MetricRecord({"cat": 8})}),
     Hostile("classes-also-in-metrics", "a record of its own", metrics={"classes": 8}),
     Hostile("classes-count-float", "classes cat: 8.0 is not a count of images", records={"classes": ConfigRecord({"cat": 8.0})}),
     Hostile("classes-count-negative", "is not a count of images", records={"classes": ConfigRecord({"cat": 9, "dog": -1})}),
@@ -187,7 +196,7 @@ ROWS = [
 ]
 
 
-def message(node: int, site: int, arrays: dict[str, Array], row: Hostile | None = None) -> Message:
+def message(node: int, site: int, arrays: dict[str, Any], row: Hostile | None = None) -> Message:
     """A train reply of ``site`` (or an edge device) from ``node``, changed as ``row`` says."""
     row = row or Hostile("good", "")
     metrics = {"num-examples": 8, "train-loss": 0.5, "train-ce": 0.4, "train-consistency": 0.1,
@@ -197,12 +206,15 @@ def message(node: int, site: int, arrays: dict[str, Array], row: Hostile | None 
                                                else {"partition-id": site})}
     metrics = {k: v for k, v in (metrics | row.metrics).items() if v is not None}
     identity = {k: v for k, v in (identity | row.identity).items() if v is not None}
-    records = {"arrays": ArrayRecord(row.arrays or arrays), "layout": ConfigRecord(row.layout or GOOD_LAYOUT),
-               "metrics": MetricRecord(metrics),
-               "identity": ConfigRecord(identity), **({} if row.edge else {"classes": ConfigRecord({"cat": 8})})
-               } | row.records
-    msg = Message(content=RecordDict({k: v for k, v in records.items() if v is not None}), dst_node_id=1,
-                  message_type="train")
+    records = {"arrays": row.arrays or arrays, "layout": row.layout or GOOD_LAYOUT, "metrics": metrics,
+               "identity": identity, **({} if row.edge else {"classes": {"cat": 8}})} | row.records
+    beside = {k: v for k, v in records.items() if isinstance(v, MetricRecord)}
+    one = fold({k: dict(v) for k, v in records.items() if v is not None and k not in beside}) | row.folded
+    # a row naming a ConfigRecord of its own in ``records`` beyond the schema's: kept beside the one record
+    beside |= {k: v for k, v in row.records.items() if isinstance(v, ConfigRecord) and k not in
+               ("metrics", "classes", "identity", "layout", "arrays")}
+    one = {k: v for k, v in one.items() if k.partition(".")[0] not in beside}
+    msg = Message(content=RecordDict({"fedmvp": ConfigRecord(one), **beside}), dst_node_id=1, message_type="train")
     msg.metadata._src_node_id = node
     return msg
 
@@ -227,7 +239,7 @@ GOOD = np.full(SHAPE, 0.25, np.float32)
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
 def test_a_hostile_reply_is_left_out_and_nothing_of_it_averaged(row: Hostile, caplog) -> None:
     server = strategy()
-    replies = [message(100, 0, packed(Array(GOOD.ravel()))), message(101, 1, packed(wire()), row)]
+    replies = [message(100, 0, packed(npy(GOOD.ravel()))), message(101, 1, packed(wire()), row)]
     tracemalloc.start()
     try:
         with caplog.at_level(logging.WARNING):
@@ -249,7 +261,7 @@ def test_a_hostile_reply_is_left_out_and_nothing_of_it_averaged(row: Hostile, ca
 def test_the_good_reply_alone_is_accepted() -> None:
     """The rows' baseline: the same reply unchanged from site 1 counts."""
     server = strategy()
-    arrays, metrics = server.aggregate_train(1, [message(100, 0, packed(Array(GOOD.ravel()))),
+    arrays, metrics = server.aggregate_train(1, [message(100, 0, packed(npy(GOOD.ravel()))),
                                                  message(101, 1, packed(wire()))])
     assert server.rejected == [] and metrics["clients"] == 2
     np.testing.assert_allclose(arrays["lora.a"].numpy(), (GOOD + 1) / 2)
@@ -261,7 +273,7 @@ def test_each_sites_classes_are_recorded_with_its_reply_and_an_edge_device_need_
     edge = message(102, 0, packed(wire()), Hostile("edge", "", edge=True))
     with_classes = message(101, 1, packed(wire()), Hostile("two-classes", "",
                                                                 records={"classes": ConfigRecord({"dog": 3, "cat": 5})}))
-    server.aggregate_train(1, [message(100, 0, packed(Array(GOOD.ravel()))), with_classes, edge])
+    server.aggregate_train(1, [message(100, 0, packed(npy(GOOD.ravel()))), with_classes, edge])
     summary = server.written.to_json()
     assert server.rejected == []
     assert [(r["role"], r.get("classes")) for r in summary["replies"]] == [

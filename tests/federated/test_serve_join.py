@@ -18,7 +18,7 @@ import pytest
 from cryptography import x509
 from safetensors.torch import load_file
 
-from fedmvp_apps.deploy.stopping import STOP_BOUND
+from fedmvp_apps.deploy.object_log import message_objects, superlink_database, watch
 from fedmvp_apps.deploy.stopping import STOP_BOUND
 from fedmvp_apps.deploy.supernode import free_port
 from tests.federated.conftest import three_site_preset
@@ -77,6 +77,8 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
         while "SuperNode keys admitted" not in log("serve.log"):  # Flower refuses nodes it does not know yet
             assert server.poll() is None and time.time() < deadline, log("serve.log")
             time.sleep(0.5)
+        superlink_db = superlink_database(tmp_path / "runs" / "tls")
+        watch(superlink_db)  # every object the SuperLink stores from now on is logged (object_log)
         intruder = start([*join, "--site", "1", "--root-certificates", str(certs / "ca.crt"),
                           "--auth-key", str(certs / "node-3")], "intruder.log")
         keyless = start([*join, "--site", "0", "--root-certificates", str(certs / "ca.crt")], "keyless.log")
@@ -117,6 +119,12 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
     assert "CERTIFICATE_VERIFY_FAILED" in log("stranger.log")
     result = json.loads(log("serve.log")[log("serve.log").index("{\n"):])
     assert result["status"] == "finished:completed" and result["rounds"] == [1, 2]
+    # Each message and its reply crossed the SuperLink as at most 3 objects: the Message, its RecordDict
+    # and the one ConfigRecord (fedmvp_formats.envelope); counted from the SuperLink's own database.
+    stored = message_objects(superlink_db)
+    assert {"query.identify", "train", "evaluate"} <= set(stored), stored
+    assert max(n for counts in stored.values() for n in counts) <= 3, stored
+    assert len(stored["train"]) >= 2 * 3 * 2  # 3 sites, 2 rounds, each a message and its reply
     run = tmp_path / "runs" / "tls"
     for number in (1, 2):
         state = json.loads((run / f"round-{number:04d}" / "state.json").read_text())

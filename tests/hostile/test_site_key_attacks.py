@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 
 from fedmvp_formats import messages as schema
 from fedmvp_formats.messages import Identity, MessageError
@@ -21,6 +21,7 @@ from fedmvp_formats.messages import Identity, MessageError
 from fedmvp.federated.client_app import proof
 from fedmvp.federated.sampling import IDENTIFY, NodeRegistry
 from fedmvp.federated.site_keys import AUTH_KEY, NONCE, PROOF, PROOF_REQUEST, SiteKeys
+from fedmvp.federated.wire import records_content
 from fedmvp.presets.schema import SiteSpec
 
 RUN, ROUND, NODE, NONCE_NOW = "run-1", 4, 77, "ab" * 16
@@ -54,7 +55,7 @@ def registry(keys: Path) -> NodeRegistry:
 def signed(keys: Path, key: str, site: int = 0, *, round_number: int = ROUND, node: int = NODE, nonce: str = NONCE_NOW,
            run_id: str = RUN) -> dict:
     """The site-proof a site's ClientApp sends (its own code path), signed with ``key`` for this request."""
-    msg = Message(content=RecordDict({PROOF_REQUEST: ConfigRecord({NONCE: nonce})}), message_type=IDENTIFY,
+    msg = Message(content=records_content({PROOF_REQUEST: {NONCE: nonce}}), message_type=IDENTIFY,
                   dst_node_id=node)
     context = Context(run_id=1, node_id=node, node_config={AUTH_KEY: str(keys / key)}, state=RecordDict(),
                       run_config={})
@@ -81,7 +82,7 @@ ROWS = [  # (row, site claimed, the proof it sends given the key folder, the rea
 @pytest.mark.parametrize("row, site, sent, reason", ROWS, ids=[r[0] for r in ROWS])
 def test_a_node_claiming_a_bound_site_proves_its_key(keys, row, site, sent, reason):
     fields = {**Identity(round=ROUND, run_id=RUN, site=site, name=NAMES[site]).record(), **sent(keys)}
-    content = RecordDict({schema.IDENTITY: ConfigRecord(fields)})
+    content = records_content({schema.IDENTITY: fields})
     if reason is None:
         assert registry(keys).read(content, ROUND, NODE, NONCE_NOW) == site
         return
