@@ -214,9 +214,9 @@ def test_cosine_schedule_and_harmonic_mean():
 
 # ---- edge devices ----------------------------------------------------------------------------------
 def edge_reply(node: int, arrays: dict[str, np.ndarray], n: int, digest: str = "d1", round_number: int = 1,
-               bundle: str = "b") -> Message:
+               bundle: str = "b", run_id: str = RUN) -> Message:
     metrics = {"num-examples": n, "train-loss": 0.5}
-    identity = {"role": "edge", "round": round_number, "run-id": RUN, "bundle-id": f"{bundle}{node}",
+    identity = {"role": "edge", "round": round_number, "run-id": run_id, "bundle-id": f"{bundle}{node}",
                 "promptformer-digest": digest, "refreshed": 0, "refresh-bytes": 0}
     message = Message(content=records_content({**state_records(arrays), "metrics": metrics, "identity": identity}),
                       dst_node_id=1, message_type="train")

@@ -169,6 +169,7 @@ class ScriptedDevices:
     def pull_messages(self, ids):
         from flwr.app import Message
 
+        from fedmvp.federated.wire import content_records
         from tests.federated.test_aggregation import edge_reply
 
         ids = list(ids)
@@ -179,12 +180,11 @@ class ScriptedDevices:
             message = self.out.pop(message_id, None)
             if message is None:
                 continue
-            node, config = message.metadata.dst_node_id, message.content["config"]
+            node, config = message.metadata.dst_node_id, content_records(message.content)["config"]
             rng = np.random.default_rng(int(message_id.split("-")[1]))
             lora = {k: (v + 0.01 * rng.normal(size=v.shape)).astype(np.float32) for k, v in self.lora.items()}
             sent = edge_reply(node, lora, EXAMPLES[node], digest=config["promptformer-digest"],
-                              round_number=config["round"])
-            sent.content["identity"]["run-id"] = self.run_id
+                              round_number=config["round"], run_id=self.run_id)
             answer = Message(content=sent.content, reply_to=message)
             answer.metadata._src_node_id = node
             replies.append(answer)
