@@ -34,6 +34,7 @@ SECTIONS = {
     "deploy": "benchmarks.deploy",
     "privacy": "benchmarks.privacy",
     "async": "benchmarks.async_rounds",
+    "fleet": "benchmarks.fleet",
 }
 # single-purpose scripts folded in as subcommands (their own flags; `python -m benchmarks NAME --help`)
 SCRIPTS = {
