@@ -11,8 +11,8 @@ an ``Identity`` of role edge with a bundle id, the round's PromptFormer digest a
 digest, after a plausible training time. The server checks it with the same rules
 (``fedmvp.federated.replies``): it cannot tell a replay device from a real one.
 
-A device marked to vanish SIGKILLs its own SuperNode when its ``vanish_at``-th train message has
-arrived, and never replies (a device dying mid-update). Every message is one JSON line in ``--events``
+A device marked to vanish (``vanish_file``) SIGKILLs its own SuperNode when a train message has arrived
+once that file exists, and never replies (a device dying mid-update). Every message is one JSON line in ``--events``
 (time, node, kind, round, the Flower objects the message and its reply are made of).
 
     python -m benchmarks.fleet_device --spec devices.json --events events.jsonl
@@ -47,7 +47,7 @@ class DeviceSpec:
     supernode_pid: int
     bundle_id: str
     train_seconds: tuple[float, float] = (2.0, 6.0)  # uniform training time per update
-    vanish_at: int = 0  # 0: never; k: SIGKILL its SuperNode on its k-th train message
+    vanish_file: str = ""  # once this file exists, SIGKILL its SuperNode on its next train message ("": never)
 
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> "DeviceSpec":
@@ -102,7 +102,7 @@ class ReplayApp:
         records: dict[str, Any] = {schema.IDENTITY: ConfigRecord(identity.record())}
         if kind == "train":
             self.trained += 1
-            if self.spec.vanish_at and self.trained >= self.spec.vanish_at:
+            if self.spec.vanish_file and Path(self.spec.vanish_file).exists():
                 self._vanish(row)
             records |= self._trained(message.content, schema)
             records[schema.METRICS] = MetricRecord(schema.train_metrics(EXAMPLES, 1.0 + float(self.rng.random()),

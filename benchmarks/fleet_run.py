@@ -20,7 +20,6 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from benchmarks.common import REPO
 from benchmarks.deploy import FEDMVP, Deployment, cpu_between, cpu_by_process
@@ -36,9 +35,9 @@ class FleetPlan:
     devices: int
     window: float
     kind: str = "replay"  # or "real" (edge-client join)
-    vanish: int = 0  # replay devices that SIGKILL their SuperNode mid-update
+    vanish: int = 0  # after the stages, one more window in which this many devices die mid-update
+    vanish_window: float = 0.0
     stages: tuple[int, ...] = ()  # fleet sizes measured in turn in one deployment (empty: ``devices``)
-    grow: Callable[[float], int | None] | None = None  # after the stages: one more size, from MB per device
     train_seconds: tuple[float, float] = (2.0, 6.0)
     start_timeout: float = 420.0
 
@@ -112,7 +111,8 @@ def start_replay(procs: Deployment, plan: FleetPlan, first: int, superlink: str,
         procs.start(f"node-{i}", [*args, "--superexec-auth-secret-file", str(secret)], env)
         specs.append({"runtime": f"127.0.0.1:{args[args.index('--port') + 1]}", "secret_file": str(secret),
                       "supernode_pid": procs.procs[f"node-{i}"].pid, "bundle_id": f"replay-{i:05d}",
-                      "train_seconds": list(plan.train_seconds), "vanish_at": 2 if i < plan.vanish else 0})
+                      "train_seconds": list(plan.train_seconds),
+                      "vanish_file": str(work / "vanish") if i < plan.vanish else ""})
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     for k in range(0, len(specs), DEVICES_PER_EXECUTOR):
         spec = work / f"replay-{first + k}.json"
@@ -160,7 +160,7 @@ def deploy_fleet(plan: FleetPlan, preset: Path, certs: Path, work: Path, real: R
     measured: list[tuple[FleetPlan, float, float, dict, dict, float]] = []
     try:
         procs.start("serve", [*FEDMVP, "serve", "--config", str(preset), "--run-dir", str(run), "--certs", str(certs),
-                              "--node-keys", str(certs / "node-keys.txt"), "--address", superlink, "--mode", "buffered",
+                              "--node-keys", str(node_keys(certs, plan.devices, work)), "--address", superlink, "--mode", "buffered",
                               "--min-nodes", "1", "--rounds", "100000", "--json"])
         # the node keys are admitted once the SuperLink listens; a SuperNode before that is refused
         wait_for(lambda: "submitted" in procs.log("serve"), plan.start_timeout, "the run's start", procs)
@@ -168,7 +168,7 @@ def deploy_fleet(plan: FleetPlan, preset: Path, certs: Path, work: Path, real: R
         started, sizes = 0, list(plan.stages or (plan.devices,))
         while sizes:
             size = sizes.pop(0)
-            stage = replace(plan, devices=size, vanish=min(plan.vanish, size))
+            stage = replace(plan, devices=size, vanish=0)
             began = time.time()
             if real is None:
                 start_replay(procs, stage, started, superlink, certs, work, events)
@@ -179,10 +179,9 @@ def deploy_fleet(plan: FleetPlan, preset: Path, certs: Path, work: Path, real: R
             wait_for(working, plan.start_timeout, f"all {size} devices working", procs)
             started = size
             measured.append((stage, *window(procs, server, plan.window), time.time() - began))
-            if not sizes and plan.grow is not None:  # the devices' measured memory says how many more fit
-                more = plan.grow(measured[-1][4].get("devices", 0.0) / size)
-                sizes += [more] if more and more > size else []
-                plan = replace(plan, grow=None)
+        if plan.vanish:  # the first ``vanish`` devices die at their next train message (fleet_device)
+            (work / "vanish").touch()
+            measured.append((plan, *window(procs, server, plan.vanish_window), plan.vanish_window))
         sqlite_objects = count_sqlite_objects(run.parent / f".{run.name}.flwr" / "superlink.db")
     finally:
         procs.stop()
@@ -211,6 +210,15 @@ def window(procs: Deployment, server: set[int], seconds: float) -> tuple[float, 
     spent = {**cpu_between(before["server"], after["server"]),
              "devices": sum(cpu_between(before["devices"], after["devices"]).values())}
     return t0, t1, spent, rss
+
+
+def node_keys(certs: Path, devices: int, work: Path) -> Path:
+    """The first ``devices`` lines of ``certs/node-keys.txt`` (keys node-0 ..): serve registers each key
+    it is given with one `flwr supernode register` call at its start, so it is given only those used."""
+    lines = (certs / "node-keys.txt").read_text().splitlines()[:devices]
+    path = work / "node-keys.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def count_sqlite_objects(db: Path) -> int | None:
@@ -266,7 +274,7 @@ def summarise(plan: FleetPlan, run, events: list[dict], t0: float, t1: float, cp
             objects.setdefault("train_reply", []).append(e["objects_out"])
     return FleetResult(plan=plan, seconds=t1 - t0, cpu=cpu, rss_mb=rss, accepted=accepted, versions=versions,
                        latency=latency, version_seconds=gathered, timed_out=timed_out, rejected=rejected,
-                       vanished=sum(1 for e in events if "vanished" in e), messages=kinds,
+                       vanished=sum(1 for e in events if t0 <= e.get("vanished", 0) <= t1), messages=kinds,
                        objects={k: statistics.median(v) for k, v in objects.items()})
 
 
