@@ -98,6 +98,9 @@ def row(result: FleetResult) -> dict:
             "updates_per_min": accepted / minutes if minutes else 0.0,
             "superlink_cpu_s_per_update": ratio(superlink, accepted), "server_cpu_s_per_update": ratio(server, accepted),
             "superlink_cpu_s_per_min": superlink / minutes if minutes else 0.0,
+            # where the rest went (a stalled fleet: is it the ServerApp, or the devices' side?)
+            "serverapp_cpu_s_per_min": result.cpu.get("ServerApp", 0.0) / minutes if minutes else 0.0,
+            "devices_cpu_s_per_min": result.cpu.get("devices", 0.0) / minutes if minutes else 0.0,
             "superlink_rss_mb": result.rss_mb.get("SuperLink", 0.0),
             "server_rss_mb": sum(result.rss_mb.get(r, 0.0) for r in SERVER_ROLES if r != "SuperLink"),
             "rss_mb_per_device": result.rss_mb.get("devices", 0.0) / plan.devices,

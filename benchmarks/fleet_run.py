@@ -171,7 +171,7 @@ def deploy_fleet(plan: FleetPlan, preset: Path, certs: Path, work: Path, real: R
             stage = replace(plan, devices=size, vanish=0)
             began = time.time()
             if real is None:
-                start_replay(procs, stage, started, superlink, certs, work, events)
+                start_replay(procs, replace(stage, vanish=plan.vanish), started, superlink, certs, work, events)
                 working = lambda n=size: len({e["node"] for e in read_events(events) if e["kind"] == "train"}) >= n
             else:
                 start_real(procs, stage, superlink, certs, work, real)
