@@ -239,7 +239,10 @@ def count_sqlite_objects(db: Path) -> int | None:
 def summarise(plan: FleetPlan, run, events: list[dict], t0: float, t1: float, cpu: dict[str, float],
               rss: dict[str, float]) -> FleetResult:
     """The versions written in [t0, t1]: their updates, each update's reply-to-version time, timeouts."""
-    replied = {(e["node"], e["round"]): e["replied"] for e in events if e["kind"] == "train" and "replied" in e}
+    replied: dict[tuple[int, int], list[float]] = {}  # a device may be sent the same version twice
+    for e in events:
+        if e["kind"] == "train" and "replied" in e:
+            replied.setdefault((e["node"], e["round"]), []).append(e["replied"])
     accepted = versions = timed_out = 0
     latency, gathered, rejected = [], [], []
     number = 1
@@ -261,9 +264,9 @@ def summarise(plan: FleetPlan, run, events: list[dict], t0: float, t1: float, cp
         timed_out += len(state.get("timed_out") or [])
         rejected += [str(r.get("reason")) for r in state.get("rejected") or []]
         for r in replies:
-            sent = replied.get((r.get("node"), int(r.get("base", -2)) + 1))
-            if sent is not None:
-                latency.append(written - sent)
+            sent = [t for t in replied.get((r.get("node"), int(r.get("base", -2)) + 1), []) if t <= written]
+            if sent:  # the latest reply of that device for that version before the version was written
+                latency.append(written - max(sent))
     kinds = {}
     for e in events:
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
