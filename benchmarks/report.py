@@ -71,7 +71,8 @@ def write(results: dict, out: Path) -> list[Path]:
 
 
 def plots(results: dict, out: Path) -> list[Path]:
-    """latency.png, memory.png, agreement_speed.png from whichever sections have the columns."""
+    """latency.png, memory.png, agreement_speed.png from whichever sections have the columns; fleet.png
+    (benchmarks.fleet_model) where the fleet section ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,6 +120,11 @@ def plots(results: dict, out: Path) -> list[Path]:
         ax.set_ylabel("top-1 agreement with fp32 (%)")
         ax.set_title("agreement vs speed")
         written.append(_save(fig, out / "agreement_speed.png"))
+    fleet = next((s for s in results["sections"] if s["name"] == "fleet"), None)
+    if fleet is not None:
+        from benchmarks.fleet_model import plot as fleet_plot
+
+        written += [p for p in [fleet_plot(fleet, out / "fleet.png")] if p is not None]
     return written
 
 

@@ -35,6 +35,7 @@ SECTIONS = {
     "privacy": "benchmarks.privacy",
     "async": "benchmarks.async_rounds",
     "poison": "benchmarks.poison",
+    "fleet": "benchmarks.fleet",
 }
 # single-purpose scripts folded in as subcommands (their own flags; `python -m benchmarks NAME --help`)
 SCRIPTS = {
