@@ -82,49 +82,50 @@ class ReplayApp:
         self.rng = np.random.default_rng(abs(hash(spec.bundle_id)) % 2**32)
 
     def __call__(self, message: Any, context: Any) -> Any:
-        from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+        from flwr.app import ConfigRecord, Message, RecordDict
 
         from fedmvp_formats import messages as schema
         from fedmvp_formats.class_set import read_class_set
+        from fedmvp_formats.envelope import RECORD, fold, read_envelope
         from fedmvp_formats.messages import Identity, read_instruction
 
+        def content(records: dict[str, dict[str, Any]]) -> Any:  # one ConfigRecord, as edge_client.node sends
+            return RecordDict({RECORD: ConfigRecord(fold(records))})
+
         kind = message.metadata.message_type
-        instruction = read_instruction({k: dict(r) for k, r in message.content.config_records.items()})
+        received = read_envelope(message.content, message.content.config_records)
+        instruction = read_instruction(received)
         row = {"t": time.time(), "node": int(context.node_id), "kind": kind, "round": instruction.round,
                "objects_in": object_count(message)}
         if kind.startswith("query"):  # identify: an edge device of this run, no bundle yet said
             identity = Identity(round=instruction.round, run_id=instruction.run_id)
-            reply = Message(content=RecordDict({schema.IDENTITY: ConfigRecord(identity.record())}), reply_to=message)
-            return self._sent(reply, row)
+            return self._sent(Message(content=content({schema.IDENTITY: identity.record()}), reply_to=message), row)
         digest = read_class_set(instruction.class_set).digest if instruction.class_set else None
         identity = Identity(round=instruction.round, run_id=instruction.run_id, bundle_id=self.spec.bundle_id,
                             promptformer_digest=instruction.promptformer_digest, classes_digest=digest)
-        records: dict[str, Any] = {schema.IDENTITY: ConfigRecord(identity.record())}
+        records: dict[str, Any] = {schema.IDENTITY: identity.record()}
         if kind == "train":
             self.trained += 1
             if self.spec.vanish_file and Path(self.spec.vanish_file).exists():
                 self._vanish(row)
-            records |= self._trained(message.content, schema)
-            records[schema.METRICS] = MetricRecord(schema.train_metrics(EXAMPLES, 1.0 + float(self.rng.random()),
-                                                                        refresh_seconds=0.0))
+            records |= self._trained(received, schema)
+            records[schema.METRICS] = schema.train_metrics(EXAMPLES, 1.0 + float(self.rng.random()),
+                                                           refresh_seconds=0.0)
         else:  # evaluate: the counts a device's held-out share gives
-            records[schema.METRICS] = MetricRecord(schema.count_metrics({schema.EDGE_SET: (8, 16)}))
-        return self._sent(Message(content=RecordDict(records), reply_to=message), row)
+            records[schema.METRICS] = schema.count_metrics({schema.EDGE_SET: (8, 16)})
+        return self._sent(Message(content=content(records), reply_to=message), row)
 
-    def _trained(self, content: Any, schema: Any) -> dict[str, Any]:
-        """The message's LoRA plus a small delta, packed as ``edge_client.node._records`` packs it, after a
-        training time drawn from ``train_seconds``."""
-        from flwr.app import Array, ArrayRecord, ConfigRecord
-
+    def _trained(self, received: dict[str, Any], schema: Any) -> dict[str, Any]:
+        """The message's LoRA plus a small delta, packed as ``edge_client.node`` packs it, after a training
+        time drawn from ``train_seconds``."""
         from fedmvp_formats.names import LORA_PREFIX
-        from fedmvp_formats.packed import LAYOUT, PACKED, pack, read_wire
+        from fedmvp_formats.packed import LAYOUT, packed_records, read_wire
 
-        arrays = read_wire(content[schema.ARRAYS], content[LAYOUT] if LAYOUT in content else None)
+        arrays = read_wire(received.get(schema.ARRAYS), received.get(LAYOUT))
         lora = {k: (v + DELTA_SCALE * self.rng.standard_normal(v.shape)).astype(np.float32)
                 for k, v in arrays.items() if k.startswith(LORA_PREFIX)}
         self.stop.wait(random.uniform(*self.spec.train_seconds))
-        flat, layout = pack(lora)
-        return {schema.ARRAYS: ArrayRecord({PACKED: Array(flat)}), LAYOUT: ConfigRecord(layout)}
+        return packed_records(lora)
 
     def _sent(self, reply: Any, row: dict[str, Any]) -> Any:
         self.events.write(**row, objects_out=object_count(reply), replied=time.time())

@@ -8,7 +8,9 @@ the deploy section). Here the same ``ListRuns`` request goes through Flower's ow
 (``ControlHttpClient``, what ``flwr ls`` builds), with the operator token as its bearer
 (`control_auth`: the SuperLink admits nobody else), on one connection kept for the run. The same
 client stops the run when `serve` is interrupted: within the stop's bound, where a `flwr stop`
-interpreter took seconds of it. Each call waits at most ``CALL_SECONDS``.
+interpreter took seconds of it, and registers the admitted SuperNode keys: a `flwr supernode register`
+interpreter a key cost 2-5 s under load, minutes for a fleet of 50 (docs/benchmarks.md, "Fleets").
+Each call waits at most ``CALL_SECONDS``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,22 @@ class RunStatusClient:
         from flwr.proto.control_pb2 import StopRunRequest  # pylint: disable=no-name-in-module
 
         return bool(self.client.StopRun(StopRunRequest(run_id=run_id)).success)
+
+    def register_node(self, public_key: str) -> int:
+        """Admit one SuperNode by its OpenSSH public key text (what `flwr supernode register` sends: an
+        EC key of a NIST curve, serialised as Flower does); its node id. ValueError: not such a key."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from flwr.proto.control_pb2 import RegisterNodeRequest  # pylint: disable=no-name-in-module
+        from flwr.supercore.primitives.asymmetric import public_key_to_bytes, uses_nist_ec_curve
+
+        key = serialization.load_ssh_public_key(public_key.strip().encode())
+        if not isinstance(key, ec.EllipticCurvePublicKey) or not uses_nist_ec_curve(key):
+            raise ValueError("not an EC public key of a NIST curve")
+        node_id = int(self.client.RegisterNode(RegisterNodeRequest(public_key=public_key_to_bytes(key))).node_id)
+        if not node_id:
+            raise ValueError("the SuperLink registered no node")
+        return node_id
 
     def close(self) -> None:
         self.client.close()
