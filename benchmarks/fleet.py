@@ -52,7 +52,11 @@ REPLAY_MB = 190.0  # resident MB per replay device (SuperNode and its share of a
 MAX_DEVICES = 100  # the largest replay fleet tried (time: ~3 min to start and measure on 2 cores)
 REAL_MAX = 4  # real edge-client join devices at most (each ~1 GB: torch, ONNX Runtime)
 REAL_MB = 1200.0  # resident MB assumed per real device when choosing how many fit
-EXTRA_SERVER_KEYS: dict[str, object] = {}  # other [server] keys passed through (e.g. over-selection) HERE
+# Dropouts as fleets handle them (docs/howto/buffered.md, "Dropouts and over-selection"): concurrency is the
+# devices a version wants training, over-selected by 130% so every device is busy, and a version that waited
+# round_timeout closes with what arrived (at least min_buffer updates).
+OVER_SELECTION = 1.3
+EXTRA_SERVER_KEYS: dict[str, object] = {"over_selection": OVER_SELECTION, "min_buffer": 1}
 SERVER_ROLES = ("SuperLink", "ServerApp", "SuperExec", "serve and join")
 
 
@@ -60,7 +64,7 @@ def server_table(devices: int, extra: dict[str, object] | None = None) -> str:
     """The preset's [server] table for ``devices``: only existing keys (fedmvp/presets/server.py), then
     ``extra`` (``EXTRA_SERVER_KEYS``: keys this benchmark passes through unchanged, e.g. over-selection
     or closing a version with what arrived, once the server has them)."""
-    keys: dict[str, object] = {"concurrency": devices, "buffer_size": max(2, min(10, devices // 5)), "max_staleness": 20,
+    keys: dict[str, object] = {"concurrency": max(1, int(devices / OVER_SELECTION)), "buffer_size": max(2, min(10, devices // 5)), "max_staleness": 20,
                                "round_timeout": ROUND_TIMEOUT, **(extra or {})}
     body = "\n".join(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in keys.items())
     return f"\n[server]\n{body}\n"

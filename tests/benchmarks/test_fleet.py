@@ -21,10 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 def test_server_table_reaches_the_preset_with_extra_keys(tmp_path: Path, monkeypatch) -> None:
     from fedmvp.presets.schema import load_preset
 
+    server = load_preset(fleet.preset_for(tmp_path, 30), check_roots=False).server
+    assert (server.concurrency, server.over_selection, server.min_buffer) == (23, 1.3, 1)  # ceil(23 x 1.3) = 30 busy
     monkeypatch.setattr(fleet, "EXTRA_SERVER_KEYS", {"max_update_norm": 7.5})
     preset = load_preset(fleet.preset_for(tmp_path, 30), check_roots=False)
     server = preset.server
-    assert (server.concurrency, server.buffer_size, server.max_staleness) == (30, 6, 20)
+    assert (server.concurrency, server.buffer_size, server.max_staleness) == (23, 6, 20)
     assert server.round_timeout == fleet.ROUND_TIMEOUT
     assert server.max_update_norm == 7.5  # passed through unchanged
 
