@@ -10,8 +10,12 @@ entry point gives that module a ``time`` whose ``sleep`` waits ``LOCAL_POLL_SECO
 shorter than 1 s (local state only) and, between two empty pulls from the SuperLink, a pause that
 grows with the time since this node last sent a reply: the next round's message usually follows a
 reply within a second (the server aggregates), so right after one the node looks every
-``FIRST_PULL_SECONDS``, then ever less often, at most ``IDLE_PULL_SECONDS`` apart when idle (one
-small HTTPS request per node each time: 2 a second). Its pulls of a message's objects, which find
+``FIRST_PULL_SECONDS``, then ever less often, at most ``IDLE_PULL_SECONDS`` apart when idle or busy
+training (one small HTTPS request per node each time, and a run check beside it). Every connected node
+pays the SuperLink that, whether or not it has work: at 0.5 s apart, 50 devices' pulls and run checks
+took a core of the SuperLink's machine and the fleet stalled (docs/benchmarks.md, "Fleets"); 2 s apart
+a message to a node idle for seconds waits 1 s on average, and a node that replied under a second ago
+still looks within half that time. Its pulls of a message's objects, which find
 them still on their way to the SuperLink and back off from 1 s, get a short backoff
 (``OBJECT_BACKOFF``). Then it runs Flower's command unchanged.
 
@@ -53,7 +57,7 @@ from functools import partial
 from types import ModuleType
 
 OBJECT_BACKOFF = (0.02, 0.5)  # Flower: 1 s, doubling to 10 s, while a message's objects reach the SuperLink
-IDLE_PULL_SECONDS = 0.5  # Flower: 3 s between two empty pulls from the SuperLink
+IDLE_PULL_SECONDS = 2.0  # Flower: 3 s between two empty pulls from the SuperLink
 FIRST_PULL_SECONDS = 0.05  # right after a reply: the next message is on its way
 LOCAL_POLL_SECONDS = 0.05  # Flower: 0.5 s between two looks at the node's own state (a reply, an object)
 RECONNECT_SECONDS = 4.0  # Flower: MAX_RETRY_DELAY, 20 s, between two tries to reach the SuperLink
