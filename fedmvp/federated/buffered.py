@@ -24,6 +24,10 @@ that has gathered for ``round_timeout`` is written with ``min_buffer`` or more u
 (atomic, resumable, recorded with every reply's base, t, s(t) and weight); a resumed server starts from
 the last one, and devices that were mid-update are simply sent the newest version again.
 
+Nothing here waits on one node: a node not met yet is sent its identify query and the loop goes on
+(``_ask``; the answer is pulled with the replies), and replies are pulled by ``reply_pulls`` (one request
+a poll for all of them; a reply whose upload is late holds up only itself).
+
 Only edge devices train here (they train the LoRA alone, so the PromptFormer stays the run's);
 sites keep synchronous rounds (``mode = "sync"``) and evaluate each due version where their data is.
 """
@@ -47,9 +51,9 @@ from fedmvp_formats.promptformer import promptformer_digest
 
 from fedmvp.federated.aggregate import Update
 from fedmvp.federated.dropouts import busy_devices, devices_record
-from fedmvp.federated.grid_poll import SeparatePulls
 from fedmvp.federated.private_rounds import BUFFERED, Draw
 from fedmvp.federated.replies import ReplyRules, check_reply, reply_fields
+from fedmvp.federated.reply_pulls import SeparatePulls, reply_pulls
 from fedmvp.federated.round_writer import RoundFailed, RoundWriter
 from fedmvp.federated.strategy import FedMVPStrategy, StrategyOptions, cosine_lr
 from fedmvp.federated.wire import array_record, instruction_content, numpy_state
@@ -79,6 +83,16 @@ class Pending:
     sent: float
 
 
+@dataclass
+class Asking:
+    """An identify query out at a node not met yet (``NodeRegistry.identify_messages``)."""
+
+    node: int
+    round: int
+    nonce: str
+    sent: float
+
+
 class BufferedStrategy(FedMVPStrategy):
     """[server] mode = "buffered": the strategy's registry, reply rules and round writer, with versions
     written every ``buffer_size`` device updates instead of rounds with a barrier (``start``)."""
@@ -87,8 +101,9 @@ class BufferedStrategy(FedMVPStrategy):
                  sleep: Callable[[float], None] = time.sleep):
         super().__init__(options, writer)
         self.server, self.sleep = self.policy.server, sleep
-        self.pulls: SeparatePulls | None = None  # one thread per awaited reply (grid_poll.py)
+        self.pulls: SeparatePulls | None = None  # awaited replies, one request a poll (reply_pulls.py)
         self.pending: dict[str, Pending] = {}  # message id -> what it carried
+        self.asking: dict[str, Asking] = {}  # identify message id -> the node asked (answered in ``_receive``)
         self.served: dict[int, int] = {}  # node -> train messages sent (the least served is sent first)
         self.bases: dict[int, dict[str, np.ndarray]] = {}  # version -> its LoRA (kept while a delta needs it)
         self.buffer: list[Contribution] = []
@@ -105,7 +120,7 @@ class BufferedStrategy(FedMVPStrategy):
     def _send(self, grid: Grid, state: dict[str, np.ndarray], version: int) -> None:
         """The newest version to free devices, up to ``concurrency`` out at once (least served first)."""
         connected = sorted(grid.get_node_ids())
-        self._learn(grid, connected, version + 1)  # new nodes asked who they are (an open site numbered)
+        self._ask(grid, connected, version + 1)  # new nodes asked who they are; their answers come later
         busy = {p.node for p in self.pending.values()} | self._waiting()
         free = sorted((n for n in self.registry.edges(connected) if n not in busy),
                       key=lambda n: (self.served.get(n, 0), n))
@@ -130,6 +145,20 @@ class BufferedStrategy(FedMVPStrategy):
                 self.counts["selected"] += 1
         self.bases.setdefault(version, self._lora(state))
 
+    def _ask(self, grid: Grid, connected: list[int], round_number: int) -> None:
+        """Nodes not met yet asked who they are *without waiting* (a synchronous round waits, ``_learn``):
+        the answers arrive with the train replies (``_receive``), so a node slow to answer, or gone before
+        it did, holds up no device; one unanswered within ``round_timeout`` is asked again."""
+        asked = {a.node for a in self.asking.values()}
+        nodes = [n for n in self.registry.unknown(connected) if n not in asked]
+        if not nodes:
+            return
+        messages, nonce = self.registry.identify_messages(nodes, self._instruction(round_number))
+        now = time.monotonic()
+        for node, message_id in zip(nodes, grid.push_messages(messages)):
+            if message_id:
+                self.asking[message_id] = Asking(node, round_number, nonce, now)
+
     def _waiting(self) -> set[int]:
         """[privacy]: the devices whose update waits in the buffer (one per device a version; none without)."""
         return {c.node for c in self.buffer} if self.privacy is not None else set()
@@ -137,10 +166,15 @@ class BufferedStrategy(FedMVPStrategy):
     # ---- what comes back -----------------------------------------------------------------------------
     def _receive(self, grid: Grid, state: dict[str, np.ndarray], version: int) -> int:
         """Pull whatever replies arrived; check each and buffer its delta. Returns how many arrived."""
-        if not self.pending:
+        if not self.pending and not self.asking:
             return 0
-        replies = self.pulls.poll(list(self.pending))
+        replies = self.pulls.poll([*self.pending, *self.asking])
         for msg in replies:
+            asked = self.asking.pop(msg.metadata.reply_to_message_id, None)
+            if asked is not None:  # an identity: the node may be sent work from the next send on
+                self.registry.hear([msg], asked.round, asked.nonce)
+                self._sync_sites()
+                continue
             sent = self.pending.pop(msg.metadata.reply_to_message_id, None)
             if sent is not None:
                 self.counts["replied"] += 1
@@ -203,6 +237,9 @@ class BufferedStrategy(FedMVPStrategy):
     def _expire(self, version: int) -> None:
         """Forget messages out longer than ``round_timeout``: the device is gone; its base is freed."""
         now = time.monotonic()
+        for message_id, asked in list(self.asking.items()):
+            if now - asked.sent > self.server.round_timeout:
+                del self.asking[message_id]  # asked again at the next send
         for message_id, sent in list(self.pending.items()):
             if now - sent.sent > self.server.round_timeout:
                 del self.pending[message_id]
@@ -273,7 +310,8 @@ class BufferedStrategy(FedMVPStrategy):
         result = Result(arrays=initial_arrays)
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
-        self.pulls = SeparatePulls(grid, self.busy)
+        self.pulls = reply_pulls(grid, self.busy)
+        log(INFO, "buffered versions: replies pulled by %s", type(self.pulls).__name__)
         try:
             state = self._versions(grid, initial_arrays, self.round_offset, self.round_offset + num_rounds)
         finally:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Callable, Iterable, Iterator
 
@@ -71,32 +70,3 @@ def bounded_reply_pulls(max_time: float = REPLY_OBJECT_SECONDS) -> Iterator[bool
                       backoff_cap=OBJECT_BACKOFF[1])
     with attribute(http_grid, "pull_objects", bounded):
         yield True
-
-
-class SeparatePulls:
-    """Replies pulled one message at a time, each in a thread of its own, so a reply whose tensors are
-    late (a device paused or killed while it uploads) holds up only itself, never the other replies:
-    Flower's ``pull_messages`` pulls the objects of every reply it found one after the other. Costs one
-    small request per awaited message per poll; ``close`` ends the threads. The buffered server's
-    (``buffered.py``): a fast device must never wait for a slow one."""
-
-    def __init__(self, grid, workers: int):
-        self.grid = grid
-        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="fedmvp-pull")
-        self.running: dict[str, Future] = {}
-
-    def poll(self, message_ids: Iterable[str]) -> list:
-        """The replies (or Flower's error replies) that are complete now, to any of ``message_ids``."""
-        wanted = set(message_ids)
-        for message_id in wanted - set(self.running):
-            self.running[message_id] = self.pool.submit(lambda m=message_id: list(self.grid.pull_messages([m])))
-        replies: list = []
-        for message_id, future in list(self.running.items()):
-            if future.done():
-                del self.running[message_id]
-                if message_id in wanted:
-                    replies.extend(future.result())
-        return replies
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)

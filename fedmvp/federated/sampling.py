@@ -128,25 +128,32 @@ class NodeRegistry:
         return sorted(n for n in nodes if n not in self.roles and n not in self.refused)
 
     def learn(self, grid: Grid, nodes: Iterable[int], instruction: Instruction, timeout: float) -> None:
-        """Ask the nodes not met yet who they are (one query each, no tensors). A node that fails or
-        does not answer is asked again next time; one whose identity is refused (a site out of range,
-        a name that is not its site's, another run's reply) is never sent work."""
-        unknown = self.unknown(nodes)
-        if not unknown:
-            return
+        """Ask the nodes not met yet who they are (one query each, no tensors), waiting up to ``timeout``
+        for the answers. A node that fails or does not answer is asked again next time; one whose identity
+        is refused (a site out of range, a name that is not its site's, another run's reply) is never sent
+        work. The buffered server asks without waiting (``identify_messages`` then ``hear``)."""
+        messages, nonce = self.identify_messages(self.unknown(nodes), instruction)
+        if messages:
+            self.hear(send_and_receive(grid, messages, timeout), instruction.round, nonce)
+
+    def identify_messages(self, nodes: Iterable[int], instruction: Instruction) -> tuple[list[Message], str]:
+        """One identify query to each of ``nodes``, and the nonce their key proofs must sign."""
         nonce = new_nonce()  # a proof of an earlier request does not verify (site_keys.payload)
         content = instruction_content({}, instruction, extra={PROOF_REQUEST: {NONCE: nonce}})
-        messages = [Message(content=content, message_type=IDENTIFY, dst_node_id=node) for node in unknown]
-        for reply in send_and_receive(grid, messages, timeout):
+        return [Message(content=content, message_type=IDENTIFY, dst_node_id=node) for node in nodes], nonce
+
+    def hear(self, replies: Iterable[Message], round_number: int, nonce: str) -> None:
+        """The identities in ``replies`` to identify queries of round ``round_number`` (signed over ``nonce``)."""
+        for reply in replies:
             node = int(reply.metadata.src_node_id)
             if reply.has_error():
                 log(WARNING, "node %s did not identify itself: %s", node, reply.error.reason)
                 continue
             try:
-                self.roles[node] = self.read(reply.content, instruction.round, node, nonce)
+                self.roles[node] = self.read(reply.content, round_number, node, nonce)
             except KeyProofError as err:  # said by fedmvp serve as it happens (flower_log)
                 self.refused[node] = str(err)
-                log_left_out(f"round {instruction.round}: node {node} is sent no work: {err}")
+                log_left_out(f"round {round_number}: node {node} is sent no work: {err}")
             except MessageError as err:
                 self.refused[node] = str(err)
                 log(WARNING, "node %s is sent no work: its identity %s", node, err)

@@ -65,6 +65,18 @@ class Processes:
                                         "--optimizer", "adamw", "--eval-fraction", "0.25", "--threads", "1"],
                        command=[str(Path(sys.executable).parent / "edge-client"), "join"])
 
+    def exit_code(self, name: str, timeout: float, run: Path | None = None) -> int:
+        """``name``'s exit code once it ended; past ``timeout`` an AssertionError that carries the end of
+        every log (and of RUN/flower.log: the ServerApp's warnings), so a run that did not end says where."""
+        try:
+            return self.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            logs = {other: self.log(other)[-2500:] for other in self.procs}
+            if run is not None and (run / "flower.log").exists():
+                logs["RUN/flower.log"] = (run / "flower.log").read_text(errors="replace")[-2500:]
+            raise AssertionError(f"{name} still running after {timeout:g} s\n" + "\n".join(
+                f"--- {other} ---\n{text}" for other, text in logs.items())) from None
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message
@@ -32,6 +34,8 @@ class SiteGrid:
 
     def __init__(self, roles: dict[int, int | str]):
         self.roles, self.asked = roles, []
+        self._replies: list[Message] = []
+        self._lock = threading.Lock()
 
     def get_node_ids(self):
         return list(self.roles)
@@ -50,16 +54,22 @@ class SiteGrid:
             replies.append(reply)
         return replies
 
-    # the two calls fedmvp.federated.grid_poll makes (Flower's Grid API): push, then pull the replies
+    # the two calls the strategy makes (Flower's Grid API): push, then pull the replies, which stay until
+    # pulled (the buffered server pulls each in a thread of its own: reply_pulls.py)
     def push_messages(self, messages):
         messages = list(messages)
         for i, msg in enumerate(messages):
             msg.metadata.__dict__["_message_id"] = f"query-{len(self.asked) + i}"
-        self._replies = self.send_and_receive(messages)
+        answered = self.send_and_receive(messages)
+        with self._lock:
+            self._replies = [*self._replies, *answered]
         return [msg.metadata.message_id for msg in messages]
 
     def pull_messages(self, ids):
-        pulled, self._replies = [r for r in self._replies if r.metadata.reply_to_message_id in ids], []
+        ids = set(ids)
+        with self._lock:
+            pulled = [r for r in self._replies if r.metadata.reply_to_message_id in ids]
+            self._replies = [r for r in self._replies if r.metadata.reply_to_message_id not in ids]
         return pulled
 
 

@@ -115,6 +115,7 @@ def test_buffered_over_selection_keeps_more_devices_busy_so_vanished_ones_do_not
     first = made._send
     busy = []
     made._send = lambda *a: first(*a) or busy.append(len(made.pending))
+    made.registry.roles.update(dict.fromkeys(grid.delay, "edge"))  # met before: work goes out at the first send
     made.start(grid, array_record(THETA), num_rounds=1)
     assert busy[0] == 2 * factor  # the key reaches the messages sent
     state = states(tmp_path)[0]
@@ -173,3 +174,30 @@ def test_max_staleness_leaves_a_stale_buffered_reply_out_with_a_line_and_a_recor
     else:
         assert from_8 and any(r["staleness"] >= 1 and r["s"] < 1 for r in from_8) and not stale
         assert all(s["devices"]["stale"] == 0 for s in recorded)
+
+
+class MuteGrid(BufferedGrid):
+    """Node 11 is connected but never answers who it is (it paused or died right after it connected)."""
+
+    def send_and_receive(self, messages, timeout=None):
+        return [r for r in super().send_and_receive(messages, timeout) if r.metadata.src_node_id != 11]
+
+
+def test_a_node_that_never_says_who_it_is_holds_up_no_version(tmp_path):
+    """Buffered versions ask new nodes who they are without waiting for the answer: with a mute node 11
+    connected, the fast 7 and 8 write 5 versions well within one round_timeout (a server that waited for
+    the identities would stop round_timeout at every send), and 11 is asked again once its query expired."""
+    made = strategy(tmp_path, BufferedStrategy, total=5, concurrency=2, buffer_size=1, round_timeout=1.5)
+    grid = MuteGrid({7: 0, 8: 0, 11: 0})
+    began = time.monotonic()
+    made.start(grid, array_record(THETA), num_rounds=5)
+    assert time.monotonic() - began < 1.5
+    assert len(states(tmp_path)) == 5 and {r["node"] for s in states(tmp_path) for r in s["replies"]} <= {7, 8}
+    assert made.registry.site_of(11) is None and [a.node for a in made.asking.values()] == [11]
+
+    later = strategy(tmp_path / "again", BufferedStrategy, total=20, concurrency=2, buffer_size=1, round_timeout=0.5)
+    grid = MuteGrid({7: 20, 11: 0})  # 7 replies after 20 pulls: the 20 versions outlive 11's first query
+    began = time.monotonic()
+    later.start(grid, array_record(THETA), num_rounds=20)
+    assert time.monotonic() - began > 0.5, "the versions came too fast to see a query expire"
+    assert grid.asked.count(11) >= 2  # its query expired after round_timeout and it was asked again
