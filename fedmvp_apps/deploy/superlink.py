@@ -31,6 +31,7 @@ from typing import Callable
 
 from fedmvp_apps.deploy.flower_app import write_app_dir
 from fedmvp_apps.deploy.stopping import Interrupted, Stopper, run_interruptible, stop_processes
+from fedmvp_apps.deploy.supernode_process import IDLE_PULL_SECONDS, RUN_END_CONFIRM
 from fedmvp_apps.deploy.supernode import QUIET_ENV, LaunchError, LaunchInputError, check_free, executable, \
     split_address
 
@@ -327,7 +328,12 @@ class Server:
         stop_processes(procs, within=self.stopper.left() if self.stopper is not None else 10.0)
 
 
-RUN_END_NOTICE = 3.0  # seconds the SuperLink outlives its run: its nodes hear the end twice, 1.5 s apart, and leave
+# Seconds the SuperLink outlives its run, so that its nodes hear the end twice, RUN_END_CONFIRM apart, and leave
+# (supernode_process.RunWatch): an idle node asks only between two empty pulls, IDLE_PULL_SECONDS apart, so it
+# first hears the end up to one pull late and again at the first pull RUN_END_CONFIRM later; plus 1.5 s for
+# requests on a loaded machine. (3 s, shorter than two idle pulls, left a node whose pulls fell late polling a
+# SuperLink that was gone.)
+RUN_END_NOTICE = IDLE_PULL_SECONDS + max(IDLE_PULL_SECONDS, RUN_END_CONFIRM) + 1.5
 # (supernode_process.RunWatch); an interrupted serve stops the SuperLink at once, so its sites stay for the resume
 
 

@@ -87,3 +87,26 @@ def test_the_node_leaves_when_its_run_stays_ended_but_not_after_losing_its_super
     with pytest.raises(SystemExit) as ended:
         watch.idle(get_run, Ended)  # still ended 1.5 s after it was first: the run is over
     assert ended.value.code == 0 and capsys.readouterr().out == "[fedmvp] run 8 ended on the server; leaving\n"
+
+
+@pytest.mark.parametrize("phase", [0.0, 0.5, 1.0, 1.5, 1.9])
+def test_an_idle_node_hears_its_run_end_before_serve_stops_its_superlink(phase):
+    """`fedmvp serve` keeps its SuperLink up RUN_END_NOTICE s after the run ended; a node pulling every
+    IDLE_PULL_SECONDS, at any phase to that end, must have left by then, with a second of its requests to
+    spare (a node that missed it polls a gone SuperLink for ever: the sites never leave)."""
+    from fedmvp_apps.deploy.superlink import RUN_END_NOTICE
+    from fedmvp_apps.deploy.supernode_process import IDLE_PULL_SECONDS, RUN_CHECK_SECONDS, RUN_END_CONFIRM
+
+    now = [0.0]
+
+    def get_run(run_id: int):
+        assert now[0] < RUN_END_NOTICE - 1.0, f"asked at {now[0]} s: the SuperLink is gone"
+        raise Ended  # the run ended at 0
+
+    watch = RunWatch(every=RUN_CHECK_SECONDS, confirm=RUN_END_CONFIRM, clock=lambda: now[0])
+    watch.seen(9)
+    now[0] = phase
+    with pytest.raises(SystemExit):
+        for _ in range(10):
+            watch.idle(get_run, Ended)
+            now[0] += IDLE_PULL_SECONDS
