@@ -181,7 +181,9 @@ def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
 
     if not Path("/proc/self/stat").exists():
         pytest.skip("the watchdog reads /proc (Linux)")
-    (root / "long.toml").write_text((root / "good.toml").read_text().replace("rounds = 3", "rounds = 50"))
+    # 500 rounds: still training when Ray's agents are up, however slowly a loaded machine starts them (at 50,
+    # a loaded CI machine finished the run first)
+    (root / "long.toml").write_text((root / "good.toml").read_text().replace("rounds = 3", "rounds = 500"))
     proc = subprocess.Popen([str(Path(sys.executable).parent / "fedmvp"), *_train("long.toml", "killed")],
                             cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
