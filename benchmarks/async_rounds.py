@@ -20,7 +20,7 @@ evaluation): ``buffered_vs_sync_time_to_accuracy`` = synchronous time / buffered
 FedBuff reports 3.3x).
 
     python -m benchmarks async            # 4 devices (1x, 2x, 5x, 10x), 6 rounds against 12 versions
-    python -m benchmarks async --quick    # 2 devices (1x, 4x), 3 rounds against 6 versions
+    python -m benchmarks async --quick    # 2 devices (1x, 2x), 2 rounds against 4 versions, 1 epoch each
 """
 
 from __future__ import annotations
@@ -43,11 +43,13 @@ from benchmarks.common import Goal, Options, Section, ratio  # noqa: E402
 from benchmarks.deploy import FEDMVP, Deployment  # noqa: E402
 from benchmarks.sections_cli import section_main, show_ratios  # noqa: E402
 
-SPEEDS = {"full": (1, 2, 5, 10), "quick": (1, 4)}  # slowdown of each device
-ROUNDS = {"full": 6, "quick": 3}  # synchronous rounds measured (one more holds the final evaluation)
+SPEEDS = {"full": (1, 2, 5, 10), "quick": (1, 2)}  # slowdown of each device
+ROUNDS = {"full": 6, "quick": 2}  # synchronous rounds measured (one more holds the final evaluation)
 DUTY_SECONDS = 0.05  # a throttled device runs this long, then sleeps (factor - 1) times it
 SHOTS = 8  # training images per class on a device
-EPOCHS = 5  # local epochs of a device per update (the demo's edge task trains 20)
+# local epochs of a device per update (the demo's edge task trains 20); --quick is a smoke test of the
+# whole path (both deployments, every checkpoint measured), not a figure: one epoch
+EPOCHS = {"full": 5, "quick": 1}
 WAIT_SECONDS = 1800
 
 
@@ -130,7 +132,7 @@ def device_folders(local: Path, classes: list[str], count: int, work: Path) -> l
 
 
 def deploy(mode: Mode, template: Path, bundle: Path, folders: list[Path], speeds: tuple[int, ...],
-           work: Path) -> tuple[Path, float]:
+           work: Path, epochs: int) -> tuple[Path, float]:
     """One deployment of ``mode``: (its run directory, the time every device was connected)."""
     from fedmvp.runs import RunDir
     from fedmvp_apps.deploy.supernode import free_port
@@ -160,7 +162,7 @@ def deploy(mode: Mode, template: Path, bundle: Path, folders: list[Path], speeds
             shutil.copytree(bundle, device_bundle)
             procs.start(f"device-{i}", [edge, "join", "--superlink", superlink, "--bundle", str(device_bundle),
                                         "--data", str(folder), "--root-certificates", str(base / "certs" / "ca.crt"),
-                                        "--epochs", str(EPOCHS), "--lr", "0.01", "--optimizer", "adamw", "--threads", "1"])
+                                        "--epochs", str(epochs), "--lr", "0.01", "--optimizer", "adamw", "--threads", "1"])
         while not all("Connection successful" in procs.log(f"device-{i}") for i in range(len(folders))):
             if procs.procs["serve"].poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"the devices did not connect: {procs.log('serve')[-500:]}")
@@ -221,7 +223,7 @@ def run(options: Options) -> Section:
     section = Section(name="async", config={"devices": len(speeds), "slowdowns": list(speeds),
                                             "sync_rounds": sync_rounds, "buffered_versions": versions,
                                             "buffer_size": buffer_size, "concurrency": len(speeds),
-                                            "local_epochs": EPOCHS, "shots_per_class": SHOTS,
+                                            "local_epochs": EPOCHS[kind], "shots_per_class": SHOTS,
                                             "start": str(options.run) if options.run else "the demo's initial model"})
     with tempfile.TemporaryDirectory(prefix="fedmvp-bench-async-") as tmp:
         work = Path(tmp)
@@ -230,7 +232,7 @@ def run(options: Options) -> Section:
         folders = device_folders(local, classes, len(speeds), work)
         results = {}
         for mode in modes:
-            run_dir, connected = deploy(mode, template, bundle, folders, speeds, work)
+            run_dir, connected = deploy(mode, template, bundle, folders, speeds, work, EPOCHS[kind])
             measured = range(1, mode.rounds)  # the last one also holds the final evaluation
             acc = accuracies(run_dir, bundle, held_out, measured)
             seconds = {n: max(0.0, RunDir(run_dir).round_state_path(n).stat().st_mtime - connected)

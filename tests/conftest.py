@@ -7,6 +7,33 @@ import logging
 import pytest
 import torch
 
+from tests.deadlines import FACTOR
+from tests.process_markers import (  # noqa: F401  (hooks: the `processes` marker tells the truth)
+    install,
+    pytest_fixture_setup,
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+)
+from tests.slow_report import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks)
+
+install()
+DEFAULT_TIMEOUT = 600  # pytest-timeout's limit for a test without its own (pyproject.toml)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests that start a federation share one xdist group, so two deployments never compete for the
+    machine's cores (a `deployment` test is a `processes` test too); every pytest-timeout limit is scaled
+    by FEDMVP_TEST_TIME_FACTOR (tests/deadlines.py)."""
+    for item in items:
+        if item.get_closest_marker("deployment") is not None:
+            item.add_marker(pytest.mark.processes)
+            item.add_marker(pytest.mark.xdist_group("deployments"))
+        if FACTOR != 1:
+            marker = item.get_closest_marker("timeout")
+            seconds = marker.args[0] if marker is not None and marker.args else DEFAULT_TIMEOUT
+            item.add_marker(pytest.mark.timeout(seconds * FACTOR), append=False)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _quiet() -> None:

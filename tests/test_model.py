@@ -58,7 +58,7 @@ def test_lora_switch_changes_nothing_then_trains_only_lora(tiny_model):
     assert not torch.equal(tiny_model(images), before)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real ViT-B-16 architecture built (random init)
 def test_vit_b16_lora_is_36864_and_267x_smaller():
     clip = load_clip("ViT-B-16", None)
     model = FedMVP(clip)

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tests.deadlines import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLIC = {
@@ -50,7 +51,7 @@ def run_blocked(block: list[str], code: str) -> list[str]:
     modules it loaded."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", BLOCKED, json.dumps(block), code], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=120)
+                          text=True, env=env, cwd=REPO, timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
 

@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import fleet
 from benchmarks.fleet_model import extrapolate, fit
+from tests.deadlines import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,11 +45,12 @@ def test_model_fits_and_says_what_is_extrapolated() -> None:
     assert row["superlink_cpu_s_per_update"] == pytest.approx(506.0 / 15000.0)
 
 
-@pytest.mark.processes
+@pytest.mark.slow  # a TLS deployment of 2 then 4 replay devices, each stage started and measured
+@pytest.mark.deployment
 def test_quick_fleet_runs_and_its_figures_are_sane(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "benchmarks", "fleet", "--quick", "--json", "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(420))
     assert done.returncode == 0, done.stderr[-2000:]
     section = json.loads(done.stdout.strip().splitlines()[-1])
     ratios = section["ratios"]

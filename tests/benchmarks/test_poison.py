@@ -6,39 +6,37 @@ the honest one does), and the rule the copy's server record names is the one ing
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.benchmarks.conftest import section_env
+from tests.deadlines import scaled
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
-
-REPO = Path(__file__).resolve().parents[2]
 ROBUST = ("median", "multi_krum", "norm_clip", "trimmed_mean")
 KEYS = ("backdoor_success_best_rule", "clean_drop_points_best_rule", "backdoor_success_no_defence",
         "default_rule_cost_points_no_attack")
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory) -> tuple[dict, Path]:
+def quick(tmp_path_factory, quick_trained_run) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("poison-out")
-    return run_quick(out), out
+    return run_quick(out, quick_trained_run), out
 
 
-def run_quick(out: Path) -> dict:
-    """The section's CLI in a process of its own."""
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks", "poison", "--quick", "--json", "--out", str(out)],
-                          cwd=out, env=env, capture_output=True, text=True, timeout=900)
+def run_quick(out: Path, trained: Path) -> dict:
+    """The section's CLI in a process of its own, on the session's quick run (what --quick would train)."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "poison", "--quick", "--run", str(trained), "--json",
+                           "--out", str(out)], cwd=out, env=section_env(), capture_output=True, text=True,
+                          timeout=scaled(900))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.deployment  # the section's run and the session's quick training
 @pytest.mark.timeout(900)
-def test_quick_section_has_the_keys_rows_and_plot(quick) -> None:
+def test_quick_section_has_the_keys_rows_and_plot(quick, quick_trained_run) -> None:
     from benchmarks import poison, suite
 
     record, out = quick
@@ -55,9 +53,11 @@ def test_quick_section_has_the_keys_rows_and_plot(quick) -> None:
     assert ratios["default_rule_cost_points_no_attack"] == 0.0  # the default is fedavg, the reference
     assert 0.0 <= ratios["backdoor_success_no_defence"] <= 1.0
     assert ratios["backdoor_success_best_rule"] <= ratios["backdoor_success_no_defence"]
-    assert (out / "poison.png").stat().st_size > 0 and config["plots"] == [str(out / "poison.png")]
+    assert (out / "poison.png").stat().st_size > 0  # in --out, and (given --run) beside the run
+    assert config["plots"] == [str(out / "poison.png"), str(quick_trained_run / "poison.png")]
 
 
+@pytest.mark.deployment  # the section's run and the session's quick training
 @pytest.mark.timeout(900)
 def test_quick_backdoor_is_trained_into_the_attackers_lora(quick) -> None:
     """The attacker's own LoRA (trained on its trigger-patched folder) sends triggered held-out images of
@@ -67,6 +67,7 @@ def test_quick_backdoor_is_trained_into_the_attackers_lora(quick) -> None:
     assert attacker["backdoor_target_rate"] >= 0.05
 
 
+@pytest.mark.deployment  # the section's run and the session's quick training
 @pytest.mark.timeout(900)
 def test_quick_rule_named_in_the_run_record_is_the_one_applied(quick) -> None:
     """Each run copy's [server] update_rule reaches ingest: under Multi-Krum (assumed_malicious 1) the ×20

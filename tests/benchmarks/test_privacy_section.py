@@ -6,31 +6,31 @@ Accuracy figures are not checked (one noise draw, a tiny run); structure and pro
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.benchmarks.conftest import section_env
+from tests.deadlines import scaled
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # a benchmark section and a Ray simulation (see pyproject.toml markers)
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory) -> tuple[dict, Path]:
+def quick(tmp_path_factory, quick_trained_run) -> tuple[dict, Path]:
+    """The section's CLI on the session's quick run (what --quick would train for itself)."""
     out = tmp_path_factory.mktemp("privacy-out")
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks", "privacy", "--quick", "--json", "--out", str(out)],
-                          cwd=out, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "privacy", "--quick", "--run", str(quick_trained_run),
+                           "--json", "--out", str(out)], cwd=out, env=section_env(), capture_output=True, text=True,
+                          timeout=scaled(900))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), out
 
 
 @pytest.mark.timeout(900)
-def test_quick_section_writes_the_keys_and_the_plot(quick) -> None:
+def test_quick_section_writes_the_keys_and_the_plot(quick, quick_trained_run) -> None:
     from benchmarks import privacy, suite
 
     record, out = quick
@@ -43,7 +43,8 @@ def test_quick_section_writes_the_keys_and_the_plot(quick) -> None:
     assert sorted(p["noise_multiplier"] for p in points) == sorted(plan.noise)  # three noise levels
     assert all(0.0 <= p["edge_acc"] <= 1.0 and len(p["by_round"]) == plan.rounds for p in points)
     assert [r["mode"] for r in record["rows"]] == ["none"] + ["central"] * len(plan.noise)
-    assert (out / "privacy.png").stat().st_size > 0 and config["plots"] == [str(out / "privacy.png")]
+    assert (out / "privacy.png").stat().st_size > 0  # in --out, and (given --run) beside the run
+    assert config["plots"] == [str(out / "privacy.png"), str(quick_trained_run / "privacy.png")]
     assert record["goals"][0]["target"] == "<= 3 pts"
 
 

@@ -14,11 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+from tests.deadlines import scaled
 from tests.hostile.disk import BIN
 
 PAUSED = Path(__file__).with_name("paused.py")
 REPO = Path(__file__).resolve().parents[2]
-SECONDS = 240  # what any one command may take on a loaded test machine
+SECONDS = scaled(240)  # what any one command may take on a loaded test machine
 APPLY = "edge_client.train:apply_update_bytes"  # where a train stops: trained, update written, not yet applied
 
 

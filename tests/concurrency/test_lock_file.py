@@ -119,6 +119,7 @@ def test_join_refuses_another_hosts_bundle_lock_unless_broken(bundle):
     assert recover_refresh(bundle, break_lock=True) is None and not (bundle / ".lock").exists()
 
 
+@pytest.mark.processes  # `fedmvp ingest --wait` as a real process
 def test_wait_on_another_hosts_lock_says_so_and_goes_on_when_it_is_released(run_dir, updates, tmp_path):
     """--wait waits for the record to go (its holder releasing it), saying once whom it waits for."""
     from tests.concurrency.processes import finish, start, stderr_line
@@ -133,6 +134,5 @@ def test_wait_on_another_hosts_lock_says_so_and_goes_on_when_it_is_released(run_
     assert RunDir(run_dir).rounds() == [1, 2, 3]
 
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 if sys.platform == "win32":  # pragma: no cover - flock and symlinks are POSIX
-    pytestmark = [pytestmark, pytest.mark.skip("POSIX only")]
+    pytestmark = pytest.mark.skip("POSIX only")

@@ -23,7 +23,6 @@ from tests.concurrency.test_run_lock import SAVE, ingested
 from tests.edge_client.edge_helpers import tree_bytes
 from tests.federated.test_ingest import good_update, lora_of, round_promptformer
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +45,7 @@ def busy(run_dir: Path, pid: int) -> str:
     return f"{run_dir / '.lock'}: run in use by pid {pid} on {socket.gethostname()} since "
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_a_live_training_holds_the_run_and_a_killed_one_is_taken_over(preset, tmp_path):
     """One training's life (two trainings: each costs a Ray start): A holds the run, an ingest and a
     second --resume are refused; A is killed with kill -9 mid-training; B (--resume) takes the lock over

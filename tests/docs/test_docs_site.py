@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 import pytest
+from tests.deadlines import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("mkdocs", reason="the [docs] extra is not installed")
@@ -36,7 +37,7 @@ def site(tmp_path_factory) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"),
-                           "-d", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           "-d", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return out
 
@@ -67,12 +68,14 @@ def _spec_classes():
             yield cls
 
 
+@pytest.mark.processes  # the module's one `mkdocs build` (fixture site)
 def test_strict_build_passes_and_every_page_of_the_nav_exists(site):
     for page in ("tutorials/one-machine", "howto/ingest", "reference/cli", "reference/presets", "method",
                  "architecture"):
         assert (site / page / "index.html").is_file(), page
 
 
+@pytest.mark.processes  # the module's one `mkdocs build` (fixture site)
 def test_cli_reference_has_every_command_and_flag(site):
     from fedmvp_apps import cli, edge_cli, export_cli
 
@@ -87,6 +90,7 @@ def test_cli_reference_has_every_command_and_flag(site):
     assert missing == []
 
 
+@pytest.mark.processes  # the module's one `mkdocs build` (fixture site)
 def test_preset_reference_has_every_key_of_every_table(site):
     hook = _hook()
     text = _text(site, "reference/presets")
@@ -126,6 +130,7 @@ def test_a_placeholder_in_a_help_text_is_printed_not_read_as_html():
     assert "DIR/<class>/<image>" in text
 
 
+@pytest.mark.processes  # the module's one `mkdocs build` (fixture site)
 def test_format_references_name_every_section_and_metadata_key(site):
     from fedmvp_formats import bundle_manifest, update
 
@@ -155,6 +160,7 @@ def test_the_update_files_a_device_writes_use_only_documented_keys(tmp_path):
     assert set(lora_store._UPDATE_KEYS) <= set(update.FIELDS)
 
 
+@pytest.mark.processes  # the module's one `mkdocs build` (fixture site)
 def test_api_reference_renders_every_public_name(site):
     hook = _hook()
     text = _text(site, "reference/api")

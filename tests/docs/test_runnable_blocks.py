@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deadlines import scaled
 from tests.docs.runnable import DOCS, pages_with_blocks, runnable_blocks
 
 ROOT = DOCS.parent
@@ -32,6 +33,6 @@ def test_runnable_blocks_run(page: Path, tmp_path):
             (tmp_path / block.file).write_text(block.body + "\n", encoding="utf-8")
             continue
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", block.body], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=scaled(600))
         shown = (done.stdout + done.stderr)[-3000:]
         assert done.returncode == 0, f"{block.page} block {i}:\n{block.body}\n---\n{shown}"

@@ -14,6 +14,7 @@ from edge_helpers import tree_bytes, write_local_data
 from edge_client.bundle import read_bundle
 from edge_client.train import train_local
 from edge_client.train_options import TrainInputError
+from tests.deadlines import scaled
 
 LOCAL_CLASSES = ["purple_cross", "orange_ring"]
 
@@ -87,7 +88,7 @@ def test_concurrent_applies_lose_nothing_and_every_entry_verifies(bundle_dir, tm
     procs = [subprocess.Popen([sys.executable, "-c", _APPLY, str(bundle_dir), *paths], env=env,
                               stderr=subprocess.PIPE, text=True) for paths in batches]
     for proc in procs:
-        _, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=scaled(300))
         assert proc.returncode == 0, err[-2000:]
     state = read_state(bundle)
     entries = [state["active"], *state["history"]]
@@ -205,7 +206,7 @@ def test_infer_json_and_table_stay_valid_utf8_with_non_utf8_names(edge_bundle, t
     cli = Path(sys.executable).parent / "edge-client"
     for extra in (["--json"], []):
         done = subprocess.run([str(cli), "infer", "--bundle", str(edge_bundle), "--provider", "cpu", *extra,
-                               str(folder)], capture_output=True, timeout=300)
+                               str(folder)], capture_output=True, timeout=scaled(300))
         out, err = done.stdout.decode("utf-8"), done.stderr.decode("utf-8")  # strict: valid UTF-8
         assert done.returncode == 1 and "Traceback" not in out + err, out + err
         if extra:

@@ -15,6 +15,7 @@ from edge_helpers import write_local_data
 from edge_client.bundle import Bundle
 from edge_client.local_data import held_out_split, scan_folder
 from edge_client.node import EdgeNodeConfig
+from tests.deadlines import scaled
 
 
 def test_node_config_survives_flowers_parser(tmp_path):
@@ -156,7 +157,7 @@ def test_the_runtime_asked_for_evaluates_the_round(edge_bundle, tmp_path, runtim
     assert counts["edge:correct"] == edge_node.evaluate_share(reference, held_out)[0]
 
 
-@pytest.mark.processes
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_join_refuses_a_runtime_named_and_unavailable_before_connecting(edge_bundle, tmp_path):
     """`join --runtime openvino` where OpenVINO is missing: one error line, exit 2, no SuperNode started
     (a superlink nobody listens on: connecting would hang, not exit 2)."""
@@ -169,7 +170,7 @@ def test_join_refuses_a_runtime_named_and_unavailable_before_connecting(edge_bun
     args = ["join", "--bundle", str(edge_bundle), "--data", str(root), "--superlink", "127.0.0.1:9", "--insecure",
             "--runtime", "openvino"]
     done = subprocess.run([str(Path(sys.executable).parent / "edge-client"), *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, DISABLED_ENV: "openvino"})
+                          timeout=scaled(120), env={**os.environ, DISABLED_ENV: "openvino"})
     assert done.returncode == 2, done.stdout + done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert lines == [f"error: openvino is disabled on this device ({DISABLED_ENV}=openvino)"], done.stderr
@@ -182,7 +183,6 @@ def parse(node: EdgeNodeConfig) -> dict:
     return parse_config_args([node.to_node_config()])
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize("extra, message", [
     (["--superlink", "nohost"], "expected HOST:PORT"),
     (["--superlink", "127.0.0.1:9"], "--root-certificates CA.crt"),
@@ -191,13 +191,14 @@ def parse(node: EdgeNodeConfig) -> dict:
     pytest.param(["--superlink", "127.0.0.1:9", "--insecure", "--device", "cuda"], "CUDA is not available",
                  marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")),
 ])
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_join_checks_everything_before_it_starts(edge_bundle, tmp_path, extra, message):
     classes = Bundle.open(edge_bundle).class_names
     root = write_local_data(tmp_path / "local", classes[:2], per_class=3)
     args = ["--bundle", str(edge_bundle), "--data", str(root)] + \
         [a.replace("{missing}", str(tmp_path / "nope")) for a in extra]
     done = subprocess.run([str(Path(sys.executable).parent / "edge-client"), "join", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
     assert done.returncode == 2, done.stdout + done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr

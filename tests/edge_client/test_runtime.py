@@ -13,6 +13,7 @@ import pytest
 
 from edge_client import runtime
 from edge_client.runtime import ProviderError, available_providers, make_session
+from tests.deadlines import scaled
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -129,7 +130,7 @@ def _python(code: str, blocked: set[str]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     script = _BLOCKER.format(blocked=sorted(blocked)) + textwrap.dedent(code)
     return subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=scaled(120))
 
 
 @pytest.mark.processes

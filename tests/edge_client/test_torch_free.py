@@ -16,6 +16,7 @@ from edge_client.bundle import read_bundle
 from edge_client.lora_store import apply_update
 from edge_client.update import write_update
 import pytest
+from tests.deadlines import scaled
 
 pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
@@ -68,7 +69,7 @@ def test_infer_runs_where_torch_cannot_be_imported(edge_bundle, data_root, tmp_p
     }
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(commands)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
+                          env=env, cwd=tmp_path, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
     assert result["leaked"] == []

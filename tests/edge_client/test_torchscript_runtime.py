@@ -19,6 +19,7 @@ from edge_client.lora_store import ActiveLora
 from edge_client.runtime_choice import check_images
 from fedmvp_apps.edge_bundle import DISABLED_ENV
 from fedmvp_apps.edge_cli import main
+from tests.deadlines import scaled
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_the_default_runtime_stays_torch_free_on_a_torchscript_bundle(ts_bundle,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "FEDMVP_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(commands)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
+                          env=env, cwd=tmp_path, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
     assert result["leaked"] == []

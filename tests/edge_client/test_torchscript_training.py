@@ -24,6 +24,7 @@ from edge_client.safetensors_check import load_safetensors
 from edge_client.torchscript_check import check_archive, check_module
 from edge_client.torchscript_training import load_script_runner
 from fedmvp_formats.objective import fedmvp_objective
+from tests.deadlines import scaled
 from tests.edge_client.test_torchscript_attacks import ReadsAFile, TwoMethods, _saved
 from tests.hostile.forge import resign
 
@@ -136,7 +137,7 @@ def test_train_falls_back_in_process_and_says_so(ts_train, data_root, tmp_path, 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-c", f"from {module} import main; main()", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+                          capture_output=True, text=True, timeout=scaled(300), env=env, cwd=REPO)
 
 
 @pytest.mark.processes

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.deadlines import scaled
 
 pytestmark = pytest.mark.processes
 
@@ -63,7 +64,7 @@ def photos(tmp_path_factory) -> list[Path]:
 
 
 def _run(binary: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=scaled(300))
 
 
 def _lines(proc: subprocess.CompletedProcess) -> list[dict]:
@@ -185,7 +186,7 @@ def test_cmake_configures_against_the_wheel_without_find_package_torch(tmp_path)
     if problem is not None:
         pytest.skip(f"cannot build examples/cpp here: {problem}")
     proc = subprocess.run(["cmake", "-S", str(CPP_DIR), "-B", str(tmp_path), f"-DPYTHON_FOR_TORCH={sys.executable}"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr
     import torch
 

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from fedmvp_apps.export_cli import main
 from fedmvp_formats.files import sha256_file
+from tests.deadlines import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "train.torchscript.pt"
@@ -56,7 +57,7 @@ def test_two_exports_write_the_same_training_module(tiny_run, tmp_path):
     for name in ("a", "b"):
         done = subprocess.run([sys.executable, "-c", "from fedmvp_apps.export_cli import main; main()", "--run",
                                str(tiny_run), "--out", str(tmp_path / name), "--format", "torchscript",
-                               "--parity-images", "32", "--json"], capture_output=True, text=True, timeout=600,
+                               "--parity-images", "32", "--json"], capture_output=True, text=True, timeout=scaled(600),
                               env=env, cwd=REPO)
         assert done.returncode == 0, done.stdout + done.stderr
         hashes.append(sha256_file(tmp_path / name / MODULE))

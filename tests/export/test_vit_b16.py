@@ -7,7 +7,7 @@ import pytest
 import torch
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real ViT-B-16 (random init) exported and checked for parity
 def test_vit_b16_export_and_parity(tmp_path):
     from edge_client.bundle import read_bundle
     from export.bundle_writer import BundleInputs, write_bundle

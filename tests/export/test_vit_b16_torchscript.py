@@ -10,7 +10,7 @@ import torch
 CHECKED = 8  # check images run through both engines (the exporter's parity already covered 32)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real ViT-B-16 (random init) exported to ONNX and TorchScript
 def test_vit_b16_exports_with_torchscript_and_matches_ort(tmp_path):
     from edge_client.bundle import read_bundle
     from edge_client.infer import Predictor

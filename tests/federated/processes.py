@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from tests.deadlines import scaled
 
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "FLWR_TELEMETRY_ENABLED": "0"}
@@ -43,11 +44,11 @@ class Processes:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def wait_for(self, what: str, done, timeout: float, watch: str = "serve") -> None:
-        deadline = time.time() + timeout
+        deadline = time.time() + scaled(timeout)
         while not done():
             proc = self.procs.get(watch)
             assert proc is None or proc.poll() is None, f"{watch} exited while waiting for {what}\n{self.log(watch)}"
-            assert time.time() < deadline, f"no {what} within {timeout} s\n{self.log(watch)[-3000:]}"
+            assert time.time() < deadline, f"no {what} within {scaled(timeout):g} s\n{self.log(watch)[-3000:]}"
             time.sleep(0.3)
 
     def start_buffered(self, preset: Path, run: Path, certs: Path, port: int,
@@ -69,12 +70,12 @@ class Processes:
         """``name``'s exit code once it ended; past ``timeout`` an AssertionError that carries the end of
         every log (and of RUN/flower.log: the ServerApp's warnings), so a run that did not end says where."""
         try:
-            return self.procs[name].wait(timeout=timeout)
+            return self.procs[name].wait(timeout=scaled(timeout))
         except subprocess.TimeoutExpired:
             logs = {other: self.log(other)[-2500:] for other in self.procs}
             if run is not None and (run / "flower.log").exists():
                 logs["RUN/flower.log"] = (run / "flower.log").read_text(errors="replace")[-2500:]
-            raise AssertionError(f"{name} still running after {timeout:g} s\n" + "\n".join(
+            raise AssertionError(f"{name} still running after {scaled(timeout):g} s\n" + "\n".join(
                 f"--- {other} ---\n{text}" for other, text in logs.items())) from None
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -83,7 +84,7 @@ class Processes:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -94,7 +95,7 @@ class Processes:
                     pass
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=scaled(15))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

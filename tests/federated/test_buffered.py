@@ -23,7 +23,7 @@ from safetensors.numpy import load_file
 from tests.federated.processes import ENV, FEDMVP, Processes
 from tests.federated.test_edge_join import local_folder, prepare_run, states, update_files
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 FIRST, LAST = 3, 10  # rounds 1-2 are prepared; versions 3..10 are buffered
 EXAMPLES = {"a": 9, "b": 6, "c": 12}  # training images per device (3 of every 4 kept): who replied
@@ -38,6 +38,7 @@ round_timeout = 45
 """
 
 
+@pytest.mark.slow  # a device killed mid-run is forgotten only after round_timeout (45 s)
 @pytest.mark.timeout(900)
 def test_buffered_versions_fast_devices_never_wait_stale_replies_are_discounted(tmp_path, small_world):
     from edge_client.bundle import Bundle

@@ -15,7 +15,7 @@ from fedmvp_apps.deploy.supernode import free_port
 from tests.federated.processes import Processes
 from tests.site_trees import site_preset, world_classes
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 
 @pytest.mark.timeout(600)

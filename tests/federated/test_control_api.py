@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deadlines import scaled
 from tests.federated.conftest import three_site_preset
 from tests.federated.processes import ENV, FEDMVP, Processes
 
@@ -63,7 +64,7 @@ def _outsider_home(root: Path, port: int, ca: Path) -> dict[str, str]:
 def _flwr(env: dict[str, str], *args: str) -> tuple[bool, str]:
     """(success, message) of one `flwr` command with JSON output (flwr exits 0 on refusals too)."""
     done = subprocess.run(["flwr", *args, "target", "--format", "json"], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
     try:
         reply = json.loads(done.stdout)
     except ValueError:
@@ -80,11 +81,11 @@ def _control(port: int, ca: Path, path: str, token: str | None) -> int:
     headers = {"content-type": "application/protobuf"}
     if token is not None:
         headers["authorization"] = f"Bearer {token}"
-    with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=30) as client:
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=scaled(30)) as client:
         return client.post(f"https://127.0.0.1:{port}/v1/control/{path}", headers=headers, content=b"").status_code
 
 
-@pytest.mark.processes
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(300)
 def test_an_outsider_with_the_ca_certificate_or_a_node_key_controls_nothing(tmp_path, world6):
     from fedmvp_apps.deploy.supernode import free_port
@@ -112,7 +113,7 @@ def test_an_outsider_with_the_ca_certificate_or_a_node_key_controls_nothing(tmp_
         assert not stopped and "Authentication failed" in why, why
         registered, why = _flwr(outsider, "supernode", "register", str(certs / "node-1.pub"))
         assert not registered and "Authentication failed" in why, why
-        login = subprocess.run(["flwr", "login", "target"], env=outsider, capture_output=True, text=True, timeout=60)
+        login = subprocess.run(["flwr", "login", "target"], env=outsider, capture_output=True, text=True, timeout=scaled(60))
         assert login.returncode != 0 and "not enabled" in login.stdout + login.stderr
         submitted, why = _flwr(outsider, "run", str(app))
         assert not submitted and "Authentication failed" in why, why
@@ -124,7 +125,7 @@ def test_an_outsider_with_the_ca_certificate_or_a_node_key_controls_nothing(tmp_
         # A SuperExec of the outsider's own, to claim the run's ServerApp task: refused by the Runtime API.
         thief = subprocess.run(["timeout", "8", "flower-superexec", "--runtime-api-address", f"127.0.0.1:{port}",
                                 "--root-certificates", str(certs / "ca.crt")], env=outsider, capture_output=True,
-                               text=True, timeout=60)
+                               text=True, timeout=scaled(60))
         assert thief.returncode == 0  # it gave up by itself, before `timeout` ended it
         superlink_log = (tmp_path / "runs" / "guarded.superlink.log").read_text()
         assert "SuperExec authentication failed for /flwr.proto.Runtime/AcquireTask" in superlink_log
@@ -151,7 +152,7 @@ def test_an_outsider_with_the_ca_certificate_or_a_node_key_controls_nothing(tmp_
         assert "finished" not in procs.log("serve")
 
         os.kill(procs.procs["serve"].pid, signal.SIGINT)  # the operator's Ctrl-C: serve stops its own run
-        assert procs.procs["serve"].wait(timeout=90) == 1
+        assert procs.procs["serve"].wait(timeout=scaled(90)) == 1
     finally:
         procs.stop()
     assert f"interrupted: run {run_id} stopped" in procs.log("serve"), procs.log("serve")[-2000:]
@@ -186,13 +187,13 @@ def test_the_operator_plugin_admits_exactly_its_token(metadata, valid):
     assert (plugin.refresh_tokens(metadata)[0] is not None) is valid
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize("setup,fragment", [
     (None, "FEDMVP_OPERATOR_TOKEN_FILE is not set"),
     (lambda p: None, "cannot read the operator token"),
     (lambda p: (p.write_text("short"), p.chmod(0o600)), "shorter than 32"),
     (lambda p: (p.write_text(TOKEN), p.chmod(0o644)), "readable by others (mode 644)"),
 ], ids=["unset", "missing", "short", "world-readable"])
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_the_superlink_launcher_refuses_to_start_open(tmp_path, setup, fragment):
     """Fail closed: no usable token, no SuperLink (and so never an open Control API)."""
     env = {k: v for k, v in ENV.items() if k != "FEDMVP_OPERATOR_TOKEN_FILE"}
@@ -203,7 +204,7 @@ def test_the_superlink_launcher_refuses_to_start_open(tmp_path, setup, fragment)
     import sys
 
     done = subprocess.run([sys.executable, "-m", "fedmvp_apps.deploy.superlink_process", "--insecure"], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=scaled(120))
     assert done.returncode == 2 and fragment in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 

@@ -15,8 +15,9 @@ import subprocess
 import sys
 
 import pytest
+from tests.deadlines import scaled
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 ROUNDS = 12
@@ -29,12 +30,13 @@ EDGE_MARGIN_POINTS = 3.0  # on-device personalisation: held-out top-1 after >= b
 def demo_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("acceptance") / "demo"
     demo = subprocess.run([*FEDMVP, "demo", "--rounds", str(ROUNDS), "--eval-every", str(EVAL_EVERY), "--no-edge",
-                           "--json", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=400)
+                           "--json", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=scaled(400))
     assert demo.returncode == 0, (demo.stdout + demo.stderr)[-3000:]
     assert json.loads(demo.stdout)["round"] == ROUNDS
     return run_dir
 
 
+@pytest.mark.slow  # the first test of the module sets up the 12-round demo the others share
 def test_demo_evaluates_every_few_rounds_for_the_plot(demo_run):
     rows = [json.loads(line) for line in (demo_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows if r.get("hm") is not None] == list(range(EVAL_EVERY, ROUNDS + 1, EVAL_EVERY))
@@ -44,7 +46,7 @@ def test_demo_evaluates_every_few_rounds_for_the_plot(demo_run):
 @pytest.mark.timeout(420)
 def test_shortened_demo_beats_zero_shot_on_base_and_hm_and_keeps_new(demo_run):
     shown = subprocess.run([*FEDMVP, "evaluate", "--run", str(demo_run), "--json"], capture_output=True, text=True,
-                           timeout=120)
+                           timeout=scaled(120))
     assert shown.returncode == 0, shown.stderr[-2000:]
     table = json.loads(shown.stdout)
     assert table["round"] == ROUNDS

@@ -22,12 +22,12 @@ from safetensors.torch import load_file
 
 from fedmvp.federated.server_app import client_preset, deployment_settings
 from fedmvp.run_metrics import read_metrics
-from fedmvp.runs import RunDir, RunError
+from fedmvp.runs import RunDir, RunError, round_dir_name
 from fedmvp_apps.deploy.flower_app import write_app_dir
 from fedmvp_apps.deploy.supernode import QUIET_ENV, LaunchError, executable, free_port
+from tests.deadlines import scaled
 from tests.federated.conftest import write_preset
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 REPO = Path(__file__).resolve().parents[2]
 CONNECTION = "fedmvp-test"
@@ -84,7 +84,7 @@ class Deployment:
                                             "--port", str(free_port()),
                                             "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"],
                        f"supernode-{i}")
-        deadline = time.time() + 90
+        deadline = time.time() + scaled(90)
         nodes = [path for _, path in self.procs[1:]]
         while not all("SuperNode ID:" in p.read_text(errors="replace") for p in nodes):
             dead = [path.name for proc, path in self.procs if proc.poll() is not None]
@@ -98,7 +98,7 @@ class Deployment:
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc, _ in self.procs:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=scaled(10))
             except subprocess.TimeoutExpired:
                 pass
             try:
@@ -109,15 +109,22 @@ class Deployment:
 
     def flwr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run([self.exe["flwr"], *args], cwd=REPO, env=self.env(self.cli_home),
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=scaled(timeout))
 
-    def run_app(self, run_config: str, timeout: float = 180) -> dict:
-        """`flwr run` of the federation's app folder, then poll `flwr ls` until the run finishes."""
+    def run_app(self, run_config: str, last_state: Path, timeout: float = 180) -> dict:
+        """`flwr run` of the federation's app folder; wait for ``last_state`` (the last round's state.json,
+        a file: no interpreter per poll), then ask `flwr ls` for the run's status, backing off from 0.5 s
+        (each `flwr ls` is an interpreter start; polling it every second cost a core for the whole run)."""
         app = write_app_dir(self.root / "app")
         started = self.flwr("run", str(app), CONNECTION, "--run-config", run_config, "--format", "json")
         assert started.returncode == 0, started.stdout + started.stderr + self.logs()
         run_id = json.loads(started.stdout)["run-id"]
-        deadline = time.time() + timeout
+        deadline, pause = time.time() + scaled(timeout), 0.5
+        while not last_state.exists():
+            dead = [path.name for proc, path in self.procs if proc.poll() is not None]
+            assert not dead, f"{dead} exited during run {run_id}\n{self.logs()}"
+            assert time.time() < deadline, f"run {run_id}: no {last_state} within {scaled(timeout):g} s\n{self.logs()}"
+            time.sleep(0.3)
         while True:
             listed = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
             assert listed.returncode == 0, listed.stdout + listed.stderr
@@ -125,7 +132,8 @@ class Deployment:
             if run["status"].startswith("finished"):
                 return run
             assert time.time() < deadline, f"run {run_id} still {run['status']}\n{self.logs()}"
-            time.sleep(1)
+            time.sleep(pause)
+            pause = min(pause * 2, 4.0)
 
 
 @pytest.fixture
@@ -150,12 +158,15 @@ def deployment_preset(folder: Path, world: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # Flower's own SuperLink and SuperNodes, two `flwr run`s of two rounds each
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(240)
 def test_superlink_and_supernodes_train_and_checkpoint(deployment, small_world, tmp_path):
     preset = deployment_preset(tmp_path, small_world)
     # Relative, as in the README: the run directory is on the SuperLink's machine, relative to its
     # working directory.
-    run = deployment.run_app(f"preset='{preset}' run-dir='runs/deployed'")
+    last_state = deployment.root / "runs" / "deployed" / round_dir_name(ROUNDS) / "state.json"
+    run = deployment.run_app(f"preset='{preset}' run-dir='runs/deployed'", last_state)
     assert run["status"] == "finished:completed", f"{run}\n{deployment.logs()}"
     run_dir = RunDir(deployment.root / "runs" / "deployed")
 
@@ -177,7 +188,7 @@ def test_superlink_and_supernodes_train_and_checkpoint(deployment, small_world, 
 
     # The same command again resumes the run directory: it is complete, so nothing is redone.
     before = (run_dir.round_path(ROUNDS) / "global.safetensors").read_bytes()
-    again = deployment.run_app(f"preset='{preset}' run-dir='runs/deployed'")
+    again = deployment.run_app(f"preset='{preset}' run-dir='runs/deployed'", last_state)
     assert again["status"] == "finished:completed", f"{again}\n{deployment.logs()}"
     assert run_dir.rounds() == list(range(1, ROUNDS + 1))
     assert (run_dir.round_path(ROUNDS) / "global.safetensors").read_bytes() == before

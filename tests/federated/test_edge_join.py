@@ -26,10 +26,11 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from tests.deadlines import scaled
 from tests.federated.conftest import write_preset
 from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 BLOCKER = '''
 import importlib.abc, sys
@@ -91,6 +92,7 @@ def logits(bundle: Path, image: Path) -> np.ndarray:
     return predictor.run(predictor.decode(image)[0][None])["logits"][0]
 
 
+@pytest.mark.slow  # three versions of edge devices, one killed and restarted
 @pytest.mark.timeout(600)
 def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_world):
     from export.bundle_writer import export_bundle
@@ -135,7 +137,7 @@ def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_worl
                         command=[edge_client, "join"], env=edge_env)
         procs.wait_for("round 3", lambda: 3 in states(run), 300)
         procs.kill("edge-b")  # round 4 is under way: device B never answers it
-        assert procs.procs["serve"].wait(timeout=300) == 0, procs.log("serve")[-3000:]
+        assert procs.procs["serve"].wait(timeout=scaled(300)) == 0, procs.log("serve")[-3000:]
     finally:
         procs.stop()
     result = json_result(procs.log("serve"))

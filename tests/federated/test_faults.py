@@ -14,10 +14,11 @@ import subprocess
 
 import pytest
 
+from tests.deadlines import scaled
 from tests.federated.conftest import three_site_preset
 from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 ROUNDS = 5
 
@@ -29,6 +30,7 @@ def states(run) -> dict[int, dict]:
     return out
 
 
+@pytest.mark.slow  # five rounds; a killed site's round closes at round_timeout (45 s); serve killed and restarted
 @pytest.mark.timeout(600)
 def test_a_site_and_the_server_killed_mid_run(tmp_path, world6):
     from fedmvp_apps.deploy.supernode import free_port
@@ -60,7 +62,7 @@ def test_a_site_and_the_server_killed_mid_run(tmp_path, world6):
         assert len(states(run)) < ROUNDS, "the run ended before its server could be killed mid-run"
         procs.kill("serve")  # the server machine dies: serve, its SuperLink and the ServerApp
         procs.start("serve", serve)
-        assert procs.procs["serve"].wait(timeout=240) == 0, procs.log("serve")[-3000:]
+        assert procs.procs["serve"].wait(timeout=scaled(240)) == 0, procs.log("serve")[-3000:]
     finally:
         procs.stop()
     result = json_result(procs.log("serve"))

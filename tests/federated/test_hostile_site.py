@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from tests.deadlines import scaled
 from tests.federated.conftest import three_site_preset
 from tests.federated.processes import ENV, FEDMVP, Processes
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 HOSTILE_APP = '''"""A compromised site's ClientApp: fedmvp's own, its train replies spoiled (test_hostile_site.py)."""
 import io
@@ -96,7 +97,7 @@ def test_a_site_lying_about_its_packed_tensors_is_refused_for_each_lie(tmp_path,
         for site in (1, 0, 2):  # the compromised site first: it is connected when round 1 is sent
             procs.start(f"site-{site}", [*join, "--site", str(site), "--auth-key", str(certs / f"node-{site}")],
                         env=hostile_env if site == 1 else ENV)
-        assert procs.procs["serve"].wait(timeout=360) == 0, procs.log("serve")[-3000:] + procs.log("site-1")[-3000:]
+        assert procs.procs["serve"].wait(timeout=scaled(360)) == 0, procs.log("serve")[-3000:] + procs.log("site-1")[-3000:]
     finally:
         procs.stop()
     result = json.loads(procs.log("serve")[procs.log("serve").index("{\n"):])

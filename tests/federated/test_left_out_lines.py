@@ -11,12 +11,13 @@ import sys
 
 import pytest
 
+from tests.deadlines import scaled
 from tests.site_trees import site_preset, world_classes
 
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 
 
-@pytest.mark.processes
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(300)
 def test_train_says_each_left_out_reply_and_the_failed_round_names_them(tmp_path, small_world):
     """Two honest sites whose every update exceeds [server] max_update_norm (a bound far too tight):
@@ -28,7 +29,7 @@ def test_train_says_each_left_out_reply_and_the_failed_round_names_them(tmp_path
     preset.write_text(preset.read_text() + "\n[server]\nmax_update_norm = 1e-9\nround_retries = 1\n")
     run_dir = tmp_path / "run"
     done = subprocess.run([*FEDMVP, "train", "--config", str(preset), "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=280)
+                          capture_output=True, text=True, timeout=scaled(280))
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]
     said = []

@@ -27,10 +27,10 @@ import pytest
 
 from fedmvp_apps.deploy.node_lines import FLOWER_LOG_ENV
 from fedmvp_apps.deploy.stopping import STOP_BOUND, alive, descendants, kill_pids
+from tests.deadlines import scaled
 from tests.federated.processes import ENV, FEDMVP, Processes
 from tests.federated.test_edge_join import local_folder, prepare_run
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 BOUND = STOP_BOUND
 TASK_TOKEN = re.compile(rb"[0-9a-f]{256}")  # Flower's task tokens: token_hex(128)
@@ -105,6 +105,8 @@ def _secrets(tmp_path: Path, run: Path, pgids: list[int]) -> None:
             f"a Runtime API token is shown by {roles[pid]}"
 
 
+@pytest.mark.slow  # every command stopped at every stage, each restarted
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(420)
 def test_no_secret_is_shown_and_every_command_stops_within_its_bound_at_every_stage(tmp_path, small_world):
     from edge_client.bundle import Bundle
@@ -194,6 +196,7 @@ with Stopper("blocked: stopped") as stopper:
 '''
 
 
+@pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 @pytest.mark.parametrize("how", ["block", "order"])
 def test_a_stop_is_bounded_whatever_blocks_and_kills_every_descendant(tmp_path, how):
     """The guarantee under the commands' stops: SIGTERM ends the process within STOP_BOUND seconds even
@@ -203,7 +206,7 @@ def test_a_stop_is_bounded_whatever_blocks_and_kills_every_descendant(tmp_path, 
     script.write_text(BLOCKED)
     proc = subprocess.Popen([sys.executable, str(script), how], env=ENV, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while len(descendants(proc.pid)) < (1 if how == "block" else 2):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.1)

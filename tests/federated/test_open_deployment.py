@@ -15,10 +15,11 @@ import subprocess
 import pytest
 
 from fedmvp_apps.deploy.supernode import free_port
+from tests.deadlines import scaled
 from tests.federated.processes import ENV, FEDMVP, Processes
 from tests.site_trees import site_preset, world_classes
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 ROUNDS = 2
 
@@ -52,7 +53,7 @@ def test_two_unlisted_sites_are_numbered_train_and_the_run_exports(tmp_path, sma
         join("south-ward")  # first to appear: id 0
         procs.wait_for("south-ward numbered", lambda: numbered() == ["south-ward"], 300)
         join("north-ward", "--classes-from-server")
-        assert server.wait(timeout=600) == 0, procs.log("serve")[-3000:] + procs.log("north-ward")[-2000:]
+        assert server.wait(timeout=scaled(600)) == 0, procs.log("serve")[-3000:] + procs.log("north-ward")[-2000:]
     finally:
         procs.stop()
     assert numbered() == ["south-ward", "north-ward"]
@@ -90,7 +91,7 @@ def test_two_unlisted_sites_are_numbered_train_and_the_run_exports(tmp_path, sma
     elsewhere.mkdir()
     out = subprocess.run([*FEDMVP[:2], "fedmvp_apps.export_cli", "--run", str(run), "--round", str(ROUNDS), "--out",
                           str(elsewhere / "bundle"), "--inference-only", "--json"], cwd=elsewhere, capture_output=True,
-                         text=True, env=ENV, timeout=300)
+                         text=True, env=ENV, timeout=scaled(300))
     assert out.returncode == 0, out.stderr[-3000:]
     from fedmvp_formats.bundle_manifest import MANIFEST
 

@@ -23,6 +23,7 @@ from fedmvp.federated.site_registry import REGISTRY_FILE, SiteRegistry, SiteRegi
 from fedmvp.federated.strategy import FedMVPStrategy, RoundPolicy, StrategyOptions
 from fedmvp.federated.wire import array_record, content_records, instruction_content, records_content, state_records
 from fedmvp.presets.server import ServerSpec
+from tests.deadlines import scaled
 from tests.site_trees import site_preset, world_classes
 
 RUN = "run-1"
@@ -268,10 +269,10 @@ def test_join_takes_any_name_checks_the_folder_and_passes_threads_to_the_sites_t
     assert len(launched) == 1
 
 
-@pytest.mark.processes
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_train_needs_listed_sites_with_folders(tmp_path, open_preset):
     out = subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", "train", "--config", str(open_preset),
-                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "simulation needs [[sites]] with their data folders" in lines[0], lines

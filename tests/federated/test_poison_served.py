@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.deadlines import scaled
 from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 from tests.federated.test_edge_join import local_folder, prepare_run, states
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 RULE = "multi_krum"
 ROBUST = f"""
@@ -79,7 +80,7 @@ def test_multi_krum_screens_a_backdoor_device_out_of_a_served_round(tmp_path, sm
                                          str(tmp_path / f"device-{name}" / "updates"), "--optimizer", "adamw",
                                          "--eval-fraction", "0.25", "--threads", "1", *recipe],
                         command=[edge_client, "join"])
-        assert procs.procs["serve"].wait(timeout=420) == 0, procs.log("serve")[-3000:]
+        assert procs.procs["serve"].wait(timeout=scaled(420)) == 0, procs.log("serve")[-3000:]
     finally:
         procs.stop()
     assert json_result(procs.log("serve"))["status"] == "finished:completed"

@@ -214,7 +214,7 @@ def test_a_fast_device_is_in_a_buffered_version_at_most_once_and_epsilon_follows
     assert recorded[-1]["privacy"]["epsilon"] == pytest.approx(dp_epsilon([1.0] * 3), rel=1e-12)
 
 
-@pytest.mark.processes
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(600)
 def test_fedmvp_train_says_which_rounds_are_not_private_and_charges_only_the_noised_ones(tmp_path, small_world):
     """At the real command: round 1's sites train the PromptFormer (no noise: not private, no epsilon),

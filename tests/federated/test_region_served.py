@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from tests.deadlines import scaled
 from tests.federated.processes import ENV, FEDMVP, Processes
+from tests.federated.test_aggregation import _flower_run_identity  # noqa: F401  (fixture: a Flower run id)
 from tests.federated.test_edge_join import local_folder, prepare_run, states, update_files
 from tests.federated.test_ingest import lora_of
-from tests.federated.test_aggregation import _flower_run_identity  # noqa: F401  (fixture: a Flower run id)
 from tests.federated.test_regions import central, central_base  # noqa: F401  (fixtures: the central run)
 
 
@@ -40,12 +41,12 @@ round_timeout = 45
 
 
 def cli(*args: str) -> dict:
-    done = subprocess.run([*FEDMVP, *args, "--json"], env=ENV, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*FEDMVP, *args, "--json"], env=ENV, capture_output=True, text=True, timeout=scaled(120))
     assert done.returncode == 0, f"{args}\n{done.stdout}\n{done.stderr}"
     return json.loads(done.stdout)
 
 
-@pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(600)
 def test_a_served_buffered_region_enters_the_central_run_as_one_update(tmp_path, small_world):
     from edge_client.bundle import Bundle
@@ -72,7 +73,7 @@ def test_a_served_buffered_region_enters_the_central_run_as_one_update(tmp_path,
     procs = Processes(tmp_path)
     try:
         procs.start_buffered(preset, region, certs, port, {name: (bundles[name], data[name]) for name in "ab"})
-        assert procs.procs["serve"].wait(timeout=400) == 0, procs.log("serve")[-3000:]
+        assert procs.procs["serve"].wait(timeout=scaled(400)) == 0, procs.log("serve")[-3000:]
     finally:
         procs.stop()
     versions = states(region)

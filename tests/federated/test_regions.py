@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from fedmvp.federated.regions import REGION_RECORD, region_start, region_update
 from fedmvp.runs import RunDir, RunError
+from tests.deadlines import scaled
 from tests.federated.processes import ENV, FEDMVP
 from tests.federated.test_ingest import RUN_ID, configure, good_update, lora_of, round_promptformer
 
@@ -60,7 +61,7 @@ def _classes(run: Path) -> str:
 
 def cli(*args: str) -> dict:
     """One real `fedmvp` process with --json; its JSON."""
-    done = subprocess.run([*FEDMVP, *args, "--json"], env=ENV, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*FEDMVP, *args, "--json"], env=ENV, capture_output=True, text=True, timeout=scaled(120))
     assert done.returncode == 0, f"{args}\n{done.stdout}\n{done.stderr}"
     return json.loads(done.stdout)
 

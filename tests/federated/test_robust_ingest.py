@@ -17,6 +17,7 @@ import pytest
 from fedmvp.federated.aggregate import Update, apply_updates
 from fedmvp.federated.ingest import ingest
 from fedmvp.runs import RunDir, RunError
+from tests.deadlines import scaled
 from tests.federated.test_ingest import SERVER, base_run, bundle_for, configure, lora_of, run  # noqa: F401
 from tests.federated.test_robust_rules import REFERENCES
 from tests.federated.test_staleness import distinct_round_one
@@ -112,7 +113,7 @@ def test_the_cli_says_one_line_per_round_and_its_json_stays_clean(run, tmp_path)
     configure(run, {**SERVER, "max_staleness": 3, "update_rule": "multi_krum", "assumed_malicious": 1})
     files, _, _ = _files(run, tmp_path)
     done = subprocess.run([*FEDMVP, "ingest", "--run", str(run), "--json", *map(str, files)], capture_output=True,
-                          text=True, timeout=300, env=ENV, cwd=Path(__file__).resolve().parents[2])
+                          text=True, timeout=scaled(300), env=ENV, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["round"] == 3
     lines = [line for line in done.stderr.splitlines() if "update rule" in line]

@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.deadlines import scaled
 from tests.federated.conftest import write_preset
 from tests.federated.processes import ENV, FEDMVP
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 
 def _run(args: list[str], cwd: Path) -> tuple[int, list[str], float]:
     started = time.monotonic()
-    done = subprocess.run([*FEDMVP, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*FEDMVP, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=scaled(120))
     return done.returncode, done.stderr.strip().splitlines(), time.monotonic() - started
 
 

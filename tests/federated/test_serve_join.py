@@ -21,11 +21,12 @@ from safetensors.torch import load_file
 from fedmvp_apps.deploy.object_log import message_objects, superlink_database, watch
 from fedmvp_apps.deploy.stopping import STOP_BOUND
 from fedmvp_apps.deploy.supernode import free_port
+from tests.deadlines import scaled
 from tests.federated.conftest import three_site_preset
 from tests.federated.processes import ENV, FEDMVP, Processes
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
+@pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 def test_certs_are_a_ca_a_server_certificate_and_node_keys(tmp_path):
     out = subprocess.run([*FEDMVP, "certs", "--out", str(tmp_path / "c"), "--host", "fl.example.org",
                           "--host", "10.1.2.3", "--nodes", "2", "--json"], capture_output=True, text=True, env=ENV)
@@ -42,6 +43,7 @@ def test_certs_are_a_ca_a_server_certificate_and_node_keys(tmp_path):
     assert again.returncode == 2 and "already holds a CA" in again.stderr
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(300)
 def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6):
     (tmp_path / "site").mkdir()
@@ -73,7 +75,7 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
         server = start(["serve", "--config", str(server_preset), "--run-dir", "runs/tls", "--certs", str(certs),
                         "--node-keys", str(admitted), "--address", f"127.0.0.1:{port}", "--round-timeout", "120",
                         "--json"], "serve.log")
-        deadline = time.time() + 60
+        deadline = time.time() + scaled(60)
         while "SuperNode keys admitted" not in log("serve.log"):  # Flower refuses nodes it does not know yet
             assert server.poll() is None and time.time() < deadline, log("serve.log")
             time.sleep(0.5)
@@ -89,8 +91,8 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
                           "--auth-key", str(certs / "node-2")], "stranger.log")
         sites = [start([*join, "--site", str(site), "--root-certificates", str(certs / "ca.crt"),
                         "--auth-key", str(certs / f"node-{site}")], f"site-{site}.log") for site in range(3)]
-        assert server.wait(timeout=240) == 0, log("serve.log") + log("site-0.log")
-        assert intruder.wait(timeout=30) == 1 and keyless.wait(timeout=30) == 2 and stranger.wait(timeout=30) != 0
+        assert server.wait(timeout=scaled(240)) == 0, log("serve.log") + log("site-0.log")
+        assert intruder.wait(timeout=scaled(30)) == 1 and keyless.wait(timeout=scaled(30)) == 2 and stranger.wait(timeout=scaled(30)) != 0
         # The run ended: each site says so and leaves, exit 0, within the stop bound.
         assert [site.wait(timeout=STOP_BOUND) for site in sites] == [0, 0, 0], log("site-0.log")
     finally:
@@ -99,7 +101,7 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs:
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=scaled(15))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -144,6 +146,7 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
     assert federated == pytest.approx(central, abs=1e-12)
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(180)
 def test_a_restart_with_fewer_node_keys_unregisters_the_rotated_out_ones(tmp_path):
     """The SuperLink keeps registrations across restarts; `serve` must remove a key dropped from the file."""
@@ -171,6 +174,7 @@ def test_a_restart_with_fewer_node_keys_unregisters_the_rotated_out_ones(tmp_pat
     assert statuses(tmp_path / "two.txt") == ["registered", "registered", "unregistered"]  # nothing twice
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(120)
 def test_a_join_before_the_server_is_up_names_the_address_and_claims_no_connection(tmp_path):
     """Nothing listens at the address: one line naming it and that the node keeps trying; Flower's

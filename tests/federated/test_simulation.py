@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from fedmvp_apps.cli import main
+from tests.deadlines import scaled
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 FEDMVP = [sys.executable, "-m", "fedmvp_apps.cli"]
 
@@ -29,7 +29,7 @@ def train(preset: Path, run_dir: Path, *extra: str, **kwargs) -> subprocess.Pope
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    out, _ = proc.communicate(timeout=scaled(timeout))
     assert proc.returncode == 0, out[-3000:]
     return out
 
@@ -50,6 +50,7 @@ def finished_run(trained):
     return trained[:2]
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_train_ends_with_the_table_demo_and_evaluate_print(trained):
     """Issue 27: `fedmvp train` ends with the Local/Base/New/HM table of its last round, the same lines
     `fedmvp evaluate` prints (one format_table, and echo_run_table shared with `fedmvp demo`)."""
@@ -63,6 +64,7 @@ def test_train_ends_with_the_table_demo_and_evaluate_print(trained):
     assert tail[-1].startswith(f"run directory: {run_dir}")
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_run_directory_has_config_checkpoints_metrics_and_plot(finished_run):
     _, run_dir = finished_run
     assert [p.name for p in sorted(run_dir.glob("round-*"))] == ["round-0001", "round-0002", "round-0003"]
@@ -78,6 +80,7 @@ def test_run_directory_has_config_checkpoints_metrics_and_plot(finished_run):
     assert state["complete"] and state["lora_clients"] == [0, 1]
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_lora_only_rounds_leave_the_promptformer_unchanged(finished_run):
     _, run_dir = finished_run
     r1 = load_file(str(run_dir / "round-0001" / "global.safetensors"))
@@ -88,6 +91,7 @@ def test_lora_only_rounds_leave_the_promptformer_unchanged(finished_run):
     assert any(not (r1[k] == r3[k]).all() for k in r1 if k.startswith("lora.") and "lora_B" in k)
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_preset_method_travels_to_checkpoints_bundle_and_update_files(finished_run, small_world, tmp_path):
     """The preset's lora_rank = 4 and alpha = 5 shape every LoRA tensor from the first checkpoint to the
     device's update file, and the method record travels with them (config.json, state.json, manifest)."""
@@ -120,11 +124,12 @@ def test_preset_method_travels_to_checkpoints_bundle_and_update_files(finished_r
     assert {k: list(v.shape) for k, v in update.tensors.items()} == bundle.lora_shapes
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_killed_mid_round_resume_matches_uninterrupted_run(finished_run, tmp_path):
     preset, reference = finished_run
     run_dir = tmp_path / "killed"
     proc = train(preset, run_dir)
-    deadline = time.time() + 240
+    deadline = time.time() + scaled(240)
     while not (run_dir / "round-0001" / "state.json").exists():
         assert proc.poll() is None and time.time() < deadline, "round 1 never completed"
         time.sleep(0.2)
@@ -139,6 +144,7 @@ def test_killed_mid_round_resume_matches_uninterrupted_run(finished_run, tmp_pat
     assert ours["lora_clients"] == theirs["lora_clients"] and ours["metrics"] == theirs["metrics"]
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_evaluate_prints_the_paper_table(finished_run):
     _, run_dir = finished_run
     result = CliRunner().invoke(main, ["evaluate", "--run", str(run_dir)])
@@ -154,6 +160,7 @@ def test_evaluate_prints_the_paper_table(finished_run):
     assert missing.exit_code == 2 and "complete rounds: 1, 2, 3" in missing.output
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_evaluate_pairs_zero_shot_with_the_sites_that_evaluated_the_round(finished_run, tmp_path):
     """A site gone before a round's evaluation (its reply never came: eval_replies leaves it out): the
     table says the populations differ and both rows are over the sites that evaluated the round, zero-shot
@@ -200,12 +207,14 @@ def test_bad_preset_stops_before_training_with_one_line(preset_file, tmp_path, e
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_existing_run_needs_resume(finished_run):
     preset, run_dir = finished_run
     result = CliRunner().invoke(main, ["train", "--config", str(preset), "--run-dir", str(run_dir)])
     assert result.exit_code == 2 and "--resume" in result.output
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_federated_evaluation_equals_the_central_one(finished_run):
     """Each site's counts on its own data, combined by the server, give the central numbers exactly."""
     import torch
@@ -234,6 +243,7 @@ def test_federated_evaluation_equals_the_central_one(finished_run):
                                             for c in record["clients"]})
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(300)
 def test_a_site_sending_nan_is_left_out_and_the_rest_is_averaged_exactly(world6, tmp_path):
     """End to end on Flower, three sites: site 1's replies are all NaN (tests/federated/nan_client.py,
@@ -255,7 +265,7 @@ def test_a_site_sending_nan_is_left_out_and_the_rest_is_averaged_exactly(world6,
               f"simulate(prepare_run({str(preset)!r}, {str(run_dir)!r}, None, False, 'cpu'), progress=False, "
               "client_app=app)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                          text=True, timeout=280,
+                          text=True, timeout=scaled(280),
                           env={**os.environ, "FEDMVP_TEST_REPLIES": str(replies)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     previous, recorded = None, []
@@ -287,6 +297,7 @@ def test_a_site_sending_nan_is_left_out_and_the_rest_is_averaged_exactly(world6,
     assert all(line.startswith("round ") and "site 1 (node " in line for line in recorded), recorded
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(300)
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a thread count that differs from Ray's one per actor")
 def test_the_server_asks_only_the_sampled_sites_and_each_node_its_site_once(world6, tmp_path):
@@ -307,7 +318,7 @@ def test_the_server_asks_only_the_sampled_sites_and_each_node_its_site_once(worl
               f"simulate(prepare_run({str(preset)!r}, {str(run_dir)!r}, None, False, 'cpu'), progress=False, "
               f"cpus={cpus}, client_app=app, eval_every=2)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                          text=True, timeout=280, env={**os.environ, "FEDMVP_TEST_RECORD": str(record)})
+                          text=True, timeout=scaled(280), env={**os.environ, "FEDMVP_TEST_RECORD": str(record)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     rows = [json.loads(p.read_text()) for p in sorted(record.glob("*.json"))]
     seed = json.loads((run_dir / "config.json").read_text())["seed"]

@@ -30,10 +30,11 @@ import pytest
 from safetensors.numpy import load_file
 
 from fedmvp_apps.deploy.supernode import free_port
+from tests.deadlines import scaled
 from tests.federated.processes import ENV, FEDMVP, Processes, json_result
 from tests.site_trees import site_preset, world_classes
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 EXPORT = [*FEDMVP[:2], "fedmvp_apps.export_cli"]
 ROUNDS = 3
@@ -84,7 +85,7 @@ def _rejoin(procs: Processes, name: str, args: list[str], back, timeout: float) 
     """Start ``name`` again with the same command until ``back()``; how many starts it took. Flower keeps a
     SIGKILLed node online for two heartbeats (2 x 30 s) and refuses its key until then: the restarted
     SuperNode exits, and its operator (here: this loop, every 5 s) starts it again."""
-    deadline, starts = time.time() + timeout, 0
+    deadline, starts = time.time() + scaled(timeout), 0
     while not back():
         proc = procs.procs[name]
         if proc.poll() is not None:
@@ -98,6 +99,7 @@ def _rejoin(procs: Processes, name: str, args: list[str], back, timeout: float) 
     return starts
 
 
+@pytest.mark.slow  # three rounds served, a killed site rejoins after Flower's 60 s heartbeat, the same rounds simulated
 @pytest.mark.timeout(1500)
 def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_and_export_alone(tmp_path, small_world):
     preset, simulation, disks = _presets(tmp_path, small_world)
@@ -125,7 +127,7 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
         procs.kill("site-c")  # the site's machine dies: the join, its SuperNode and its executor
         starts = _rejoin(procs, "site-c", joins["site-c"], lambda: any(2 in s["sites"] for n, s in _states(run).items()
                                                                        if n > 1), 420)
-        assert server.wait(timeout=420) == 0, procs.log("serve")[-3000:] + procs.log("site-c")[-3000:]
+        assert server.wait(timeout=scaled(420)) == 0, procs.log("serve")[-3000:] + procs.log("site-c")[-3000:]
     finally:
         procs.stop()
     print(f"site-c rejoined after {starts} start(s)")
@@ -154,7 +156,7 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
     # the federated evaluation equals the simulation of the same folders
     sim_run = tmp_path / "runs" / "simulated"
     out = subprocess.run([*FEDMVP, "train", "--config", str(simulation), "--run-dir", str(sim_run), "--eval-every",
-                          "1"], capture_output=True, text=True, timeout=900, env=ENV, cwd=tmp_path)
+                          "1"], capture_output=True, text=True, timeout=scaled(900), env=ENV, cwd=tmp_path)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     served, simulated = _rows(run), _rows(sim_run)
     for number in served:  # shown when an assertion below fails: what differed, and by how much
@@ -184,7 +186,7 @@ def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_an
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = subprocess.run([*EXPORT, "--run", str(run), "--round", str(ROUNDS), "--out", str(elsewhere / "bundle"),
-                          "--json"], cwd=elsewhere, capture_output=True, text=True, env=ENV, timeout=300)
+                          "--json"], cwd=elsewhere, capture_output=True, text=True, env=ENV, timeout=scaled(300))
     assert out.returncode == 0, out.stderr[-3000:]
     from fedmvp_formats.bundle_manifest import MANIFEST
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from tests.site_trees import site_preset, world_classes
 import pytest
+from tests.deadlines import scaled
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
+pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 
 
 def test_sites_with_disjoint_folders_train_and_evaluate(tmp_path, small_world):
@@ -18,7 +19,7 @@ def test_sites_with_disjoint_folders_train_and_evaluate(tmp_path, small_world):
     preset = site_preset(tmp_path, small_world, {"site-a": seen[:2] + held[:1], "site-b": seen[2:4]}, held[:1])
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", "train", "--config", str(preset),
-                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
+                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=scaled(600))
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
     clients = config["federation"]["clients"]
@@ -36,7 +37,7 @@ def test_sites_with_disjoint_folders_train_and_evaluate(tmp_path, small_world):
     zero_shot = json.loads((run_dir / "zero_shot.json").read_text())
     assert (zero_shot["new_sites"], zero_shot["base_sites"]) == (1, 2)
     shown = subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", "evaluate", "--run", str(run_dir), "--json"],
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=scaled(300))
     assert shown.returncode == 0, shown.stderr[-2000:]
     result = json.loads(shown.stdout)
     assert {k: result["tuned"][k] for k in counts} == counts and result["zero-shot"]["new_sites"] == 1
@@ -47,7 +48,7 @@ def test_a_site_folder_with_an_unknown_class_stops_before_anything_starts(tmp_pa
     preset = site_preset(tmp_path, small_world, {"site-a": seen[:2], "site-b": seen[2:3]}, [])
     (tmp_path / "sites" / "site-b" / "zebra").mkdir()
     out = subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", "train", "--config", str(preset),
-                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 2 and "zebra: class 'zebra' is not in the federation's class set" in out.stderr
     assert not (tmp_path / "run" / "round-0001").exists()
 
@@ -59,7 +60,7 @@ def test_join_refuses_a_bad_site_folder_before_connecting(tmp_path, small_world)
     (tmp_path / "sites" / "site-a" / "empty").mkdir()
     out = subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", "join", "--superlink", "127.0.0.1:1",
                           "--insecure", "--config", str(preset), "--data", str(tmp_path / "sites" / "site-a"),
-                          "--name", "site-a"], capture_output=True, text=True, timeout=120)
+                          "--name", "site-a"], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert [line.split(": ")[0] for line in lines] == ["error", "error"], lines
@@ -73,7 +74,7 @@ def test_join_refuses_a_name_the_preset_does_not_list_before_connecting(tmp_path
     preset = site_preset(tmp_path, small_world, {"site-a": seen[:2], "site-b": seen[2:3]}, [])
     out = subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", "join", "--superlink", "127.0.0.1:1",
                           "--insecure", "--config", str(preset), "--data", str(tmp_path / "sites" / "site-a"),
-                          "--name", "site-c"], capture_output=True, text=True, timeout=120)
+                          "--name", "site-c"], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and str(preset) in lines[0] and "'site-c'" in lines[0] and "site-a, site-b" in lines[0]

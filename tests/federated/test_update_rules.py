@@ -18,6 +18,7 @@ import pytest
 
 from fedmvp.federated.aggregate import Aggregate, Update
 from fedmvp.federated.update_rules import UPDATE_RULES, register_update_rule, update_rule
+from tests.deadlines import scaled
 
 TOY = "toy-max"
 TOY_WEIGHT = 0.125  # what the toy rule says each update weighed: no FedAvg weight of two sites is this
@@ -55,6 +56,7 @@ def test_a_rule_is_found_by_name_and_an_unknown_name_is_one_line():
         update_rule("nope")
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(400)
 def test_a_toy_rule_registered_outside_the_package_writes_the_round(tmp_path, small_world):
     from safetensors.numpy import load_file
@@ -69,7 +71,7 @@ def test_a_toy_rule_registered_outside_the_package_writes_the_round(tmp_path, sm
               "from tests.federated.test_update_rules import register\nregister()\n"
               f"simulate(prepare_run({str(preset)!r}, {str(run_dir)!r}, None, False, 'cpu'), progress=False)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                          text=True, timeout=380, env={**os.environ, "FEDMVP_TOY_RULE": str(inputs)})
+                          text=True, timeout=scaled(380), env={**os.environ, "FEDMVP_TOY_RULE": str(inputs)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert json.loads((run_dir / "config.json").read_text())["server"]["update_rule"] == TOY
     calls = sorted(inputs.glob("call-*"))

@@ -26,15 +26,15 @@ import pytest
 from PIL import Image
 
 from fedmvp.attributes.prompt import offline_attributes
+from tests.deadlines import scaled
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 PHOTO_CLASSES = ["astronaut", "camera", "coffee", "horse", "rocket"]  # rocket: held out (new)
 
 
 def fedmvp(*args: object, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, cwd=cwd, env={**os.environ, **(env or {})})
+                          text=True, timeout=scaled(600), cwd=cwd, env={**os.environ, **(env or {})})
 
 
 def photo_sites(root: Path, sites: dict[str, list[str]], per_class: int = 5) -> None:
@@ -64,6 +64,7 @@ def photo_preset(root: Path, listed: bool = True, clip: str = "fedmvp-tiny", pre
     return path
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_train_on_real_photo_names_warns_once_and_records_the_figures(tmp_path):
     preset = photo_preset(tmp_path)
     out = fedmvp("train", "--config", preset, "--run-dir", tmp_path / "run", "--json")
@@ -96,6 +97,7 @@ def test_the_demo_class_set_does_not_warn(tmp_path, capsys):
     assert recorded["classes"] == 40 and not recorded["warns"] and recorded["unknown_name_share"] == 0.0
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_weights_that_need_a_download_are_one_line_naming_the_presets_key_exit_2(tmp_path):
     preset = photo_preset(tmp_path, clip="ViT-B-16", pretrained="openai")
     out = fedmvp("train", "--config", preset, "--run-dir", tmp_path / "run",
@@ -127,6 +129,7 @@ def open_run(tmp_path_factory) -> tuple[Path, Path]:
     return root, server_run(root, listed=False)
 
 
+@pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 def test_evaluate_at_a_site_reads_the_copied_run_alone(open_run, tmp_path):
     server, served = open_run
     site = tmp_path / "site"
@@ -149,6 +152,7 @@ def test_evaluate_at_a_site_reads_the_copied_run_alone(open_run, tmp_path):
         "error: --name ' ': a site name is 1 to 128 characters, not blank"], wrong.stderr
 
 
+@pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 def test_evaluate_at_a_listed_site_asks_for_its_name_without_the_servers_paths(tmp_path):
     server = tmp_path / "server"
     server.mkdir()

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from fedmvp_apps.deploy.supernode import free_port
+from tests.deadlines import scaled
 
-pytestmark = [pytest.mark.processes,  # starts real processes (see pyproject.toml markers)
+pytestmark = [pytest.mark.deployment,  # starts real processes (see pyproject.toml markers)
               pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc for the children")]
 ENV = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
@@ -53,7 +54,7 @@ def start_join(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
     join = subprocess.Popen([sys.executable, "-m", "fedmvp_apps.cli", "join", "--superlink",
                              f"127.0.0.1:{free_port()}", "--config", "demo", "--site", "0", "--insecure"],
                             env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 60
+    deadline = time.time() + scaled(60)
     while True:
         kids = children(join.pid)
         supernode = [p for p, c in kids.items() if "supernode_process" in c]
@@ -70,11 +71,11 @@ def start_join(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
 
 def finish(join: subprocess.Popen, *pids: int) -> int:
     try:
-        code = join.wait(timeout=40)
+        code = join.wait(timeout=scaled(40))
     finally:
         if join.poll() is None:
             os.killpg(join.pid, signal.SIGKILL)
-    deadline = time.time() + 20
+    deadline = time.time() + scaled(20)
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids), "a child of the join outlived it"

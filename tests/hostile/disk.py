@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from tests.deadlines import scaled
 
 BIN = Path(sys.executable).parent
 
@@ -54,7 +55,7 @@ def run(command: str, args: list[str], cwd: Path, env: dict[str, str] | None = N
     if not in_process or command not in ENTRY_POINTS:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         return subprocess.run([str(BIN / command), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=scaled(timeout))
     import importlib
     import traceback
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.deadlines import scaled
 from tests.federated.processes import ENV
 
-pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
 TOKEN = "ab" * 128  # a Flower task token: token_hex(128)
 
@@ -76,10 +76,11 @@ def test_no_launch_puts_a_secret_on_a_command_line(tmp_path, monkeypatch, launch
     assert not any(secret in arg for arg in args), args
 
 
+@pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 @pytest.mark.parametrize("stdin", ["", "guess\n", TOKEN + TOKEN + "\n"], ids=["nothing", "guess", "twice"])
 def test_the_serverapp_takes_exactly_one_token_from_its_pipe(stdin):
     """The ServerApp launcher refuses anything on its stdin that is not one task token (Flower's own reader)."""
     done = subprocess.run([sys.executable, "-m", "fedmvp_apps.deploy.serverapp_process", "--runtime-api-address",
                            "127.0.0.1:9", "--token-stdin", "--insecure"], input=stdin, env=ENV, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=scaled(120))
     assert done.returncode != 0 and "does not contain exactly one valid task token" in done.stderr, done.stderr

@@ -42,6 +42,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from tests.deadlines import scaled
 from tests.federated.conftest import PRESET  # noqa: E402
 from tests.hostile.disk import Hostile, assert_one_line_error, run, tree_digest  # noqa: E402
 
@@ -169,7 +170,7 @@ def test_hostile_input_is_one_line_and_changes_nothing(root, row):
     assert not (root / "r").exists()  # a refused run leaves no run directory behind
 
 
-@pytest.mark.processes
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
     """kill -9 of `fedmvp train` (the process, not its group) used to leave ray::DashboardAgent and
     ray::RuntimeEnvAgent running (~90 MB each): the watchdog (fedmvp_apps/watchdog.py) ends them."""
@@ -187,7 +188,7 @@ def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
     proc = subprocess.Popen([str(Path(sys.executable).parent / "fedmvp"), *_train("long.toml", "killed")],
                             cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 90
+        deadline = time.time() + scaled(90)
         while True:
             agents = {pid: start for pid, start in descendants(proc.pid).items()
                       if b"Agent" in _cmdline(pid)} if proc.poll() is None else {}
@@ -198,7 +199,7 @@ def test_kill_9_of_fedmvp_train_leaves_no_ray_helpers(root):
         started = descendants(proc.pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        deadline = time.time() + 20
+        deadline = time.time() + scaled(20)
         while True:
             alive = [pid for pid, start in started.items() if _alive(pid, start)]
             if not alive or time.time() > deadline:
