@@ -17,7 +17,6 @@ from tests.process_markers import (  # noqa: F401  (hooks: the `processes` marke
 from tests.slow_report import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks)
 
 install()
-DEFAULT_TIMEOUT = 600  # pytest-timeout's limit for a test without its own (pyproject.toml)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -31,7 +30,7 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.xdist_group("deployments"))
         if FACTOR != 1:
             marker = item.get_closest_marker("timeout")
-            seconds = marker.args[0] if marker is not None and marker.args else DEFAULT_TIMEOUT
+            seconds = marker.args[0] if marker is not None and marker.args else float(config.getini("timeout") or 0)
             item.add_marker(pytest.mark.timeout(seconds * FACTOR), append=False)
 
 

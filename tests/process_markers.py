@@ -4,9 +4,10 @@ starts one (docs/testing.md, Markers).
 An audit hook (PEP 578) sees every process this interpreter starts: `subprocess.Popen` (Ray, Flower's
 SuperLink and SuperNodes, our own commands), `os.posix_spawn`, `os.system`, and a bare `os.fork`. A fork
 made by `multiprocessing` (the synthetic world's render pool) is not counted: it is one function's worker
-pool of this interpreter, ended before that function returns; nor is `platform`'s `uname -p` query. Events are charged to the test being set
-up, run or torn down, and to the fixture being set up, so a test that uses a fixture which started a
-deployment counts as starting it even when another test set the fixture up first.
+pool of this interpreter, ended before that function returns; nor is `platform`'s `uname -p` query.
+Events are charged to the test being set up, run or torn down, and to the fixture being set up, so a test that
+uses a fixture which started a deployment counts as starting it even when another test set the fixture up
+first.
 
 The hooks below are imported by tests/conftest.py; a violation turns the test's report into a failure
 that names the test and what it started (or that it started nothing).
@@ -25,10 +26,10 @@ MARKER = "processes"
 DEPLOYMENT = "deployment"
 
 # What starts a federation (docs/testing.md, Markers): a word of the command that says so. Flower's own
-# executables and our wrappers of them (fedmvp_apps.deploy.superlink_process, supernode_process), `fedmvp serve`, `fedmvp join` and
-# `edge-client join` (a SuperNode each), Ray's head processes (what `ray.init` starts), the commands that
-# start a Ray simulation (`fedmvp train`, `fedmvp demo`, a `-c` script calling `simulate(`), and a
-# benchmark section run as `python -m benchmarks`.
+# executables and our wrappers of them (fedmvp_apps.deploy.superlink_process, supernode_process), `fedmvp
+# serve`, `fedmvp join` and `edge-client join` (a SuperNode each), Ray's head processes (what `ray.init`
+# starts), the commands that start a Ray simulation (`fedmvp train`, `fedmvp demo`, a `-c` script calling
+# `simulate(`), and a benchmark section run as `python -m benchmarks`.
 DEPLOYMENT_WORDS = ("flower-superlink", "flower-supernode", "superlink_process", "supernode_process", "gcs_server",
                     "raylet", "simulate(")
 DEPLOYMENT_COMMANDS = {"serve", "join", "train", "demo"}  # of fedmvp; of edge-client only join
