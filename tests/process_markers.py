@@ -9,12 +9,18 @@ Events are charged to the test being set up, run or torn down, and to the fixtur
 uses a fixture which started a deployment counts as starting it even when another test set the fixture up
 first.
 
+A federation command that exits 2 (our commands' code for bad input, refused before anything starts:
+`fedmvp serve` on a port in use, `fedmvp join` of a bad site folder) started no federation: a test whose
+federation commands all refused is a `processes` test, not a `deployment` (it takes seconds on the other
+worker). Its exit code is read from the command's ``Popen`` once the test is over.
+
 The hooks below are imported by tests/conftest.py; a violation turns the test's report into a failure
 that names the test and what it started (or that it started nothing).
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 
@@ -34,6 +40,7 @@ DEPLOYMENT_WORDS = ("flower-superlink", "flower-supernode", "superlink_process",
                     "raylet", "simulate(")
 DEPLOYMENT_COMMANDS = {"serve", "join", "train", "demo"}  # of fedmvp; of edge-client only join
 DEPLOYMENT_TAG = "federation: "  # how a recorded start that is a deployment is shown
+REFUSED = 2  # the exit code of our commands' refusals: bad input, nothing started
 
 
 class SpawnLog:
@@ -45,6 +52,7 @@ class SpawnLog:
         self.by_test: dict[str, list[str]] = {}
         self.fixture_stack: list[int] = []  # id() of each FixtureDef being set up
         self.spawning_fixtures: dict[int, str] = {}  # id(FixtureDef) -> the first thing it started
+        self.federations: dict[str, list[subprocess.Popen]] = {}  # test -> its federation commands' Popens
 
     def record(self, what: str) -> None:
         with self.lock:
@@ -52,6 +60,15 @@ class SpawnLog:
                 self.by_test.setdefault(self.current_test, []).append(what)
             for fixture in self.fixture_stack:
                 self.spawning_fixtures.setdefault(fixture, what)
+
+    def started_federation(self, proc: subprocess.Popen) -> None:
+        with self.lock:
+            if self.current_test is not None and not self.fixture_stack:
+                self.federations.setdefault(self.current_test, []).append(proc)
+
+    def refused(self, test: str) -> int:
+        """How many of ``test``'s own federation commands exited ``REFUSED`` (the rest may have run one)."""
+        return sum(proc.poll() == REFUSED for proc in self.federations.get(test, []))
 
 
 LOG = SpawnLog()
@@ -87,7 +104,7 @@ def is_deployment(command: str) -> bool:
     words = command.split()
     if any(word in command for word in DEPLOYMENT_WORDS) or "benchmarks" in words[:3]:
         return True
-    for i, word in enumerate(words[:3]):
+    for i, word in enumerate(words):  # anywhere: a wrapper (tests/concurrency/paused.py) runs the command after its own
         name = word.rsplit("/", 1)[-1]
         following = words[i + 1] if i + 1 < len(words) else ""
         if name in ("fedmvp", "fedmvp_apps.cli") and following in DEPLOYMENT_COMMANDS:
@@ -109,11 +126,22 @@ def _audit(event: str, args: tuple) -> None:
 _installed = False
 
 
+def _keep_federation_popens(init):
+    def keeping(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        command = self.args if isinstance(self.args, (list, tuple)) else [self.args]
+        if is_deployment(" ".join(map(str, command))):
+            LOG.started_federation(self)
+    return keeping
+
+
 def install() -> None:
-    """Add the audit hook once per interpreter (hooks cannot be removed; a second is never added)."""
+    """Add the audit hook once per interpreter (hooks cannot be removed; a second is never added), and
+    keep the ``Popen`` of each federation command, whose exit code says whether it refused."""
     global _installed
     if not _installed:
         sys.addaudithook(_audit)
+        subprocess.Popen.__init__ = _keep_federation_popens(subprocess.Popen.__init__)
         _installed = True
 
 
@@ -148,7 +176,12 @@ def pytest_runtest_protocol(item, nextitem):
 def verdict(item: pytest.Item) -> str | None:
     """The markers' lie, if any, in one line. ``deployment`` implies ``processes`` (tests/conftest.py)."""
     started = started_by(item)
-    deployments = [what for what in started if DEPLOYMENT_TAG in what]
+    own = LOG.by_test.get(item.nodeid, [])
+    refused = LOG.refused(item.nodeid)
+    # the federations the test itself started that did not refuse, and those of the fixtures it uses
+    own_deployments = [what for what in own if DEPLOYMENT_TAG in what]
+    deployments = own_deployments[:max(0, len(own_deployments) - refused)] + \
+        [what for what in started[len(own):] if DEPLOYMENT_TAG in what]
     marked = item.get_closest_marker(MARKER) is not None
     deployment = item.get_closest_marker(DEPLOYMENT) is not None
     if started and not marked:
@@ -161,8 +194,9 @@ def verdict(item: pytest.Item) -> str | None:
         return (f"{item.nodeid} starts a federation but is not marked `{DEPLOYMENT}` (it would compete with "
                 f"another deployment for the cores): {deployments[0]}")
     if deployment and not deployments:
-        return (f"{item.nodeid} is marked `{DEPLOYMENT}` but started no SuperLink, SuperNode, Ray or benchmark "
-                f"section; mark it `{MARKER}` only")
+        why = f"every federation command it started refused (exit {REFUSED})" if refused else \
+            "started no SuperLink, SuperNode, Ray or benchmark section"
+        return f"{item.nodeid} is marked `{DEPLOYMENT}` but {why}; mark it `{MARKER}` only"
     return None
 
 

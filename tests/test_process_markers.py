@@ -63,6 +63,31 @@ def test_inner_deployment_starts_a_federation():
 @pytest.mark.deployment
 def test_inner_deployment_starts_only_a_command():
     subprocess.run(["true"], check=True)
+
+def federation_exiting(code):
+    return ["sh", "-c", f"exit {code}", "flower-superlink"]
+
+@pytest.mark.processes
+def test_inner_processes_only_a_refused_federation():
+    assert subprocess.run(federation_exiting(2)).returncode == 2
+
+@pytest.mark.deployment
+def test_inner_deployment_only_a_refused_federation():
+    assert subprocess.run(federation_exiting(2)).returncode == 2
+
+@pytest.mark.deployment
+def test_inner_deployment_refused_then_started():
+    subprocess.run(federation_exiting(2))
+    subprocess.run(FEDERATION, check=True)
+
+@pytest.mark.deployment
+def test_inner_deployment_started_then_refused():
+    subprocess.run(FEDERATION, check=True)
+    subprocess.run(federation_exiting(2))
+
+@pytest.mark.processes
+def test_inner_processes_only_a_federation_that_failed():
+    assert subprocess.run(federation_exiting(1)).returncode == 1
 '''
 
 INNER_SAME_NAME = '''
@@ -89,6 +114,12 @@ ROWS = [
     ("test_inner_processes_only_starts_a_federation", "failed"),
     ("test_inner_deployment_starts_a_federation", "passed"),
     ("test_inner_deployment_starts_only_a_command", "failed"),
+    # a federation command that refused (exit 2) started none; one that failed otherwise may have
+    ("test_inner_processes_only_a_refused_federation", "passed"),
+    ("test_inner_deployment_only_a_refused_federation", "failed"),
+    ("test_inner_deployment_refused_then_started", "passed"),
+    ("test_inner_deployment_started_then_refused", "passed"),
+    ("test_inner_processes_only_a_federation_that_failed", "failed"),
 ]
 
 
@@ -133,6 +164,8 @@ def test_each_lie_of_the_marker_fails_and_the_truth_passes(inner_reports, name, 
     assert got == outcome, text
     if outcome == "failed":
         assert text.startswith("process markers: ") and name in text
+    if name == "test_inner_deployment_only_a_refused_federation":
+        assert "every federation command it started refused (exit 2)" in text
 
 
 @pytest.mark.parametrize(("command", "deployment"), [
@@ -145,6 +178,7 @@ def test_each_lie_of_the_marker_fails_and_the_truth_passes(inner_reports, name, 
     ("/venv/bin/flower-superlink --insecure", True),
     ("/venv/lib/ray/core/src/ray/gcs/gcs_server --gcs_server_port=0", True),
     ("/venv/bin/python -c from fedmvp.federated.simulation import simulate\nsimulate(run)", True),
+    ("/venv/bin/python tests/concurrency/paused.py gate save@2 fedmvp train --config p.toml", True),  # wrapped
     ("/venv/bin/python -m fedmvp_apps.cli ingest --run run u.safetensors", False),
     ("/venv/bin/edge-client train --data local", False),
     ("/venv/bin/fedmvp-export --run run --round 2", False),

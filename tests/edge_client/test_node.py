@@ -157,7 +157,7 @@ def test_the_runtime_asked_for_evaluates_the_round(edge_bundle, tmp_path, runtim
     assert counts["edge:correct"] == edge_node.evaluate_share(reference, held_out)[0]
 
 
-@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
+@pytest.mark.processes  # a refusal (exit 2): no federation starts (tests/process_markers.py)
 def test_join_refuses_a_runtime_named_and_unavailable_before_connecting(edge_bundle, tmp_path):
     """`join --runtime openvino` where OpenVINO is missing: one error line, exit 2, no SuperNode started
     (a superlink nobody listens on: connecting would hang, not exit 2)."""
@@ -191,7 +191,7 @@ def parse(node: EdgeNodeConfig) -> dict:
     pytest.param(["--superlink", "127.0.0.1:9", "--insecure", "--device", "cuda"], "CUDA is not available",
                  marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")),
 ])
-@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
+@pytest.mark.processes  # a refusal (exit 2): no federation starts (tests/process_markers.py)
 def test_join_checks_everything_before_it_starts(edge_bundle, tmp_path, extra, message):
     classes = Bundle.open(edge_bundle).class_names
     root = write_local_data(tmp_path / "local", classes[:2], per_class=3)

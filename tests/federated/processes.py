@@ -44,12 +44,14 @@ class Processes:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def wait_for(self, what: str, done, timeout: float, watch: str = "serve") -> None:
-        deadline = time.time() + scaled(timeout)
+        began = time.time()
+        deadline = began + scaled(timeout)
         while not done():
             proc = self.procs.get(watch)
             assert proc is None or proc.poll() is None, f"{watch} exited while waiting for {what}\n{self.log(watch)}"
             assert time.time() < deadline, f"no {what} within {scaled(timeout):g} s\n{self.log(watch)[-3000:]}"
             time.sleep(0.3)
+        print(f"[{time.strftime('%H:%M:%S')}] {what}: {time.time() - began:.1f} s")  # where a test's time went (-s)
 
     def start_buffered(self, preset: Path, run: Path, certs: Path, port: int,
                        devices: dict[str, tuple[Path, Path]]) -> None:
@@ -70,7 +72,10 @@ class Processes:
         """``name``'s exit code once it ended; past ``timeout`` an AssertionError that carries the end of
         every log (and of RUN/flower.log: the ServerApp's warnings), so a run that did not end says where."""
         try:
-            return self.procs[name].wait(timeout=scaled(timeout))
+            began = time.time()
+            code = self.procs[name].wait(timeout=scaled(timeout))
+            print(f"[{time.strftime('%H:%M:%S')}] {name} exited {code}: {time.time() - began:.1f} s")
+            return code
         except subprocess.TimeoutExpired:
             logs = {other: self.log(other)[-2500:] for other in self.procs}
             if run is not None and (run / "flower.log").exists():

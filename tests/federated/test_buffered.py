@@ -38,7 +38,7 @@ round_timeout = 45
 """
 
 
-@pytest.mark.slow  # a device killed mid-run is forgotten only after round_timeout (45 s)
+@pytest.mark.slow  # eight buffered versions of three devices, one paused and one killed mid-run
 @pytest.mark.timeout(900)
 def test_buffered_versions_fast_devices_never_wait_stale_replies_are_discounted(tmp_path, small_world):
     from edge_client.bundle import Bundle

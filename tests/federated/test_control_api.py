@@ -193,7 +193,7 @@ def test_the_operator_plugin_admits_exactly_its_token(metadata, valid):
     (lambda p: (p.write_text("short"), p.chmod(0o600)), "shorter than 32"),
     (lambda p: (p.write_text(TOKEN), p.chmod(0o644)), "readable by others (mode 644)"),
 ], ids=["unset", "missing", "short", "world-readable"])
-@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
+@pytest.mark.processes  # a refusal (exit 2): no federation starts (tests/process_markers.py)
 def test_the_superlink_launcher_refuses_to_start_open(tmp_path, setup, fragment):
     """Fail closed: no usable token, no SuperLink (and so never an open Control API)."""
     env = {k: v for k, v in ENV.items() if k != "FEDMVP_OPERATOR_TOKEN_FILE"}

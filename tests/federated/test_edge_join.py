@@ -160,7 +160,7 @@ def test_edge_devices_join_train_refresh_and_survive_a_kill(tmp_path, small_worl
     for key in updates3["a"]:
         mean = (9 * updates3["a"][key].astype(np.float64) + 6 * updates3["b"][key].astype(np.float64)) / 15
         np.testing.assert_allclose(global3[key], mean.astype(np.float32), rtol=1e-6, atol=1e-7)
-    # Round 4: B was killed; the round closed at its timeout with the site and A alone.
+    # Round 4: B was killed; the round closed with the site and A alone, once the SuperLink took B for gone.
     assert sorted(r["role"] for r in round4["replies"]) == ["edge", "site"]
     # B counted once: timed out, or left out under its own node id when the SuperLink (node 1) answered for it
     assert len(round4["rejected"]) + len(round4["timed_out"]) == 1 and all(r["node"] != 1 for r in round4["rejected"])

@@ -269,7 +269,7 @@ def test_join_takes_any_name_checks_the_folder_and_passes_threads_to_the_sites_t
     assert len(launched) == 1
 
 
-@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
+@pytest.mark.processes  # a refusal (exit 2): no federation starts (tests/process_markers.py)
 def test_train_needs_listed_sites_with_folders(tmp_path, open_preset):
     out = subprocess.run([sys.executable, "-m", "fedmvp_apps.cli", "train", "--config", str(open_preset),
                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=scaled(300))

@@ -18,7 +18,7 @@ from tests.deadlines import scaled
 from tests.federated.conftest import write_preset
 from tests.federated.processes import ENV, FEDMVP
 
-pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
+pytestmark = pytest.mark.processes  # refusals of `fedmvp serve`/`join` (exit 2): no federation starts
 
 
 def _run(args: list[str], cwd: Path) -> tuple[int, list[str], float]:

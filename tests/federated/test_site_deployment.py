@@ -83,7 +83,7 @@ def _rows(run: Path) -> dict[int, dict]:
 
 def _rejoin(procs: Processes, name: str, args: list[str], back, timeout: float) -> int:
     """Start ``name`` again with the same command until ``back()``; how many starts it took. Flower keeps a
-    SIGKILLed node online for two heartbeats (2 x 30 s) and refuses its key until then: the restarted
+    SIGKILLed node online for two heartbeats (2 x 10 s, fedmvp_apps/deploy/supernode_process.py) and refuses its key until then: the restarted
     SuperNode exits, and its operator (here: this loop, every 5 s) starts it again."""
     deadline, starts = time.time() + scaled(timeout), 0
     while not back():
@@ -99,7 +99,7 @@ def _rejoin(procs: Processes, name: str, args: list[str], back, timeout: float) 
     return starts
 
 
-@pytest.mark.slow  # three rounds served, a killed site rejoins after Flower's 60 s heartbeat, the same rounds simulated
+@pytest.mark.slow  # three rounds served, a killed site rejoins after two missed heartbeats, the same rounds simulated
 @pytest.mark.timeout(1500)
 def test_three_sites_with_their_own_folders_train_rejoin_equal_the_simulation_and_export_alone(tmp_path, small_world):
     preset, simulation, disks = _presets(tmp_path, small_world)

@@ -11,9 +11,10 @@ from tests.site_trees import site_preset, world_classes
 import pytest
 from tests.deadlines import scaled
 
-pytestmark = pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
+pytestmark = pytest.mark.processes  # the others: refusals (exit 2), no federation starts
 
 
+@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 def test_sites_with_disjoint_folders_train_and_evaluate(tmp_path, small_world):
     seen, held = world_classes(small_world)
     preset = site_preset(tmp_path, small_world, {"site-a": seen[:2] + held[:1], "site-b": seen[2:4]}, held[:1])

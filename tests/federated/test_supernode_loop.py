@@ -9,8 +9,8 @@ import importlib
 
 import pytest
 
-from fedmvp_apps.deploy.supernode_process import IDLE_PULL_SECONDS, LOCAL_POLL_SECONDS, PacedTime, pace, \
-    release_ended_runs
+from fedmvp_apps.deploy.supernode_process import HEARTBEAT_SECONDS, IDLE_PULL_SECONDS, LOCAL_POLL_SECONDS, \
+    PacedTime, beat_sooner, pace, release_ended_runs
 
 
 class Clock:
@@ -110,3 +110,26 @@ def test_a_message_whose_run_ended_while_it_was_received_fails_its_task(released
         assert state.get_messages_legacy(is_reply=False) == []
     else:  # the orphan this fixes
         assert task.status.status == "pending" and len(state.get_messages_legacy(is_reply=False)) == 1
+
+
+def test_heartbeats_promise_flowers_least_interval_and_are_sent_at_its_pace(monkeypatch):
+    """The interval the node promises the SuperLink (at activation and with every beat) and the pace of
+    Flower's own sender both follow ``beat_sooner``; Flower's SuperLink accepts the promise."""
+    from flwr.common.constant import HEARTBEAT_MAX_INTERVAL, HEARTBEAT_MIN_INTERVAL, HEARTBEAT_PATIENCE
+    from flwr.supercore import heartbeat
+    from flwr.supernode import fleet_http_connection
+
+    for module in (heartbeat, fleet_http_connection):
+        monkeypatch.setattr(module, "HEARTBEAT_DEFAULT_INTERVAL", module.HEARTBEAT_DEFAULT_INTERVAL)  # restored after
+    assert beat_sooner()
+    assert fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL == HEARTBEAT_SECONDS == HEARTBEAT_MIN_INTERVAL
+    assert HEARTBEAT_MIN_INTERVAL <= HEARTBEAT_SECONDS <= HEARTBEAT_MAX_INTERVAL  # the SuperLink's bounds
+    assert HEARTBEAT_PATIENCE * HEARTBEAT_SECONDS == 20  # a dead node is known gone this much later
+    sent = []
+    sender = heartbeat.HeartbeatSender(lambda: sent.append(1) or True)
+    waits = []
+    sender._stop_event.wait = lambda seconds: waits.append(seconds) or len(waits) >= 3
+    sender._stop_event.is_set = lambda: len(waits) >= 3
+    sender._run()
+    assert len(sent) == 3 and all(0 < w < HEARTBEAT_SECONDS / 2 for w in waits), waits
+    assert not beat_sooner(1) or fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL == HEARTBEAT_MIN_INTERVAL

@@ -97,7 +97,7 @@ def test_the_demo_class_set_does_not_warn(tmp_path, capsys):
     assert recorded["classes"] == 40 and not recorded["warns"] and recorded["unknown_name_share"] == 0.0
 
 
-@pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
+@pytest.mark.processes  # a refusal (exit 2): no federation starts (tests/process_markers.py)
 def test_weights_that_need_a_download_are_one_line_naming_the_presets_key_exit_2(tmp_path):
     preset = photo_preset(tmp_path, clip="ViT-B-16", pretrained="openai")
     out = fedmvp("train", "--config", preset, "--run-dir", tmp_path / "run",

@@ -138,7 +138,7 @@ def _no_supernode(args) -> None:
 
 
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("row", [pytest.param(r, id=r.id, marks=[pytest.mark.deployment] if r.id in REAL else []) for r in ROWS])
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.id, marks=[pytest.mark.processes] if r.id in REAL else []) for r in ROWS])
 def test_a_bad_site_folder_is_one_line_and_exit_2(root, tmp_path, row, monkeypatch):
     monkeypatch.setattr("fedmvp_apps.deploy.supernode.become_supernode", _no_supernode)
     folder = tmp_path / "site"
