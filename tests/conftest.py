@@ -14,6 +14,7 @@ from tests.process_markers import (  # noqa: F401  (hooks: the `processes` marke
     pytest_runtest_makereport,
     pytest_runtest_protocol,
 )
+from tests.priority import pytest_runtest_setup  # noqa: F401  (hook: the deployment group first)
 from tests.slow_report import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks)
 
 install()

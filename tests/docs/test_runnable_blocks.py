@@ -14,8 +14,17 @@ import pytest
 
 from tests.deadlines import scaled
 from tests.docs.runnable import DOCS, pages_with_blocks, runnable_blocks
+from tests.process_markers import is_deployment
 
 ROOT = DOCS.parent
+
+
+def page_param(page: Path):
+    """A page whose blocks start a federation (`fedmvp train`: a Ray simulation) is a `deployment` test."""
+    federates = any(is_deployment(line) for block in runnable_blocks(page) if not block.file
+                    for line in block.body.splitlines())
+    return pytest.param(page, id=page.relative_to(DOCS).as_posix(),
+                        marks=[pytest.mark.deployment] if federates else [])
 
 
 def test_the_one_machine_tutorial_has_runnable_blocks():
@@ -24,7 +33,7 @@ def test_the_one_machine_tutorial_has_runnable_blocks():
 
 @pytest.mark.processes
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("page", pages_with_blocks(), ids=lambda p: p.relative_to(DOCS).as_posix())
+@pytest.mark.parametrize("page", [page_param(page) for page in pages_with_blocks()])
 def test_runnable_blocks_run(page: Path, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
