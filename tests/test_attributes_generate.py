@@ -76,7 +76,9 @@ def test_retry_after_is_honoured_and_5xx_retried(classes: Path, tmp_path: Path) 
         zebra, giraffe = stub.requests_for("zebra"), stub.requests_for("giraffe")
     assert result.exit_code == 0, result.output
     assert len(zebra) == 2 and zebra[1].time - zebra[0].time >= 0.95  # Retry-After: 1, base 0.01
-    assert len(giraffe) == 3 and giraffe[2].time - giraffe[0].time < 0.9
+    assert len(giraffe) == 3  # each 5xx waited the base backoff, as said (no clock: a loaded machine is slow)
+    assert "giraffe: HTTP 500, retrying in 0.0s (attempt 2/6)" in result.stderr
+    assert "giraffe: HTTP 503, retrying in 0.0s (attempt 3/6)" in result.stderr
     assert "zebra: HTTP 429, retrying in 1.0s" in result.stderr
     assert len(load_attributes(out)) == 3
 
@@ -300,7 +302,7 @@ def test_timeout_bounds_the_whole_answer_of_a_trickling_server(tmp_path: Path) -
         assert len(stub.requests_for("zebra")) == 2
     assert result.exit_code == 1, result.output
     assert "no answer within 1s" in result.stderr and "gave up after 2 attempts" in result.stderr
-    assert elapsed < 6, elapsed  # two 1 s deadlines, not the trickle's minutes
+    assert elapsed < 30, elapsed  # two 1 s deadlines and a slow machine's margin, not the trickle's minutes
     assert not out.exists()
 
 

@@ -219,7 +219,7 @@ def test_a_stop_is_bounded_whatever_blocks_and_kills_every_descendant(tmp_path, 
     if how == "block":
         assert took > BOUND - 2 and proc.returncode == 1 and "blocked: stopped (the orderly stop overran" in err, err
     else:
-        assert took < 3 and "stopped in order: Interrupted" in err, err
+        assert took < BOUND - 2 and "stopped in order: Interrupted" in err, err  # not the watchdog's overrun
     time.sleep(0.3)
     if how == "block":
         assert not alive(family)

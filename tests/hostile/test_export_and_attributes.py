@@ -200,7 +200,7 @@ def test_attributes_refuses(attr_root: Path, row: Hostile, script: dict[str, lis
         assert not path.is_file() or KEY.encode() not in path.read_bytes(), path
     assert {p: tree_digest(attr_root / p) for p in row.unchanged} == before
     if row.id == "trickling-server":  # two tries of --timeout 1 s each, not the trickle's 100+ s
-        assert elapsed < 15, elapsed
+        assert elapsed < 45, elapsed  # with a loaded machine's margin
     if row.exit_code == 1 and script is not None:
         out = attr_root / "out.json"
         assert not out.exists() or "zebra" not in json.loads(out.read_text())
