@@ -14,7 +14,7 @@ from tests.process_markers import (  # noqa: F401  (hooks: the `processes` marke
     pytest_runtest_makereport,
     pytest_runtest_protocol,
 )
-from tests.priority import pytest_runtest_setup  # noqa: F401  (hook: the deployment group first)
+from tests.priority import GROUP, in_first_group, pytest_runtest_setup  # noqa: F401  (hook: the deployment group first)
 from tests.slow_report import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks)
 
 install()
@@ -23,12 +23,14 @@ install()
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests that start a federation share one xdist group, so two deployments never compete for the
-    machine's cores (a `deployment` test is a `processes` test too); every pytest-timeout limit is scaled
-    by FEDMVP_TEST_TIME_FACTOR (tests/deadlines.py)."""
+    machine's cores (a `deployment` test is a `processes` test too); `timed` tests, which bound the wall
+    clock, join that group: its worker never steps aside (tests/priority.py). Every pytest-timeout limit
+    is scaled by FEDMVP_TEST_TIME_FACTOR (tests/deadlines.py)."""
     for item in items:
         if item.get_closest_marker("deployment") is not None:
             item.add_marker(pytest.mark.processes)
-            item.add_marker(pytest.mark.xdist_group("deployments"))
+        if in_first_group(item):
+            item.add_marker(pytest.mark.xdist_group(GROUP))
         if FACTOR != 1:
             marker = item.get_closest_marker("timeout")
             seconds = marker.args[0] if marker is not None and marker.args else float(config.getini("timeout") or 0)

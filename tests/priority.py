@@ -26,6 +26,14 @@ import pytest
 
 NICE = 10  # autogroup nice steps of the other workers once the deployments run (Linux: -20 .. 19)
 FLAG = "deployments-started"
+GROUP = "deployments"  # the xdist group of `deployment` and `timed` tests: one worker, never stepping aside
+FIRST_MARKS = ("deployment", "timed")
+
+
+def in_first_group(item: pytest.Item) -> bool:
+    """A federation (`deployment`) or a wall-clock bound (`timed`): run by the worker that keeps its weight,
+    so a deadline a test asserts is never measured in a session that yields the cores."""
+    return any(item.get_closest_marker(mark) is not None for mark in FIRST_MARKS)
 _state = {"flag": None, "done": False}
 
 
@@ -53,7 +61,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     if _state["flag"] is None:
         _state["flag"] = _flag(item.config)
-    if item.get_closest_marker("deployment") is not None:
+    if in_first_group(item):
         _state["flag"].touch()  # this worker runs the group: the others step aside
         _state["done"] = True
     elif _state["flag"].exists():

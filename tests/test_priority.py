@@ -30,3 +30,33 @@ def test_without_autogroups_nothing_moves(tmp_path) -> None:
     from tests.priority import step_aside
 
     assert step_aside(autogroup=tmp_path / "no-autogroup") is False
+
+
+class Marked:
+    """An item as the group rule sees it: its marks by name."""
+
+    def __init__(self, *marks: str) -> None:
+        self.marks = {mark: pytest.Mark(mark, (), {}) for mark in marks}
+
+    def get_closest_marker(self, name: str):
+        return self.marks.get(name)
+
+
+@pytest.mark.parametrize(("marks", "first"), [
+    ((), False),
+    (("processes",), False),
+    (("deployment", "processes"), True),
+    (("timed",), True),  # a wall-clock bound is never measured in a worker that yields the cores
+    (("slow", "timed"), True),
+])
+def test_federations_and_wall_clock_bounds_run_in_the_worker_that_keeps_its_weight(marks, first) -> None:
+    from tests.priority import in_first_group
+
+    assert in_first_group(Marked(*marks)) is first
+
+
+def test_every_timed_test_is_collected_into_the_deployment_group(request) -> None:
+    """The suite's own `timed` tests (this session's items) carry the group xdist schedules by."""
+    timed = [item for item in request.session.items if item.get_closest_marker("timed") is not None]
+    for item in timed:
+        assert [m.args for m in item.iter_markers("xdist_group")] == [("deployments",)], item.nodeid

@@ -196,6 +196,7 @@ with Stopper("blocked: stopped") as stopper:
 '''
 
 
+@pytest.mark.timed  # asserts on the wall clock: runs where the cores go first (docs/testing.md)
 @pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 @pytest.mark.parametrize("how", ["block", "order"])
 def test_a_stop_is_bounded_whatever_blocks_and_kills_every_descendant(tmp_path, how):
@@ -219,7 +220,7 @@ def test_a_stop_is_bounded_whatever_blocks_and_kills_every_descendant(tmp_path, 
     if how == "block":
         assert took > BOUND - 2 and proc.returncode == 1 and "blocked: stopped (the orderly stop overran" in err, err
     else:
-        assert took < BOUND - 2 and "stopped in order: Interrupted" in err, err  # not the watchdog's overrun
+        assert took < 3 and "stopped in order: Interrupted" in err, err
     time.sleep(0.3)
     if how == "block":
         assert not alive(family)
