@@ -22,6 +22,7 @@ import open_clip
 import torch
 from torch import nn
 
+from fedmvp.clip_errors import ClipLoadError  # noqa: F401  (its home: caught without open_clip)
 from fedmvp.scoped import attribute, environment
 from fedmvp.tiny_tokenizer import CompactTokenizer
 
@@ -31,10 +32,6 @@ REGISTRY = json.loads((MODEL_CONFIG_DIR / "registry.json").read_text())
 open_clip.add_model_config(MODEL_CONFIG_DIR)
 
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
-
-
-class ClipLoadError(RuntimeError):
-    """The backbone could not be built or its weights could not be found offline."""
 
 
 @dataclass

@@ -37,9 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load_file
-
 from fedmvp_formats.files import (LINK, MISSING, NOT_AN_OBJECT, ROUND_PREFIX, ROUND_STATE, ROUND_WEIGHTS, RUN_CLASSES,
                                   RUN_CONFIG, RUN_FORMAT, RUN_FORMAT_KEY, RUN_METRICS, RUN_PRESET_COPY,
                                   JsonRecordError, is_run_format, read_json_object)
@@ -51,7 +48,9 @@ from fedmvp_formats.tensors import first_nonfinite
 from fedmvp import atomic
 from fedmvp.presets.server import ServerRecordError, ServerSpec
 
-if TYPE_CHECKING:  # the lazy imports below, for type checkers
+if TYPE_CHECKING:  # the lazy imports below, for type checkers (torch too: a command reading a run's records
+    import torch  # imports none of it, docs/architecture.md "Layers")
+
     from fedmvp.data.federation import Federation
     from fedmvp.model import FedMVP, FedMVPConfig
     from fedmvp.presets.schema import Preset
@@ -93,6 +92,8 @@ def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
 
 
 def _as_numpy(value: torch.Tensor):
+    import torch
+
     value = value.detach().cpu()
     return (value.float() if value.dtype == torch.bfloat16 else value).numpy()  # numpy has no bfloat16
 
@@ -215,6 +216,8 @@ class RunDir:
             listed = ", ".join(map(str, rounds)) or "none"
             raise RunError(f"{self.path}: round {round_number} not found (complete rounds: {listed})")
         weights = self.round_weights_path(round_number)
+        from safetensors.torch import load_file
+
         try:
             tensors = load_file(str(weights))
         except Exception as err:  # safetensors raises its own error types

@@ -15,13 +15,15 @@ import hashlib
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedmvp import atomic
-from fedmvp.model import FedMVPConfig
 from fedmvp.presets.schema import method_keys
 from fedmvp.run_classes import class_set_classes, federation_classes, write_classes
 from fedmvp.runs import RunDir, RunError, recorded_copy
+
+if TYPE_CHECKING:  # the model (torch, open_clip, peft) only where a config is built: `fedmvp serve`
+    from fedmvp.model import FedMVPConfig  # resuming a run checks its record without them
 
 RECORD_VERSION = 2
 
@@ -41,6 +43,8 @@ def resolve_device(device: str) -> str:
 def method_config(train: Any) -> FedMVPConfig:
     """The model's method config from a preset's [train] table: every key the schema marks as a method
     field (``presets.schema.method_keys``); the record's other fields keep their defaults."""
+    from fedmvp.model import FedMVPConfig
+
     return FedMVPConfig(**{name: getattr(train, key) for key, name in method_keys().items()})
 
 

@@ -58,7 +58,7 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
     leaving`, exit 0) or when stopped (Ctrl-C). Images stay on this machine: only trained tensors
     and evaluation counts are sent. Exit codes: 0 the run ended; 2 for bad arguments, a bad site
     folder or no --auth-key where the server admits only listed keys; else Flower's."""
-    from fedmvp.clip import ClipLoadError
+    from fedmvp.clip_errors import ClipLoadError
     from fedmvp.presets.schema import PresetError, load_preset
     from fedmvp.vocabulary_check import check_preset, load_backbone
     from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command

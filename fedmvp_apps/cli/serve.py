@@ -67,16 +67,17 @@ def serve(config: str, run_dir: Path, rounds: int | None, min_nodes: int | None,
     from fedmvp_apps.deploy.stopping import Interrupted
     from fedmvp_apps.deploy.superlink import ServeOptions, serve as run_serve
     from fedmvp_apps.deploy.supernode import LaunchError, LaunchInputError  # ServeError, ServeInputError too
-    from fedmvp.federated.prepare import check_startable
     from fedmvp.presets.schema import PresetError, load_preset
     from fedmvp.runs import RunDir, RunError
 
-    from fedmvp.clip import ClipLoadError
+    from fedmvp.clip_errors import ClipLoadError
     from fedmvp.vocabulary_check import check_preset, write_record
 
     try:
         preset = load_preset(config, check_roots=False)
         if not RunDir(run_dir).exists():  # a new run: what its ServerApp would only find once started
+            from fedmvp.federated.prepare import check_startable  # (it loads CLIP; a resumed run needs not)
+
             check_startable(preset, simulation=False)
         vocabulary = check_preset(preset)  # the backbone tells the classes apart by text (one warning line if not)
     except (PresetError, RunError, ClipLoadError) as err:

@@ -40,7 +40,7 @@ def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume
 def _prepare(config: str, rounds: int | None, run_dir: str | None, resume: bool, device: str) -> RunDir:
     """The run directory, created or reopened and checked (`prepare_run`); bad input raises BadInput."""
     from fedmvp.attributes.files import AttributeFileError
-    from fedmvp.clip import ClipLoadError
+    from fedmvp.clip_errors import ClipLoadError
     from fedmvp.federated.prepare import prepare_run
     from fedmvp.presets.schema import PresetError
     from fedmvp.runs import RunError
@@ -56,7 +56,7 @@ def _prepare(config: str, rounds: int | None, run_dir: str | None, resume: bool,
 def _backbone(config: str) -> LoadedClip:
     """The preset's frozen CLIP, loaded before anything is written: weights that cannot load offline are
     bad input (one line, exit 2), not a simulation that fails."""
-    from fedmvp.clip import ClipLoadError
+    from fedmvp.clip_errors import ClipLoadError
     from fedmvp.federated.prepare import check_startable
     from fedmvp.presets.schema import PresetError, load_preset
     from fedmvp.runs import RunError
@@ -77,7 +77,7 @@ def check_vocabulary(run: RunDir, clip: LoadedClip | None = None) -> None:
     """Before any round: can the backbone tell the run's classes apart by text? One warning line if not,
     the figures in RUN/vocabulary.json (``fedmvp.vocabulary_check``). ``clip``: the run's backbone, if
     already loaded (a resumed run's is loaded here, from its record)."""
-    from fedmvp.clip import ClipLoadError
+    from fedmvp.clip_errors import ClipLoadError
     from fedmvp.vocabulary_check import check_run, load_backbone
 
     try:
