@@ -18,6 +18,7 @@ import pytest
 from cryptography import x509
 from safetensors.torch import load_file
 
+from fedmvp_apps.deploy.node_lines import FLOWER_LOG_ENV
 from fedmvp_apps.deploy.object_log import message_objects, superlink_database, watch
 from fedmvp_apps.deploy.stopping import STOP_BOUND
 from fedmvp_apps.deploy.supernode import free_port
@@ -181,11 +182,13 @@ def test_a_join_before_the_server_is_up_names_the_address_and_claims_no_connecti
     "Connection successful" (the node's own local API) is not shown, nor any INFO record."""
     port = free_port()
     procs = Processes(tmp_path)
+    flower_log = tmp_path / "flower.log"  # Flower's whole log: where its "successful" goes instead
     try:
         procs.start("join", ["join", "--superlink", f"127.0.0.1:{port}", "--config", "demo", "--site", "0",
-                             "--insecure"])
+                             "--insecure"], env={**ENV, FLOWER_LOG_ENV: str(flower_log)})
         procs.wait_for("the address line", lambda: "trying the SuperLink" in procs.log("join"), 60, watch="join")
-        time.sleep(8)  # the executor reaches its SuperNode's local API meanwhile (Flower said "successful")
+        procs.wait_for("the executor on its SuperNode's local API", lambda: flower_log.is_file() and
+                       "executor: INFO :      Connection successful" in flower_log.read_text(), 60, watch="join")
         assert procs.procs["join"].poll() is None  # it keeps trying
     finally:
         procs.stop()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fedmvp_apps.deploy.node_lines import FLOWER_LOG_ENV
 from fedmvp_apps.deploy.supernode import free_port
 from tests.deadlines import scaled
 
@@ -51,9 +52,11 @@ def alive(pid: int) -> bool:
 def start_join(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
     """`fedmvp join` towards a port nobody listens on; (join, its SuperNode's pid, its executor's pid)."""
     log = open(tmp_path / "join.log", "wb")
+    flower_log = tmp_path / "flower.log"  # Flower's whole log: the executor's "successful" is said there
     join = subprocess.Popen([sys.executable, "-m", "fedmvp_apps.cli", "join", "--superlink",
                              f"127.0.0.1:{free_port()}", "--config", "demo", "--site", "0", "--insecure"],
-                            env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            env={**ENV, FLOWER_LOG_ENV: str(flower_log)}, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     deadline = time.time() + scaled(60)
     while True:
         kids = children(join.pid)
@@ -65,7 +68,9 @@ def start_join(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
         time.sleep(0.2)
     args = kids[supernode[0]]
     assert "--isolation process" in args and "--host 127.0.0.1" in args and "--superexec-auth-secret-file" in args
-    time.sleep(2)  # both up (the executor polls the SuperNode's Runtime API)
+    while not (flower_log.is_file() and "executor: INFO :      Connection successful" in flower_log.read_text()):
+        assert join.poll() is None and time.time() < deadline, (tmp_path / "join.log").read_text()
+        time.sleep(0.2)  # both up: the executor polls the SuperNode's Runtime API
     return join, supernode[0], executor[0]
 
 
