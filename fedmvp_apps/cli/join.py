@@ -66,6 +66,8 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
 
     try:
         preset = load_preset(config, check_roots=False)
+        if preset.federation is not None:  # a name the preset cannot take: said before the backbone loads
+            check_site_name(preset, name or socket.gethostname())
         if classes_from_server and preset.federation is not None:  # no class set here: the backbone alone
             load_backbone(preset.model.clip, preset.model.pretrained, preset.seed)
         else:  # the backbone loads offline and tells the classes apart (one warning line if not)
@@ -111,17 +113,11 @@ def named_site_node_config(preset: str, data: Path | None, name: str, eval_fract
     from fedmvp.data.site_folder import SiteFolderError
     from fedmvp_formats.messages import SITE_NAME
 
-    from fedmvp.data.federation_plan import is_open
-    from fedmvp.data.site_federation import site_id
     from fedmvp.federated.site_classes import FROM_SERVER
-    from fedmvp.federated.site_registry import name_problem
     from fedmvp.presets.schema import load_preset
 
     parsed = load_preset(preset, check_roots=False)
-    if not is_open(parsed):
-        site_id(parsed, name)  # a site's name is listed in the preset's [[sites]]
-    elif name_problem(name) is not None:  # an open federation takes any name its server can number
-        raise BadInput(f"--name {name!r}: {name_problem(name)}")
+    check_site_name(parsed, name)
     if data is None:
         raise BadInput("--data DIR is required: this site's folder (DIR/<class>/<image>)")
     folder = data.resolve()
@@ -138,6 +134,19 @@ def named_site_node_config(preset: str, data: Path | None, name: str, eval_fract
     if classes_from_server:
         parts.append(f"{FROM_SERVER}=true")
     return " ".join(parts)
+
+
+def check_site_name(preset, name: str) -> None:
+    """A listed federation's site is one of its [[sites]] (`PresetError` naming them); an open one takes
+    any name its server can number (`BadInput`). Reads no folder and loads no model."""
+    from fedmvp.data.federation_plan import is_open
+    from fedmvp.data.site_federation import site_id
+    from fedmvp.federated.site_registry import name_problem
+
+    if not is_open(preset):
+        site_id(preset, name)
+    elif name_problem(name) is not None:
+        raise BadInput(f"--name {name!r}: {name_problem(name)}")
 
 
 def folder_check(folder: Path, eval_fraction: float) -> None:
