@@ -7,8 +7,8 @@ machine) the sites. Measured on 2 cores, that was a quarter of a deployed round 
 the deploy section). Here the same ``ListRuns`` request goes through Flower's own Control API client
 (``ControlHttpClient``, what ``flwr ls`` builds), with the operator token as its bearer
 (`control_auth`: the SuperLink admits nobody else), on one connection kept for the run. The same
-client stops the run when `serve` is interrupted: within the stop's bound, where a `flwr stop`
-interpreter took seconds of it, and registers the admitted SuperNode keys: a `flwr supernode register`
+client submits the run (what `flwr run` sends, without its interpreter), stops it when `serve` is
+interrupted: within the stop's bound, where a `flwr stop` interpreter took seconds of it, and registers the admitted SuperNode keys: a `flwr supernode register`
 interpreter a key cost 2-5 s under load, minutes for a fleet of 50 (docs/benchmarks.md, "Fleets").
 Each call waits at most ``CALL_SECONDS``.
 """
@@ -54,6 +54,27 @@ class RunStatusClient:
         runs = self.client.ListRuns(ListRunsRequest(run_id=run_id)).run_dict  # an unknown id: an error
         status = runs[run_id].status
         return status.status if not status.sub_status else f"{status.status}:{status.sub_status}"
+
+    def start_run(self, app: Path, run_config: str) -> int:
+        """Submit the Flower app folder ``app`` with ``run_config`` (``key=value ...``, as `flwr run
+        --run-config` takes it); the new run's id. What `flwr run` sends (the app built into a FAB, the
+        overrides, no federation), without a `flwr` interpreter (1-2 s of a `fedmvp serve` start)."""
+        import hashlib
+
+        from flwr.cli.build import build_fab_from_disk
+        from flwr.common.config import parse_config_args
+        from flwr.common.serde import fab_to_proto, user_config_to_proto
+        from flwr.proto.control_pb2 import StartRunRequest  # pylint: disable=no-name-in-module
+        from flwr.supercore.fab import Fab
+
+        fab_bytes = build_fab_from_disk(app)
+        fab = Fab(hashlib.sha256(fab_bytes).hexdigest(), fab_bytes, {})
+        request = StartRunRequest(fab=fab_to_proto(fab), override_config=user_config_to_proto(
+            parse_config_args([run_config])), federation="", app_spec="")
+        started = self.client.StartRun(request)
+        if not started.HasField("run_id"):
+            raise RuntimeError("the SuperLink started no run")
+        return int(started.run_id)
 
     def stop(self, run_id: int) -> bool:
         """Stop run ``run_id`` (what `flwr stop` asks); True if the SuperLink did."""

@@ -118,6 +118,7 @@ class Server:
         self.superexec: subprocess.Popen | None = None
         self.operator_token = ""
         self.status_client = None  # run_status.RunStatusClient once asked; False: this Flower has none
+        self.submit_note: str | None = None  # why the run went through `flwr run`, not this process
         self.link = f"{'127.0.0.1' if self.host in ('0.0.0.0', '::', '') else self.host}:{self.port}"
         # Flower 1.42's SuperLink opens this one port (Fleet, Control and Runtime APIs alike): taken, it would
         # die at start while `serve` connected to whoever holds it (docs/tutorials/across-machines.md, "Checked before anything starts").
@@ -253,6 +254,12 @@ class Server:
                   "mode": o.mode or ""}
         text = " ".join(f"{k}={_toml_string(v) if isinstance(v, str) else v}" for k, v in config.items())
         app = write_app_dir(self.home / "app")
+        try:  # in this process (run_status); the `flwr run` command says why where that fails
+            if self.client() is not None:
+                return self.client().start_run(app, text)
+            self.submit_note = "this Flower has no Control API client"
+        except Exception as err:  # noqa: BLE001 - a changed Flower, a refused call: the command decides and says why
+            self.submit_note = " ".join(str(err).split())[:200] or type(err).__name__
         started = self.flwr("run", str(app), CONNECTION, "--run-config", text, "--format", "json")
         try:
             return int(json.loads(started.stdout)["run-id"])
@@ -367,6 +374,8 @@ def serve(options: ServeOptions, on_progress: Callable[[int, str], None] | None 
                 server.register_nodes(keys)
                 say(f"{len(keys)} SuperNode keys admitted: sites may join now")
             run_id = server.submit()
+            if server.submit_note:
+                say(f"submitted through `flwr run` (in this process: {server.submit_note})")
             say(f"run {run_id} submitted: {options.preset} -> {options.run_dir}")
             status = _watch(server, run, run_id, options, on_progress, say)
             server.sleep(RUN_END_NOTICE)  # its nodes ask whether the run runs: they hear it ended, and leave

@@ -143,6 +143,8 @@ def test_an_outsider_with_the_ca_certificate_or_a_node_key_controls_nothing(tmp_
                 else:
                     with pytest.raises(Exception):
                         client.status(int(run_id))
+                    with pytest.raises(Exception):  # what serve submits its run with: the operator's alone
+                        client.start_run(app, "x=1")
             finally:
                 client.close()
 

@@ -122,6 +122,7 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
     assert "CERTIFICATE_VERIFY_FAILED" in log("stranger.log")
     result = json.loads(log("serve.log")[log("serve.log").index("{\n"):])
     assert result["status"] == "finished:completed" and result["rounds"] == [1, 2]
+    assert "submitted through `flwr run`" not in log("serve.log")  # in serve's own process (run_status)
     # Each message and its reply crossed the SuperLink as at most 3 objects: the Message, its RecordDict
     # and the one ConfigRecord (fedmvp_formats.envelope); counted from the SuperLink's own database.
     stored = message_objects(superlink_db)
