@@ -87,6 +87,7 @@ def _control(port: int, ca: Path, path: str, token: str | None) -> int:
 
 @pytest.mark.deployment  # starts a federation (see pyproject.toml markers)
 @pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:pathspec")  # Flower's FAB build, in this process
 def test_an_outsider_with_the_ca_certificate_or_a_node_key_controls_nothing(tmp_path, world6):
     from fedmvp_apps.deploy.supernode import free_port
 
