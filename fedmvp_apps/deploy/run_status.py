@@ -8,7 +8,8 @@ the deploy section). Here the same ``ListRuns`` request goes through Flower's ow
 (``ControlHttpClient``, what ``flwr ls`` builds), with the operator token as its bearer
 (`control_auth`: the SuperLink admits nobody else), on one connection kept for the run. The same
 client submits the run (what `flwr run` sends, without its interpreter), stops it when `serve` is
-interrupted: within the stop's bound, where a `flwr stop` interpreter took seconds of it, and registers the admitted SuperNode keys: a `flwr supernode register`
+interrupted: within the stop's bound, where a `flwr stop` interpreter took seconds of it, and
+registers the admitted SuperNode keys: a `flwr supernode register`
 interpreter a key cost 2-5 s under load, minutes for a fleet of 50 (docs/benchmarks.md, "Fleets").
 Each call waits at most ``CALL_SECONDS``.
 """

@@ -254,12 +254,16 @@ class Server:
                   "mode": o.mode or ""}
         text = " ".join(f"{k}={_toml_string(v) if isinstance(v, str) else v}" for k, v in config.items())
         app = write_app_dir(self.home / "app")
-        try:  # in this process (run_status); the `flwr run` command says why where that fails
+        # In this process (run_status); the `flwr run` command only where this Flower lacks what it uses (nothing
+        # was sent). A call that was sent and failed is not repeated: the SuperLink may have started the run.
+        try:
             if self.client() is not None:
                 return self.client().start_run(app, text)
             self.submit_note = "this Flower has no Control API client"
-        except Exception as err:  # noqa: BLE001 - a changed Flower, a refused call: the command decides and says why
+        except (ImportError, AttributeError) as err:
             self.submit_note = " ".join(str(err).split())[:200] or type(err).__name__
+        except Exception as err:  # noqa: BLE001 - refused, timed out: one line, the same command resumes
+            raise ServeError(f"submitting the run failed: {' '.join(str(err).split())[:300]}") from None
         started = self.flwr("run", str(app), CONNECTION, "--run-config", text, "--format", "json")
         try:
             return int(json.loads(started.stdout)["run-id"])
