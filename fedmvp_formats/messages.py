@@ -70,6 +70,14 @@ class MessageError(ValueError):
     """A message record that does not follow the schema; one line, what the sender wrote escaped."""
 
 
+def site_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a site's name (None: it can): 1 to MAX_TEXT characters, not blank. One rule
+    for `fedmvp join --name`, the server meeting a name, and the run's site registry."""
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_TEXT:
+        return f"a site name is 1 to {MAX_TEXT} characters, not blank"
+    return None
+
+
 # ---- typed reads of one value ------------------------------------------------------------------------
 def is_int(value: Any) -> bool:
     """An int, not a bool (True is an int to Python) and not a float that happens to be whole."""

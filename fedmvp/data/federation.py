@@ -36,7 +36,7 @@ from fedmvp_formats.files import sha256_file
 
 from fedmvp.attributes.files import AttributeFileError, load_attributes
 from fedmvp.attributes.sentences import SentenceStyle
-from fedmvp.data.dataset import is_readable
+from fedmvp.data.image_decode import is_readable
 from fedmvp.data.layout_table import layout_of
 from fedmvp.data.layouts import LayoutError
 from fedmvp.data.federation_plan import (ClientPlan, DatasetPlan, EvalPlan, eval_set_name, plan_dataset,

@@ -21,7 +21,7 @@ from fedmvp_formats.shown import path_shown
 
 from fedmvp.attributes.files import AttributeFileError, load_attributes
 from fedmvp.attributes.sentences import SentenceStyle
-from fedmvp.data.dataset import is_readable
+from fedmvp.data.image_decode import is_readable
 from fedmvp.data.federation_types import ClientData, EvalSet, Federation, relabel
 from fedmvp.data.federation_plan import ClientPlan, DatasetPlan, is_open, plan_federation
 from fedmvp.data.sampling import k_shot

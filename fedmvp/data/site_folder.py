@@ -23,7 +23,7 @@ from fedmvp_formats.folder_walk import FolderWalk
 from fedmvp_formats.image_folder import held_out
 from fedmvp_formats.shown import path_shown, shown
 
-from fedmvp.data.dataset import decode_problem
+from fedmvp.data.image_decode import decode_problem
 
 Sample = tuple[str, int]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmvp_formats.messages import MAX_TEXT
+from fedmvp_formats.messages import site_name_problem as name_problem
 
 from fedmvp import atomic
 from fedmvp.federated.replies import ClassRules
@@ -31,13 +31,6 @@ FORMAT, VERSION = "fedmvp-sites", 1
 
 class SiteRegistryError(ValueError):
     """sites.json that cannot be used; one line naming the file and the problem."""
-
-
-def name_problem(name: object) -> str | None:
-    """Why ``name`` cannot be a site's name (None: it can): 1 to MAX_TEXT characters, not blank."""
-    if not isinstance(name, str) or not name.strip() or len(name) > MAX_TEXT:
-        return f"a site name is 1 to {MAX_TEXT} characters, not blank"
-    return None
 
 
 class SiteRegistry:

@@ -58,20 +58,22 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
     leaving`, exit 0) or when stopped (Ctrl-C). Images stay on this machine: only trained tensors
     and evaluation counts are sent. Exit codes: 0 the run ended; 2 for bad arguments, a bad site
     folder or no --auth-key where the server admits only listed keys; else Flower's."""
-    from fedmvp.clip_errors import ClipLoadError
     from fedmvp.presets.schema import PresetError, load_preset
-    from fedmvp.vocabulary_check import check_preset, load_backbone
+    from fedmvp.run_classes import class_set_classes
+    from fedmvp_apps.cli.join_preflight import MODULE, SiteChecks
     from fedmvp_apps.deploy.supernode import LaunchError, become_supernode, supernode_command
     from fedmvp_formats.messages import THREADS
 
+    preflight = None
     try:
         preset = load_preset(config, check_roots=False)
         if preset.federation is not None:  # a name the preset cannot take: said before the backbone loads
             check_site_name(preset, name or socket.gethostname())
-        if classes_from_server and preset.federation is not None:  # no class set here: the backbone alone
-            load_backbone(preset.model.clip, preset.model.pretrained, preset.seed)
-        else:  # the backbone loads offline and tells the classes apart (one warning line if not)
-            check_preset(preset)
+            if not classes_from_server:  # the run's class set is readable here (a missing file: one line, now)
+                class_set_classes(preset)
+            # The backbone's checks (it loads offline and tells the classes apart; with the class set from
+            # the server, it loads) run in the site's executor, before its SuperNode starts (join_preflight).
+            preflight = (MODULE, SiteChecks(_preset_value(config), classes_from_server).argument())
         if preset.federation is not None:
             node_config = named_site_node_config(config, data, name or socket.gethostname(), eval_fraction,
                                                  classes_from_server)
@@ -87,11 +89,11 @@ def join(superlink: str, config: str, site: int | None, data: Path | None, name:
         if auth_key is not None and preset.federation is not None:  # a named site signs its identity with it
             node_config += f" auth-key={str(auth_key.resolve())!r}"  # (fedmvp.federated.site_keys)
         args = supernode_command(superlink, node_config, root_certificates, auth_key, insecure, port)
-    except (PresetError, LaunchError, ClipLoadError) as err:
+    except (PresetError, LaunchError) as err:
         raise BadInput(str(err)) from None
     if insecure:
         click.echo("warning: --insecure: no TLS; use it only for a trial", err=True)
-    become_supernode(args)
+    become_supernode(args, preflight=preflight)
 
 
 def _preset_value(preset: str) -> str:
@@ -141,7 +143,7 @@ def check_site_name(preset, name: str) -> None:
     any name its server can number (`BadInput`). Reads no folder and loads no model."""
     from fedmvp.data.federation_plan import is_open
     from fedmvp.data.site_federation import site_id
-    from fedmvp.federated.site_registry import name_problem
+    from fedmvp_formats.messages import site_name_problem as name_problem
 
     if not is_open(preset):
         site_id(preset, name)

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import NoReturn
 
@@ -117,16 +118,17 @@ def supernode_command(superlink: str, node_config: str, root_certificates: Path 
     return args
 
 
-def become_supernode(args: list[str], command: str = "join") -> NoReturn:
+def become_supernode(args: list[str], command: str = "join", preflight: tuple[str, str] | None = None) -> NoReturn:
     """Run this node until it ends: the SuperNode ``args`` and the warm executor of its ClientApp
     messages, both children of this process, stopped together; exits with the SuperNode's code
-    (1 where the executor died). ``command`` names this command in its stop line."""
+    (1 where the executor died). ``command`` names this command in its stop line. ``preflight``
+    (a module and its argument): checks the executor runs first, with the libraries its first message
+    loads anyway; the SuperNode starts only once they passed (a refusal: its one line, exit 2)."""
     env = {**os.environ, **QUIET_ENV, "PYTHONUNBUFFERED": "1"}
     runtime = f"{RUNTIME_HOST}:{args[args.index('--port') + 1]}"
     address = args[args.index("--superlink") + 1]
     raw = os.environ.get(FLOWER_LOG_ENV)
     lines = NodeLines(address, say, _append(Path(raw)) if raw else None)  # ours, not Flower's log
-    say(f"trying the SuperLink at {address}; this node keeps trying until it answers (Ctrl-C stops)")
     piped = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "errors": "replace"}
     with Stopper(f"{command}: stopped; the SuperNode and its executor were killed") as stopper, \
             tempfile.TemporaryDirectory(prefix="fedmvp-node-") as private:
@@ -134,11 +136,15 @@ def become_supernode(args: list[str], command: str = "join") -> NoReturn:
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
             handle.write(secrets.token_bytes(32))
+        checks = ["--preflight", preflight[0], "--preflight-arg", preflight[1]] if preflight else []
+        executor = subprocess.Popen([sys.executable, "-m", EXECUTOR_MODULE, "--runtime-api-address", runtime,
+                                     "--secret-file", str(secret), "--parent-pid", str(os.getpid()), *checks],
+                                    env=env, preexec_fn=_die_with_parent, **piped)
+        if preflight:
+            await_preflight(executor, stopper, command)
+        say(f"trying the SuperLink at {address}; this node keeps trying until it answers (Ctrl-C stops)")
         supernode = subprocess.Popen([*args, "--superexec-auth-secret-file", str(secret)], env=env,
                                      preexec_fn=_die_with_parent, **piped)
-        executor = subprocess.Popen([sys.executable, "-m", EXECUTOR_MODULE, "--runtime-api-address", runtime,
-                                     "--secret-file", str(secret), "--parent-pid", str(os.getpid())], env=env,
-                                    preexec_fn=_die_with_parent, **piped)
         readers = [pump(supernode.stdout, "supernode", lines), pump(executor.stdout, "executor", lines)]
         code = supervise(supernode, executor, stopper, command)
         for reader in readers:  # the last lines (the run-end line, Flower's error) before this one's
@@ -147,6 +153,41 @@ def become_supernode(args: list[str], command: str = "join") -> NoReturn:
         say(key_line(command, address, lines.key_refused))
         code = 2 if lines.key_refused == NO_KEY else code  # no --auth-key: bad input (node_lines.key_line)
     sys.exit(code)
+
+
+def await_preflight(executor: subprocess.Popen, stopper: Stopper, command: str) -> None:
+    """Read the executor's preflight answer (warnings before it go to stderr as they come). Return when
+    it passed; else exit: 2 with its one line where it refused, the executor's code where it died, 0 on
+    Ctrl-C or SIGTERM. Nothing has connected in any of these."""
+    from fedmvp_apps.deploy.warm_executor import PREFLIGHT_PASSED, PREFLIGHT_REFUSED
+
+    answer: list[str] = []
+
+    def read() -> None:
+        for line in iter(executor.stdout.readline, ""):
+            if line.startswith((PREFLIGHT_PASSED, PREFLIGHT_REFUSED)):
+                answer.append(line.rstrip("\n"))
+                return
+            print(line, end="", file=sys.stderr, flush=True)  # the checks' own warning lines
+
+    reader = threading.Thread(target=read, daemon=True, name="preflight")
+    reader.start()
+    try:
+        while reader.is_alive():
+            stopper.sleep(0.1)
+    except Interrupted:
+        stop_processes([executor], stopper.left())
+        print(f"{command}: stopped ({stopper.name}) before it connected", file=sys.stderr, flush=True)
+        sys.exit(0)
+    if answer and answer[0].startswith(PREFLIGHT_PASSED):
+        return
+    code = executor.wait()
+    if answer:
+        print(f"error: {answer[0][len(PREFLIGHT_REFUSED):]}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(f"error: the ClientApp executor (pid {executor.pid}) exited with code {code} while checking this "
+          f"site", file=sys.stderr, flush=True)
+    sys.exit(code or 1)
 
 
 def supervise(supernode: subprocess.Popen, executor: subprocess.Popen, stopper: Stopper,

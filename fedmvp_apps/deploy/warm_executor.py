@@ -20,12 +20,15 @@ sites serve (tests/federated/test_faults.py).
 
 What this uses of Flower that is not its CLI lives in ``_flower()``, one place: a Flower that
 moved a name fails there with one line naming it. Imports neither ``fedmvp`` nor torch (an edge
-install runs it: docs/architecture.md "Layers").
+install runs it: docs/architecture.md "Layers"), except a ``--preflight`` module its join names: checks
+that need the libraries the first message loads anyway, run once here before the SuperNode starts
+(`run_preflight`; a ``[federation]`` site's, `fedmvp_apps.cli.join_preflight`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import threading
@@ -41,6 +44,10 @@ from fedmvp_apps.deploy.warm_task import dropped, retry_invoker, run_one
 PROTECTED_METHODS = ("/flwr.proto.Runtime/AcquireTask",)
 POLL_SECONDS = 0.2  # between two AcquireTask calls while idle (Flower's SuperExec: 1 s)
 EXIT_FLOWER_CHANGED = 3
+EXIT_REFUSED = 2  # the preflight refused: the join's bad input, nothing connected
+# The preflight's answer on stdout, read by the join before it starts the SuperNode (supernode.py).
+PREFLIGHT_PASSED = "fedmvp-preflight: passed"
+PREFLIGHT_REFUSED = "fedmvp-preflight: refused: "
 
 
 class FlowerChanged(RuntimeError):
@@ -164,11 +171,25 @@ def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
+def run_preflight(module: str, argument: str) -> int:
+    """``module.preflight(argument)`` (the refusal as one line, or None) before any task is claimed:
+    said on stdout as `PREFLIGHT_REFUSED` + the line (exit `EXIT_REFUSED`) or `PREFLIGHT_PASSED` (0)."""
+    refusal = importlib.import_module(module).preflight(argument)
+    if refusal is not None:
+        print(PREFLIGHT_REFUSED + " ".join(str(refusal).split()), flush=True)
+        return EXIT_REFUSED
+    print(PREFLIGHT_PASSED, flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run every ClientApp message of one SuperNode in this process.")
     parser.add_argument("--runtime-api-address", required=True, help="The SuperNode's Runtime API (HOST:PORT).")
     parser.add_argument("--secret-file", default=None, help="The SuperExec auth secret the SuperNode was given.")
     parser.add_argument("--parent-pid", type=int, default=None, help="Exit when this process is gone.")
+    parser.add_argument("--preflight", default=None, metavar="MODULE",
+                        help="Before claiming any task, run MODULE.preflight(ARG): its refusal ends this process.")
+    parser.add_argument("--preflight-arg", default="", metavar="ARG", help="The preflight's argument (JSON).")
     args = parser.parse_args(argv)
     stop = threading.Event()
     if args.parent_pid is not None:
@@ -176,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     from fedmvp_apps.edge_bundle import switch_off_runtimes
 
     switch_off_runtimes()  # an edge device's runtimes, as its `edge-client join` was told
+    if args.preflight:
+        try:
+            if run_preflight(args.preflight, args.preflight_arg):
+                return EXIT_REFUSED
+        except KeyboardInterrupt:  # the join is stopping (its own line)
+            return 0
     try:
         secret = open(args.secret_file, "rb").read() if args.secret_file else None
         Executor(args.runtime_api_address, secret).serve(stop)

@@ -70,7 +70,7 @@ def test_join_needs_no_attribute_file_with_the_flag_and_still_checks_the_folder(
 
     server, site = machines
     launched = []
-    monkeypatch.setattr(supernode, "become_supernode", launched.append)
+    monkeypatch.setattr(supernode, "become_supernode", lambda args, **_: launched.append(args))
     folder = server.parent / "sites" / "a"
     args = ["--superlink", "127.0.0.1:1", "--insecure", "--config", str(site), "--data", str(folder), "--name", "a"]
     refused = CliRunner().invoke(join, args)  # without the flag: the run's file is needed here

@@ -245,7 +245,7 @@ def test_join_takes_any_name_checks_the_folder_and_passes_threads_to_the_sites_t
     from fedmvp_apps.deploy import supernode
 
     launched = []
-    monkeypatch.setattr(supernode, "become_supernode", launched.append)
+    monkeypatch.setattr(supernode, "become_supernode", lambda args, **_: launched.append(args))
     folder = open_preset.parent / "sites" / "a"
     args = ["--superlink", "127.0.0.1:1", "--insecure", "--config", str(open_preset), "--data", str(folder),
             "--name", "never-listed", "--threads", "3"]

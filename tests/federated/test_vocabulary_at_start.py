@@ -85,6 +85,28 @@ def test_train_on_real_photo_names_warns_once_and_records_the_figures(tmp_path):
     assert json.loads(again.stdout)["vocabulary"] == recorded
 
 
+@pytest.mark.deployment  # starts a SuperNode (nothing answers it)
+def test_join_says_the_warning_once_from_its_executor_before_it_tries_the_server(tmp_path):
+    """A site's backbone checks run in its warm executor (fedmvp_apps.cli.join_preflight): the warning is
+    still one line on the join's terminal, before the SuperNode starts."""
+    from fedmvp_apps.deploy.supernode import free_port
+    from tests.federated.processes import Processes
+
+    preset = photo_preset(tmp_path)
+    procs = Processes(tmp_path)
+    try:
+        procs.start("join", ["join", "--superlink", f"127.0.0.1:{free_port()}", "--insecure", "--config", str(preset),
+                             "--data", str(tmp_path / "sites" / "north"), "--name", "north"])
+        procs.wait_for("the address line", lambda: "trying the SuperLink" in procs.log("join"), 120, watch="join")
+    finally:
+        procs.stop()
+    shown = procs.log("join")
+    warnings = [line for line in shown.splitlines() if "cannot tell" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: fedmvp-tiny cannot tell these 5 classes"), shown
+    assert shown.index("cannot tell") < shown.index("trying the SuperLink"), shown
+    assert "fedmvp-preflight" not in shown, shown  # the executor's answer is read, not shown
+
+
 def test_the_demo_class_set_does_not_warn(tmp_path, capsys):
     """The demo preset's run as `fedmvp train --config demo` starts it (prepare, then the check), no round run."""
     from fedmvp.federated.prepare import prepare_run
