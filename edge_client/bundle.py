@@ -132,6 +132,13 @@ class Bundle:
         return value if isinstance(value, int) else None
 
     @property
+    def base_digest(self) -> str | None:
+        """The state of the round the bundle's weights are (``source.base_digest``: its PromptFormer and global
+        LoRA, ``fedmvp_formats.promptformer.base_digest``), if recorded: an update trained on it names it."""
+        value = (self.manifest.get("source") or {}).get("base_digest")
+        return value if isinstance(value, str) else None
+
+    @property
     def run_id(self) -> str | None:
         """The run the bundle was exported from (``source.run_id``), if the exporter recorded it."""
         value = (self.manifest.get("source") or {}).get("run_id")

@@ -88,6 +88,7 @@ class ActiveLora:
     file: Path
     entry: dict[str, Any] = field(default_factory=dict)
     history: int = 0  # older personalised LoRAs kept for rollback
+    round: int | None = None  # "global": the federation round whose state it is (an update names it as its base)
 
     @property
     def personalised(self) -> bool:

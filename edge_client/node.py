@@ -274,7 +274,8 @@ def train(msg: Message, context: Context) -> Message:
     sent = None if instruction.privacy is None else \
         PrivacyRecord.from_record(instruction.privacy, "the server's privacy record")  # the run's
     privacy = device_privacy(synced.bundle.privacy, sent)  # the bundle's local noise: a floor the server cannot lower
-    result = train_local(training, synced.bundle, node.options(round_number), start_lora=start, privacy=privacy)
+    result = train_local(training, synced.bundle, node.options(round_number), start_lora=start, privacy=privacy,
+                         start_round=round_number - 1)  # the version sent: an update file kept names it (--out)
     trained = result.tensors  # in memory, checked against the bundle as an update file would be
     metrics = schema.train_metrics(result.num_examples, result.mean_loss, refresh_seconds=synced.refresh_seconds)
     return _reply(msg, instruction, synced, metrics, trained)

@@ -35,7 +35,7 @@ from fedmvp_formats.bundle_manifest import (CONTEXT_LAYERS, MANIFEST, PERSONALIS
                                             file_entries, write_manifest)
 from fedmvp_formats.files import sha256_file
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
-from fedmvp_formats.promptformer import promptformer_digest
+from fedmvp_formats.promptformer import base_digest, promptformer_digest
 from fedmvp_formats.tensors import tensor_problem
 
 from edge_client import journal
@@ -154,7 +154,8 @@ def _refresh_locked(root: Path, tensors: Mapping[str, np.ndarray], digest: str, 
             copy_file(bundle.file("lora"), root / REFRESH_PREVIOUS / names["lora"])  # previous/ is whole
         diff, checked = check_refreshed(bundle, staged / names["onnx"], staged / names["weights"],
                                         lora or bundle.lora(), check_images)
-        manifest = _refreshed_manifest(bundle, staged, changed, digest, round_number, old_id, run_id)
+        manifest = _refreshed_manifest(bundle, staged, changed, digest, round_number, old_id, run_id,
+                                       base_digest(digest, lora) if lora else None)
         write_manifest(staged, manifest)
         new_id = sha256_file(staged / MANIFEST)
     except OSError as err:  # a full disk, say: nothing the bundle lists has changed
@@ -302,14 +303,15 @@ def _patches(layout: dict[str, Span], tensors: Mapping[str, np.ndarray], path: P
 
 
 def _refreshed_manifest(bundle: Bundle, staged: Path, changed: list[str], digest: str, round_number: int,
-                        old_id: str, run_id: str | None = None) -> dict[str, Any]:
-    """The old manifest with the new files' hashes, the run and round its weights now come from, and where
-    the bundle was refreshed from (docs/architecture.md "Records that travel", bundle identity)."""
+                        old_id: str, run_id: str | None = None, base: str | None = None) -> dict[str, Any]:
+    """The old manifest with the new files' hashes, the run and round its weights now come from, where
+    the bundle was refreshed from (docs/architecture.md "Records that travel", bundle identity) and the
+    round's state ``base`` (None: the message brought no LoRA, so the bundle holds no round's state)."""
     manifest = json.loads(json.dumps(bundle.manifest))
     manifest["files"].update(file_entries(staged, changed))
     # The checkpoint file the bundle was exported from no longer describes its tensors.
     manifest["source"] = {**(manifest.get("source") or {}), "round": int(round_number), "refreshed_from": old_id,
-                          "checkpoint_sha256": None}
+                          "checkpoint_sha256": None, "base_digest": base}
     if run_id is not None and run_id != bundle.run_id:  # joined another run: the weights are that run's now
         manifest["source"] |= {"run_id": run_id, "refreshed_from_run": bundle.run_id}
     manifest["promptformer"]["digest"] = digest

@@ -100,24 +100,26 @@ class TrainResult:
                 "program_note": self.program_note}
 
 
-def default_out_path(out: str | os.PathLike, bundle: Bundle) -> Path:
-    """``out`` itself when it names a .safetensors file, else ``out/update-rNNNN-<UTC time>.safetensors``."""
+def default_out_path(out: str | os.PathLike, bundle: Bundle, round_number: int | None = None) -> Path:
+    """``out`` itself when it names a .safetensors file, else ``out/update-rNNNN-<UTC time>.safetensors``, NNNN
+    the round it was trained from (``round_number``, a federation message's; default the bundle's)."""
     out = Path(out)
     if out.suffix == ".safetensors":
         return out
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    round_number = bundle.round
+    round_number = bundle.round if round_number is None else round_number
     tag = f"r{round_number:04d}" if round_number is not None else "r----"
     return out / f"update-{tag}-{stamp}.safetensors"
 
 
-def check_write_targets(options: TrainOptions, bundle: Bundle, allow_run_dir: bool = False) -> Path | None:
+def check_write_targets(options: TrainOptions, bundle: Bundle, allow_run_dir: bool = False,
+                        round_number: int | None = None) -> Path | None:
     """The update file's path (None: ``options.out`` asks for none), refused (`TrainInputError`)
     before training if writing it could replace someone else's file or cannot succeed
     (edge_client.write_guard); with apply, also the personalisation directory must be writable.
     ``allow_run_dir``: the caller owns the run directory the update goes into (`fedmvp demo`
     keeps its updates in RUN/edge/updates)."""
-    target = None if options.out is None else default_out_path(options.out, bundle)
+    target = None if options.out is None else default_out_path(options.out, bundle, round_number)
     try:
         if target is not None:
             check_output_file(target, allow_run_dir=allow_run_dir)
@@ -135,7 +137,7 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
                 on_step: Callable[[int, float], None] | None = None,
                 start_lora: Mapping[str, np.ndarray] | None = None, allow_run_dir: bool = False,
                 wait: float = 0.0, privacy: PrivacyRecord | None | str = "bundle", break_lock: bool = False,
-                **overrides: Any) -> TrainResult:
+                start_round: int | None = None, **overrides: Any) -> TrainResult:
     """Train the bundle's LoRA on ``data`` (ImageFolder of bundle classes); the result holds the trained
     tensors (`TrainResult.tensors`) and, where ``options.out`` names one, the update file written.
 
@@ -144,7 +146,8 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
     (default `TrainOptions()`) with any field overridden by keyword, e.g. ``epochs=20,
     optimizer="adamw"``; see `TrainOptions` for each. ``progress`` shows tqdm bars on stderr;
     ``on_step(step, loss)`` is called after every step. ``start_lora``: start from these LoRA
-    tensors (a federation round's global LoRA) instead of ``options.start``'s. ``options.out`` None:
+    tensors (a federation round's global LoRA, the state of round ``start_round``: the update names that
+    round and state as its base) instead of ``options.start``'s. ``options.out`` None:
     no update file. The update file may not land inside a bundle or (unless ``allow_run_dir``) a run
     directory, nor replace a file; ``options.apply`` makes the result the device's active LoRA.
     The bundle's lock is held throughout (``edge_client.bundle_lock``): the LoRA it starts from is
@@ -161,13 +164,13 @@ def train_local(data: str | os.PathLike | LocalDataset, bundle: str | os.PathLik
     with bundle_lock(bundle.path if isinstance(bundle, Bundle) else Bundle.resolve_dir(bundle), wait,
                      break_lock=break_lock):
         return _train_locked(data, Bundle.open(bundle, verify=True), options, began, progress, on_step, start_lora,
-                             allow_run_dir, privacy)
+                             allow_run_dir, privacy, start_round)
 
 
 def _train_locked(data: str | os.PathLike | LocalDataset, bundle: Bundle, options: TrainOptions, began: float,
                   progress: bool, on_step: Callable[[int, float], None] | None,
                   start_lora: Mapping[str, np.ndarray] | None, allow_run_dir: bool,
-                  privacy: PrivacyRecord | None | str = "bundle") -> TrainResult:
+                  privacy: PrivacyRecord | None | str = "bundle", start_round: int | None = None) -> TrainResult:
     """`train_local` with the bundle's lock held and the bundle verified."""
     bundle.require_trainable()
     settings = bundle.privacy if privacy == "bundle" else privacy
@@ -176,9 +179,9 @@ def _train_locked(data: str | os.PathLike | LocalDataset, bundle: Bundle, option
     if start_lora is not None:
         tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in start_lora.items()}
         check_lora(tensors, bundle.lora_shapes, bundle.path, TrainInputError)
-        initial = ActiveLora(tensors=tensors, source="global", file=bundle.path)
+        initial = ActiveLora(tensors=tensors, source="global", file=bundle.path, round=start_round)
     alpha = float(bundle.method["alpha"]) if options.alpha is None else float(options.alpha)
-    target = check_write_targets(options, bundle, allow_run_dir)
+    target = check_write_targets(options, bundle, allow_run_dir, start_round)
 
     torch = _torch()
     previous_threads = torch.get_num_threads()

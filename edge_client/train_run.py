@@ -27,7 +27,7 @@ from edge_client.lora_store import ActiveLora, active_lora, bundle_lora
 from edge_client.program import load_runner
 from edge_client.safetensors_check import load_safetensors
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
-from edge_client.update import UpdateError, update_bytes
+from edge_client.update import Base, UpdateError, update_bytes
 
 
 class TrainingRun:
@@ -168,7 +168,9 @@ class TrainingRun:
         o, bundle, dataset, initial, n = self.o, self.bundle, self.dataset, self.initial, self.n
         seconds = time.perf_counter() - began
         try:  # the checks an update file's reader makes, on the tensors in memory
-            data = update_bytes(trained, bundle=bundle, num_examples=n, mean_loss=mean_loss,
+            base = Base.of_round(bundle, initial.round, initial.tensors) \
+                if initial.source == "global" and initial.round is not None else None  # None: the bundle's
+            data = update_bytes(trained, bundle=bundle, num_examples=n, mean_loss=mean_loss, base=base,
                                 final_loss=epoch_losses[-1], epochs=o.epochs, train_seconds=round(seconds, 3),
                                 classes=dataset.classes, device=self.dev.type, alpha=self.alpha, lr=o.lr,
                                 optimizer=o.optimizer, started_from=initial.source,

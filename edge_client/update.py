@@ -69,16 +69,42 @@ class Update:
         return float(self.metadata["mean_loss"])
 
 
+@dataclass(frozen=True)
+class Base:
+    """The global state an update was trained from and is a delta against: its round and its base digest
+    (``fedmvp_formats.promptformer.base_digest``); `fedmvp ingest` finds the round by the digest."""
+
+    round: int | None
+    digest: str | None
+
+    @classmethod
+    def of_bundle(cls, bundle: Bundle) -> "Base":
+        """The bundle's round and state (what the server subtracts from an update trained on its LoRA)."""
+        return cls(bundle.round, bundle.base_digest)
+
+    @classmethod
+    def of_round(cls, bundle: Bundle, round_number: int, lora: Mapping[str, Any]) -> "Base":
+        """A federation round's state: its global ``lora`` over the PromptFormer the bundle holds (synced to
+        the round's), round ``round_number``."""
+        from fedmvp_formats.promptformer import base_digest
+
+        digest = base_digest(bundle.promptformer_digest, fmt.as_float32(lora)) if bundle.promptformer_digest else None
+        return cls(int(round_number), digest)
+
+
 def update_bytes(tensors: Mapping[str, Any], *, bundle: Bundle, num_examples: int, mean_loss: float,
-                 where: str | os.PathLike = "the trained LoRA", **extra: Any) -> bytes:
+                 where: str | os.PathLike = "the trained LoRA", base: Base | None = None, **extra: Any) -> bytes:
     """An update for ``bundle`` as the bytes of its file, every check a reader makes done first (names,
     shapes, float32 and finite against the bundle; the metadata as the format types it): what a
     file, a personalisation and (its tensors) a federation reply are made of. ``where`` names it
-    in an error (the file's path, or what holds it in memory)."""
+    in an error (the file's path, or what holds it in memory). ``base``: the state it was trained from
+    and is a delta against (default: the bundle's round and state, `Base.of_bundle`)."""
     arrays = fmt.as_float32(tensors)
     check_lora(arrays, bundle.lora_shapes, where, UpdateError)
-    metadata = {"bundle_id": bundle.id, "bundle_round": bundle.round, "num_examples": int(num_examples),
+    base = base or Base.of_bundle(bundle)
+    metadata = {"bundle_id": bundle.id, "bundle_round": base.round, "num_examples": int(num_examples),
                 "mean_loss": float(mean_loss), "created": utc_now(),
+                **({"base_digest": base.digest} if base.digest else {}),
                 **({"run_id": bundle.run_id} if bundle.run_id else {}),
                 **({"promptformer_digest": bundle.promptformer_digest} if bundle.promptformer_digest else {}),
                 **({"classes_digest": bundle.classes_digest} if bundle.classes_digest else {}), **extra}

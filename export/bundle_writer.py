@@ -117,6 +117,14 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
 
 
 # ---- the run-reading layer ------------------------------------------------------------------------
+def round_base_digest(tensors: dict[str, Any]) -> str:
+    """The round's base digest (``fedmvp_formats.promptformer.base_digest``: its PromptFormer and global LoRA):
+    what a device's update trained on this bundle names as its base, and `fedmvp ingest` finds the round by."""
+    from fedmvp_formats.promptformer import state_base_digest
+
+    return state_base_digest({k: v.detach().cpu().float().numpy() for k, v in tensors.items()})
+
+
 def point_default_bundle(path: Path, cwd: Path | None = None) -> str:
     """Point ``./bundle`` (edge-client's default bundle) at ``path`` with a relative symlink; one line saying so.
 
@@ -203,7 +211,7 @@ def export_bundle(run: str | Path | None = None, round_number: int | None = None
         if line:
             warn(line)
     source = {"run": run_dir.path.name, "run_path": str(run_dir.path.resolve()), "run_id": config.get("run_id"),
-              "round": checkpoint.round,
+              "round": checkpoint.round, "base_digest": round_base_digest(checkpoint.tensors),
               "checkpoint_sha256": sha256_file(ckpt_path), "lora_clients": checkpoint.state.get("lora_clients")}
     inputs = BundleInputs(chosen.parity, labels=chosen.labels, calibration=chosen.calibration,
                           real_calibration=chosen.calibration_real, image_note=chosen.note, source=source,

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fedmvp_formats import strict_json
+
 from fedmvp import atomic
 from fedmvp.federated.metrics import SITE_COUNT_KEYS
 from fedmvp.runs import RunDir, warn
@@ -52,11 +54,11 @@ def append_metrics(run: RunDir, row: dict[str, Any]) -> None:
     """Rewrite metrics.jsonl/csv atomically with ``row`` (replacing an older row of the same round)."""
     rows = [r for r in read_metrics(run) if r.get("round") != row.get("round")] + [row]
     rows.sort(key=lambda r: r.get("round", 0))
-    atomic.write_text(metrics_path(run), "".join(json.dumps(r) + "\n" for r in rows))
+    atomic.write_text(metrics_path(run), "".join(strict_json.dumps(r) + "\n" for r in rows))
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows(strict_json.finite_or_null(rows))  # an empty cell, never "nan" or "inf"
     atomic.write_text(run.path / run.METRICS_CSV, buffer.getvalue())
 
 
@@ -70,7 +72,7 @@ def truncate_metrics_after(run: RunDir, round_number: int) -> None:
             if isinstance(row, dict):
                 kept[number] = row
     rows = [kept[k] for k in sorted(kept, key=lambda k: k or 0)]
-    atomic.write_text(metrics_path(run), "".join(json.dumps(r) + "\n" for r in rows))
+    atomic.write_text(metrics_path(run), "".join(strict_json.dumps(r) + "\n" for r in rows))
 
 
 def plot(run: RunDir) -> Path | None:

@@ -170,8 +170,11 @@ def write_text(path: PathLike, text: str) -> Path:
 
 
 def write_json(path: PathLike, obj: Any) -> Path:
-    """`write_text` of ``obj`` as indented JSON with a final newline."""
-    return write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """`write_text` of ``obj`` as indented JSON with a final newline; a number that is not finite is written
+    as null (``fedmvp_formats.strict_json``: any strict parser reads the file)."""
+    from fedmvp_formats.strict_json import dumps
+
+    return write_text(path, dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def copy_file(source: PathLike, path: PathLike) -> Path:

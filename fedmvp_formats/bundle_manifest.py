@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ INT8_CRITERIA = ("accuracy", "agreement")
 INT8_SCHEMES = ("dynamic", "static")
 INT8_ACCURACY = ("images", "fp32", "int8", "drop_points", "max_drop_points", "top1_agreement")
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 # Top-level sections: (the types a value may have, required). ``source`` and ``promptformer`` are optional
 # within format 2 (a bundle without them cannot be refreshed); ``training`` is None for inference only.
 SECTIONS: dict[str, tuple[tuple[type, ...], bool]] = {
@@ -102,7 +104,9 @@ SECTION_HELP: dict[str, str] = {
     "files_by_role": "{role: file name} for the roles below; onnx and lora are required",
     "lora": "file, scaling, and tensors: {name: shape} of the LoRA tensors an update file must match",
     "source": "the run and round its weights come from (run_id; after a refresh: the run and round it was "
-              "refreshed to, refreshed_from the old bundle id, refreshed_from_run the old run where it changed)",
+              "refreshed to, refreshed_from the old bundle id, refreshed_from_run the old run where it changed), "
+              "and base_digest: that round's state (fedmvp_formats.promptformer.base_digest), which an update "
+              "trained on the bundle names as its base",
     "model": "the CLIP backbone: clip, pretrained, weights_identity, embed_dim, vision_width",
     "onnx": "file, opset, input and outputs, num_classes, external data, numerics, LoRA initializer names, "
             "int8 (the scheme, the layers kept fp32)",
@@ -210,6 +214,9 @@ def check_manifest(m: Any, where: str) -> MethodRecord:
         raise bad("source.round", f"not a round number, got {source['round']!r}")
     if source.get("run_id") is not None and not isinstance(source["run_id"], str):
         raise bad("source.run_id", f"not a string, got {type(source['run_id']).__name__}")
+    if source.get("base_digest") is not None and not (isinstance(source["base_digest"], str)
+                                                      and _SHA256.fullmatch(source["base_digest"])):
+        raise bad("source.base_digest", "not a sha256 hex digest")
     _check_check_images(m, bad)
     _check_artifact(m, bad, TORCHSCRIPT_ROLE, TORCHSCRIPT_FORMAT)
     _check_artifact(m, bad, TORCHSCRIPT_TRAINING_ROLE, TORCHSCRIPT_FORMAT)
@@ -326,7 +333,9 @@ def classes_digest(names: list[str]) -> str:
 
 def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
     """Canonical manifest text: sorted keys, two-space indent, trailing newline."""
-    return (json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    from fedmvp_formats.strict_json import dumps
+
+    return (dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> Path:

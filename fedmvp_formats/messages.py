@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedmvp_formats.bounds import MAX_LOSS, MAX_SECONDS
 from fedmvp_formats.shown import name_shown, shown
 
 # ---- record names in a message's RecordDict ---------------------------------------------------------
@@ -311,8 +312,9 @@ def read_metrics(record: Any) -> dict[str, Any]:
 
 
 def check_train_metrics(fields: Mapping[str, Any]) -> None:
-    """The flags 0 or 1, the losses finite numbers (``train-loss`` required): a NaN loss or a string
-    flag would stop the round, not just this reply. ``num-examples`` is the caller's (its bound)."""
+    """The flags 0 or 1, the losses finite numbers within ``MAX_LOSS`` (``train-loss`` required): a NaN loss
+    or a string flag would stop the round, not just this reply; 1e308 would make its mean infinite.
+    ``num-examples`` is the caller's (its bound)."""
     for key in FLAGS:
         if key in fields:
             _flag(fields, key)
@@ -320,6 +322,9 @@ def check_train_metrics(fields: Mapping[str, Any]) -> None:
         value = fields.get(key, 0.0 if key != TRAIN_LOSS else None)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise MessageError(f"{key} {shown(value)} is not a finite number")
+        bound = MAX_SECONDS if key == REFRESH_SECONDS else MAX_LOSS  # finite is not enough (fedmvp_formats.bounds)
+        if abs(value) > bound:
+            raise MessageError(f"{key} {shown(value)} is not within -{bound:g} to {bound:g}")
 
 
 def read_class_counts(record: Any) -> dict[str, int]:

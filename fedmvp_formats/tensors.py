@@ -18,6 +18,9 @@ import numpy as np
 from fedmvp_formats.shown import name_shown
 
 LISTED = 3  # names a reason lists before "and N more"
+# A trainable weight (LoRA, PromptFormer) is O(1); one beyond this is no training's: finite, yet its square
+# (3e38 squared) is not, so every norm bound and every average it entered would be infinite.
+MAX_ABS = 1e4
 
 
 def listed(names: Sequence[str], first: int = LISTED) -> str:
@@ -45,8 +48,8 @@ def tensor_problem(tensors: Mapping[str, Any], shapes: Mapping[str, Sequence[int
                    dtype: Any = np.float32) -> str | None:
     """Why ``tensors`` are not what ``shapes`` describes, or None. In order, the first that fails:
     names exactly ``shapes``' keys; each tensor's shape; its dtype exactly ``dtype`` (None: any
-    floating point); every value finite (one NaN would poison every average it enters).
-    ``of`` names what the shapes are (``the round``, ``the bundle``)."""
+    floating point); every value finite (one NaN would poison every average it enters) and within
+    ``MAX_ABS``. ``of`` names what the shapes are (``the round``, ``the bundle``)."""
     problem = names_problem(tensors, shapes, of)
     if problem is not None:
         return problem
@@ -56,7 +59,17 @@ def tensor_problem(tensors: Mapping[str, Any], shapes: Mapping[str, Sequence[int
             return f"{name}: shape {shape_text(value.shape)}, {of}'s is {want}"
         if not np.issubdtype(value.dtype, np.floating) or (dtype is not None and value.dtype != np.dtype(dtype)):
             return f"{name}: dtype {value.dtype} is not {'floating point' if dtype is None else np.dtype(dtype)}"
-    return nonfinite_problem(tensors)
+    return nonfinite_problem(tensors) or magnitude_problem(tensors)
+
+
+def magnitude_problem(tensors: Mapping[str, Any]) -> str | None:
+    """``name: a value of V, beyond MAX_ABS`` for the first tensor (sorted) that holds one, or None."""
+    for name in sorted(tensors):
+        value = np.asarray(tensors[name])
+        largest = float(np.max(np.abs(value))) if value.size else 0.0
+        if largest > MAX_ABS:
+            return f"{name}: a value of {largest:.3g}, beyond the {MAX_ABS:g} no trained weight reaches"
+    return None
 
 
 def first_nonfinite(tensors: Mapping[str, Any]) -> str | None:

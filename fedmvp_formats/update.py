@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from fedmvp_formats.bounds import MAX_LOSS, MAX_SECONDS
 from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.shown import name_shown, shown
 
@@ -44,14 +45,19 @@ FIELDS: dict[str, str] = {  # metadata key: its meaning
     "promptformer_digest": "the PromptFormer it was trained over (``fedmvp_formats.promptformer``, the bundle's "
                            "``promptformer.digest``): `fedmvp ingest` checks it against the run's round "
                            "``bundle_round`` and refuses an update without it",
+    "base_digest": "the global state it was trained from, which its values are a delta against: "
+                   "``fedmvp_formats.promptformer.base_digest`` of that round's PromptFormer and LoRA (the bundle's "
+                   "``source.base_digest``, or the state a federation message sent): `fedmvp ingest` takes the round "
+                   "whose state this is as the update's base (and its staleness from it) and refuses an update "
+                   "without it or naming none of the run's rounds",
     "classes_digest": "the class set its labels index (``fedmvp_formats.class_set``, the bundle's "
                       "``classes.digest``; only when the manifest records it)",
     "num_examples": "local images trained on (the FedAvg weight)",
-    "mean_loss": "mean training loss over every step (CE + alpha * L_con)",
-    "final_loss": "mean loss of the last epoch",
+    "mean_loss": "mean training loss over every step (CE + alpha * L_con): 0 to ``MAX_LOSS``",
+    "final_loss": "mean loss of the last epoch: 0 to ``MAX_LOSS``",
     "epochs": "local epochs",
     "created": "UTC time the file was written, ISO 8601",
-    "train_seconds": "wall time of the training",
+    "train_seconds": "wall time of the training: 0 to ``MAX_SECONDS``",
     "classes": "JSON list of the local class names that had images",
     "device": "where it trained (``cpu``, ``cuda``)",
     "images_digest": "sha256 of the images it trained on (each image's class and decoded pixels, in no order): "
@@ -64,7 +70,8 @@ REQUIRED = ("format", "format_version", "bundle_id", "bundle_round", "num_exampl
 INT_FIELDS = ("format_version", "bundle_round", "num_examples", "epochs")
 FLOAT_FIELDS = ("mean_loss", "final_loss", "train_seconds")
 FINITE_FIELDS = ("mean_loss", "final_loss")  # a NaN loss would poison an average
-DIGEST_FIELDS = ("promptformer_digest", "classes_digest")  # optional within format 1: a newer writer's keys
+BOUNDS = {"mean_loss": MAX_LOSS, "final_loss": MAX_LOSS, "train_seconds": MAX_SECONDS}  # 0 to these (bounds.py)
+DIGEST_FIELDS = ("promptformer_digest", "classes_digest", "base_digest")  # optional within format 1
 MAX_HEADER_BYTES = 1 << 20  # names, shapes and metadata (a class list) are KBs
 MAX_UPDATE_BYTES = 64 << 20  # without a bundle or a round to size it by
 _INTEGER = re.compile(r"0|-?[1-9][0-9]{0,17}")
@@ -208,7 +215,8 @@ def load_tensors(data: bytes) -> dict[str, np.ndarray]:
 def check_metadata(raw: Mapping[str, str]) -> dict[str, Any]:
     """The string metadata checked and typed (unknown keys kept as strings): the format and its
     version, the required keys, integers in `integer`'s one spelling, ``num_examples`` positive,
-    finite losses, ``bundle_id`` a sha256, ``created`` ISO 8601, ``classes`` JSON."""
+    finite losses within 0 to ``MAX_LOSS`` (seconds within ``MAX_SECONDS``), ``bundle_id`` and the digests
+    sha256s, ``created`` ISO 8601, ``classes`` JSON."""
     if raw.get("format") != FORMAT:
         raise UpdateFormatError(f"not a {FORMAT} file (format {shown(raw.get('format'))})")
     missing = [k for k in REQUIRED if k not in raw]
@@ -235,6 +243,8 @@ def check_metadata(raw: Mapping[str, str]) -> dict[str, Any]:
             out[key] = None
         if out[key] is None or (key in FINITE_FIELDS and not math.isfinite(out[key])):
             raise UpdateFormatError(f"{key} {shown(raw[key])} is not a finite number")
+        if key in BOUNDS and not 0 <= out[key] <= BOUNDS[key]:  # NaN fails this too
+            raise UpdateFormatError(f"{key} {shown(raw[key])} is not within 0 to {BOUNDS[key]:g}")
     for key in ("bundle_id", *(k for k in DIGEST_FIELDS if k in raw)):
         if not _SHA256.fullmatch(raw[key]):
             raise UpdateFormatError(f"{key} {shown(raw[key], 80)} is not a sha256 hex digest")

@@ -148,7 +148,10 @@ def test_train_metrics_and_counts():
                        "lora-active": 1, "switch-next": 0}
     schema.check_train_metrics(metrics)
     for bad, reason in (({"switch-next": 2}, "switch-next 2"), ({"train-loss": float("nan")}, "train-loss nan"),
-                        ({"train-loss": None}, "train-loss None")):
+                        ({"train-loss": None}, "train-loss None"),
+                        ({"train-loss": 1e308}, "train-loss 1e+308 is not within -1e+06 to 1e+06"),
+                        ({"train-ce": -3e38}, "train-ce -3e+38 is not within"),
+                        ({"refresh-seconds": 1e12}, "refresh-seconds 1000000000000.0 is not within -1e+07")):
         with pytest.raises(MessageError, match=re.escape(reason)):
             schema.check_train_metrics({k: v for k, v in {**metrics, **bad}.items() if v is not None})
     counts = schema.count_metrics({"local": (3, 4), "edge": (0, 2)})

@@ -27,6 +27,7 @@ class ClientData:
     attributes: dict[str, list[str]]
     style: SentenceStyle
     global_labels: list[int] = field(default_factory=list)  # dataset label of each own class
+    duplicate_images: int = 0  # a site folder's byte-identical copies, counted once (site_folder)
 
 
 @dataclass

@@ -39,7 +39,8 @@ def _materialise(preset: Preset, plan: DatasetPlan, cp: ClientPlan, images: Site
     names = [classes.class_names[y] for y in own]
     client = ClientData(client_id=cp.client_id, name=cp.name, dataset=preset.name, domain=cp.domain,
                         class_names=names, train=relabel(train, own), test=relabel(images.test, own),
-                        attributes={c: attributes[c] for c in names}, style=style, global_labels=own)
+                        attributes={c: attributes[c] for c in names}, style=style, global_labels=own,
+                        duplicate_images=images.duplicates)
     sets = []
     for kind, labels in (("base", classes.trained), ("new", classes.new)):
         samples = relabel(images.test, labels)

@@ -11,11 +11,19 @@ empty class folder, an image that does not decode in full (as training decodes i
 reports are the images it trains on) and what the walking rule refuses (a link back into the folder, a
 file reached twice, a FIFO: ``fedmvp_formats.folder_walk``) are each one line naming the path, escaped
 (``SiteFolderError`` holds the lines; the CLI prints them and exits 2).
+
+Images are counted by content, names after Unicode normalisation (what a site reports is weighed by the
+server, docs/security.md "Replayed and duplicated updates"): byte-identical files are one image (the
+first by path counts; `SiteImages.duplicates` says how many copies were left out, which `fedmvp join`
+says in one line), a class folder spelt in another normalisation form (NFD ``café``) is that class, and
+two folders of one class in two spellings are refused (one line).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +52,7 @@ class SiteImages:
     train: list[Sample]  # base classes only: new classes are never trained on
     test: list[Sample]  # the held-out share of base classes, and every image of a new class
     counts: dict[str, int] = field(default_factory=dict)  # images per class, as the server records them
+    duplicates: int = 0  # files left out as byte-identical copies of an image counted already
 
     def classes(self, labels: list[int]) -> list[int]:
         """The labels of ``labels`` this site holds training images of (its own label space)."""
@@ -57,16 +66,23 @@ def _class_folders(walk: FolderWalk, root: Path, classes: list[str], problems: l
     if not root.is_dir():
         problems.append(f"{path_shown(root)}: not a directory (expected {path_shown(root)}/<class>/<image>)")
         return {}
-    known = set(classes)
+    known = {unicodedata.normalize("NFC", c): c for c in classes}  # names compared after normalisation
     found: dict[str, list[str]] = {}
+    spelt: dict[str, str] = {}  # class -> the folder name that holds it
     for entry in sorted((e for e in os.scandir(root) if not e.name.startswith(".")), key=lambda e: e.name):
         path = Path(entry.path)
         if not entry.is_dir():
             continue
-        if entry.name not in known:
+        name = known.get(unicodedata.normalize("NFC", entry.name))
+        if name is None:
             problems.append(f"{path_shown(path)}: class {shown(entry.name)} is not in the federation's class set "
                             f"({len(classes)} classes)")
             continue
+        if name in spelt:
+            problems.append(f"{path_shown(path)}: a second folder of class {shown(name)} (also "
+                            f"{shown(spelt[name])}: one name in two Unicode spellings); keep one")
+            continue
+        spelt[name] = entry.name
         before = len(walk.refusals)
         images = walk.images(path)
         if len(walk.refusals) > before:
@@ -77,7 +93,7 @@ def _class_folders(walk: FolderWalk, root: Path, classes: list[str], problems: l
         # decoded as training decodes them: what is counted here is what a round trains on
         problems.extend(f"{path_shown(p)}: unreadable image ({why})" for p in images
                         if (why := decode_problem(p)) is not None)
-        found[entry.name] = images
+        found[name] = images
     if not found and not problems and not walk.problems:
         problems.append(f"{path_shown(root)}: no class folders (expected {path_shown(root)}/<class>/<image>)")
     return found
@@ -103,6 +119,9 @@ def read_site_folder(root: str | os.PathLike, classes: list[str], new_classes: l
     problems = walk.problems + problems
     if problems:
         raise SiteFolderError(problems)
+    copies = _copies([*(p for ps in train_tree.values() for p in ps), *(p for ps in test_tree.values() for p in ps)])
+    train_tree = {c: [p for p in ps if p not in copies] for c, ps in train_tree.items()}
+    test_tree = {c: [p for p in ps if p not in copies] for c, ps in test_tree.items()}
     train: list[Sample] = []
     test: list[Sample] = []
     counts: dict[str, int] = {}
@@ -122,4 +141,21 @@ def read_site_folder(root: str | os.PathLike, classes: list[str], new_classes: l
     if not train:
         raise SiteFolderError([f"{path_shown(root)}: no training images of a base class "
                                f"(new classes are only evaluated)"])
-    return SiteImages(root, train, test, counts)
+    return SiteImages(root, train, test, counts, duplicates=len(copies))
+
+
+def _copies(paths: list[str]) -> set[str]:
+    """The files that are byte for byte an earlier one (in path order): an image counts once however many
+    copies of it a folder holds, in one class, in two, or in train and test (where it would also leak)."""
+    first: dict[str, str] = {}
+    copies = set()
+    for path in sorted(paths):
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() in first:
+            copies.add(path)
+        else:
+            first[digest.hexdigest()] = path
+    return copies

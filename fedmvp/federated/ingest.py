@@ -21,9 +21,12 @@ The update format is read by ``fedmvp_formats.update``, the one reader the devic
 (safetensors and its string metadata, nothing unpickled: the size cap, the header check, the
 strict integer rule, the escaping). What is checked here is the run's: the round's LoRA names
 and shapes, staleness, the run id, ``edge_max_examples``, the norm bound, and on content, not on
-names: the PromptFormer the update was trained over (``promptformer_digest``) must be the one of
-this run's round ``bundle_round``, and the class set its labels index (``classes_digest``) the run's
-(docs/security.md: an update trained over another run's weights).
+names: the PromptFormer the update was trained over (``promptformer_digest``) and the whole state it
+started from (``base_digest``: PromptFormer and LoRA) must be this run's round ``bundle_round``'s, so
+its staleness is that of a round it really started from, and the class set its labels index
+(``classes_digest``, required) the run's (docs/security.md: an update trained over another run's
+weights). One training counts once, whatever its metadata says: equal or nearly equal tensors, or a
+region's rounds taken before, are duplicates (``ingest_duplicates``).
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedmvp_formats import update as fmt
-from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
-from fedmvp_formats.promptformer import promptformer_digest
+from fedmvp_formats.names import LORA_PREFIX
 from fedmvp_formats.shown import shown
 from fedmvp_formats.tensors import shapes_of, tensor_problem
 from fedmvp_formats.update import UpdateFormatError
 
+from fedmvp.federated import ingest_duplicates as dupes
 from fedmvp.federated.aggregate import Update
+from fedmvp.federated.ingest_bases import BaseLoras
 from fedmvp.federated.privacy_budget import run_events
 from fedmvp.federated.replies import ReplyRules, bound_update
 from fedmvp.federated.round_writer import RoundRecord, RoundWriter
@@ -90,6 +94,9 @@ class FileVerdict:
     weight: float | None = None  # the share of its delta that reached the LoRA (aggregate.apply_updates)
     images_digest: str | None = None  # the images it trained on (update file ``images_digest``)
     created: str = ""  # when the device wrote it: of two over the same images, the newer counts
+    base_digest: str | None = None  # the state it names as its base, verified to be round bundle_round's
+    region: dict[str, Any] = field(default_factory=dict)  # a region's file: region_run_id, region_rounds
+    content: dict[str, Any] = field(default_factory=dict)  # its training's identity (ingest_duplicates)
     arrays: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     @property
@@ -100,7 +107,13 @@ class FileVerdict:
         return {"file": self.file, "sha256": self.sha256, "accepted": self.accepted, "reason": self.reason,
                 "num_examples": self.num_examples, "bundle_round": self.bundle_round,
                 "bundle_id": self.bundle_id, "mean_loss": self.mean_loss, "clipped_from": self.clipped_from,
-                "staleness": self.staleness, "s": self.s, "weight": self.weight, "images_digest": self.images_digest}
+                "staleness": self.staleness, "s": self.s, "weight": self.weight, "images_digest": self.images_digest,
+                "base_digest": self.base_digest, "created": self.created or None, **self.region,
+                **dict.fromkeys(dupes.RECORD_KEYS), **self.content}
+
+    def identity(self) -> dict[str, Any]:
+        """What tells its training from another's (`ingest_duplicates`): the record's identity keys."""
+        return {"file": self.file, "sha256": self.sha256, "created": self.created, **self.region, **self.content}
 
 
 @dataclass
@@ -161,15 +174,16 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
         raise RunError(f"{run.round_path(base)}: round {base} holds no {LORA_PREFIX}* tensors (use_lora = false): "
                        f"edge updates have nothing to go into")
     rules = ingest_rules(run, config, base, max_staleness)
-    seen = accepted_before(run)
+    seen, taken = accepted_before(run), dupes.Taken(accepted_records(run))
     bases = BaseLoras(run, base, lora, checkpoint.tensors)
     verdicts = []
     for path in files:
-        verdict = check_file(Path(path), rules, lora, seen, bases)
+        verdict = check_file(Path(path), rules, lora, seen, bases, taken)
         if verdict.sha256 is not None:
             seen.setdefault(verdict.sha256, f"given earlier in this command ({verdict.file})")
         verdicts.append(verdict)
     count_images_once(verdicts)
+    count_trainings_once(verdicts)
     result = IngestResult(run=run.path, base_round=base, round=None, files=verdicts)
     accepted = sorted(result.accepted, key=lambda v: v.sha256 or "")  # argument order must not change the sums
     if not accepted:
@@ -219,6 +233,21 @@ def count_images_once(verdicts: list[FileVerdict]) -> None:
                               f"their examples count once")[:MAX_REASON]
 
 
+def count_trainings_once(verdicts: list[FileVerdict]) -> None:
+    """Of accepted files that are one training (equal or nearly equal tensors) or overlap one region's rounds,
+    only one counts (`ingest_duplicates.keep_one`: the newest); the others are rejected with one line."""
+    accepted = [v for v in verdicts if v.accepted]
+    for index, reason in dupes.keep_one([v.identity() for v in accepted]).items():
+        accepted[index].arrays = None
+        accepted[index].reason = reason[:MAX_REASON]
+
+
+def accepted_records(run: RunDir) -> list[tuple[int, dict[str, Any]]]:
+    """(round, record) of every file an earlier ingest of the run accepted (their state.json)."""
+    return [(number, record) for number in run.rounds() for record in run.round_state(number).get("ingest") or []
+            if record.get("accepted")]
+
+
 def accepted_before(run: RunDir) -> dict[str, str]:
     """sha256 -> where it was accepted, over every earlier ingest of the run (its rounds' state.json)."""
     seen: dict[str, str] = {}
@@ -229,43 +258,12 @@ def accepted_before(run: RunDir) -> dict[str, str]:
     return seen
 
 
-class BaseLoras:
-    """The LoRA of each round an update's bundle came from, read from the run's checkpoints once each:
-    an update is a delta against it (and its norm bound is measured from it)."""
-
-    def __init__(self, run: RunDir, last: int, lora: dict[str, np.ndarray], tensors: dict[str, Any] | None = None):
-        self.run, self.loaded, self.digests = run, {last: lora}, {}
-        if tensors is not None:
-            self.digests[last] = promptformer_digest(to_numpy_state(_promptformer(tensors)))
-
-    def __call__(self, round_number: int) -> dict[str, np.ndarray]:
-        if round_number not in self.loaded:
-            self._load(round_number)
-        return self.loaded[round_number]
-
-    def promptformer(self, round_number: int) -> str:
-        """The digest of round ``round_number``'s PromptFormer: what an update of it was trained over."""
-        if round_number not in self.digests:
-            self._load(round_number)
-        return self.digests[round_number]
-
-    def _load(self, round_number: int) -> None:
-        if round_number not in self.run.rounds():
-            raise RunError(f"the run holds no round {round_number} (the update's base) any more")
-        tensors = self.run.load_checkpoint(round_number).tensors
-        self.loaded[round_number] = to_numpy_state({k: v for k, v in tensors.items() if k.startswith(LORA_PREFIX)})
-        self.digests[round_number] = promptformer_digest(to_numpy_state(_promptformer(tensors)))
-
-
-def _promptformer(tensors: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in tensors.items() if k.startswith(PROMPTFORMER_PREFIX)}
-
-
 def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen: dict[str, str],
-               bases: BaseLoras | None = None) -> FileVerdict:
+               bases: BaseLoras | None = None, taken: dupes.Taken | None = None) -> FileVerdict:
     """One update file judged against round ``rules.round``'s LoRA ``lora``; ``seen``: sha256s refused as
     duplicates; ``bases``: the LoRA of the round its bundle came from, which its norm bound is measured
-    from (None: ``lora`` for every round). The checks run in order and the first that fails is the reason: one line, at most
+    from (None: ``lora`` for every round); ``taken``: the run's accepted files, which the same training is
+    refused against (`ingest_duplicates.Taken`; None: none). The checks run in order and the first that fails is the reason: one line, at most
     ``MAX_REASON`` characters, what the file says escaped (``fedmvp_formats.shown``)."""
     verdict = FileVerdict(file=str(path))
     try:
@@ -280,6 +278,10 @@ def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen:
         verdict.bundle_id, verdict.bundle_round = metadata["bundle_id"], metadata["bundle_round"]
         verdict.num_examples, verdict.mean_loss = metadata["num_examples"], metadata["mean_loss"]
         verdict.images_digest, verdict.created = metadata.get("images_digest"), str(metadata["created"])
+        verdict.base_digest = metadata.get("base_digest")
+        if metadata.get("region_run_id"):
+            verdict.region = {"region_run_id": str(metadata["region_run_id"]),
+                              "region_rounds": metadata.get("region_rounds")}
         problem = tensor_problem(tensors, shapes_of(lora))
         if problem is not None:
             raise _Rejected(problem)
@@ -293,6 +295,10 @@ def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen:
         problem = tensor_problem(tensors, shapes_of(base))
         if problem is not None:
             raise _Rejected(f"against round {metadata['bundle_round']}: {problem}")
+        verdict.content = dupes.content_record(arrays, base)
+        repeated = None if taken is None else taken.why_again(verdict.identity())
+        if repeated is not None:
+            raise _Rejected(repeated)
         kept, reason, verdict.clipped_from = bound_update(arrays, base, rules.server.max_update_norm,
                                                                 rules.server.update_norm_action)
         if reason is not None:
@@ -315,10 +321,35 @@ def _check_content(metadata: dict[str, Any], rules: ReplyRules, bases: BaseLoras
     if bases is not None and said != bases.promptformer(bundle_round):
         raise _Rejected(f"trained over PromptFormer {said[:12]}, not over this run's round {bundle_round} "
                         f"({bases.promptformer(bundle_round)[:12]}): its weights come from another run or round")
+    if bases is not None:
+        _check_base(metadata, rules, bases)
     classes = metadata.get("classes_digest")
+    if rules.classes_digest and not classes:
+        raise _Rejected("names no class set (classes_digest): its labels could index any classes; train it again "
+                        "with this edge-client on a bundle of this run")
     if classes and rules.classes_digest and classes != rules.classes_digest:
         raise _Rejected(f"trained on another class set (classes_digest {classes[:12]}, this run's is "
                         f"{rules.classes_digest[:12]}): its bundle was exported with other classes or phrases")
+
+
+def _check_base(metadata: dict[str, Any], rules: ReplyRules, bases: BaseLoras) -> None:
+    """The state it was trained from, on content: its ``base_digest`` is round ``bundle_round``'s state
+    (PromptFormer and LoRA). The round number alone is a claim (an ingest round keeps the PromptFormer, so
+    a file re-saved with the next round's number passed as fresh); the state it names is the base, and
+    its staleness is that round's."""
+    said, claimed = metadata.get("base_digest"), metadata["bundle_round"]
+    if not said:
+        raise _Rejected("names no base state (base_digest; an older edge-client's file): train it again with this "
+                        "edge-client on a bundle of this run")
+    if said == bases.state(claimed):
+        return
+    window = range(max(0, rules.round - rules.server.max_staleness), rules.round + 1)
+    found = bases.find(said, window)
+    if found is not None:
+        raise _Rejected(f"bundle_round {claimed}, but its base_digest is round {found}'s state: its round was "
+                        f"rewritten, the update counts nowhere")
+    raise _Rejected(f"its base (base_digest {said[:12]}) is the state of none of this run's rounds "
+                    f"{window.start}-{window.stop - 1}: trained from a round since replaced, or from another run")
 
 
 def _check_run(metadata: dict[str, Any], rules: ReplyRules) -> None:

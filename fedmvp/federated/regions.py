@@ -18,8 +18,9 @@ progress as ONE update, through `fedmvp ingest`, checked as a device's file is. 
   region's round R is central round R bit for bit (checked on its sha256), so the file holds round L's
   LoRA and ingest's delta is exactly L - R. Its ``num_examples`` are the examples of the device updates
   the region's rounds R+1..L took (their state.json records), its ``mean_loss`` their example-weighted
-  ``train_loss``. The file names the central run (``run_id``), round R (``bundle_round``), R's
-  PromptFormer and the class set: ingest checks all of it, and ``edge_max_examples``, as for any file.
+  ``train_loss``. The file names the central run (``run_id``), round R (``bundle_round``) and its state
+  (``base_digest``: a central round R replaced since is no base any more), R's PromptFormer and the class
+  set: ingest checks all of it, and ``edge_max_examples``, as for any file.
 
 An update file carries only the LoRA: a region whose rounds moved the PromptFormer is refused (its
 delta would be half of what it trained). A region's total examples may exceed the central run's
@@ -43,7 +44,7 @@ from fedmvp_formats import update as fmt
 from fedmvp_formats.atomic import atomic_dir, write_bytes
 from fedmvp_formats.files import RUN_CLASSES, RUN_CONFIG, RUN_PRESET_COPY
 from fedmvp_formats.names import LORA_PREFIX, PROMPTFORMER_PREFIX
-from fedmvp_formats.promptformer import promptformer_digest
+from fedmvp_formats.promptformer import base_digest, promptformer_digest
 
 from fedmvp import atomic
 from fedmvp.runs import RunDir, RunError, read_record
@@ -185,8 +186,9 @@ def region_update(region: str | Path, out: str | Path) -> RegionUpdate:
         raise RunError(f"{run.path}: {examples} examples since round {base}, more than the central run's [server] "
                        f"edge_max_examples ({link.edge_max_examples}): raise it in the central preset (a region's "
                        f"update weighs all its devices' examples) and start the region again")
-    losses = [(float((s.get("metrics") or {}).get("train_loss", math.nan)), round_examples(s)) for s in states]
-    losses = [(loss, n) for loss, n in losses if math.isfinite(loss) and n > 0]
+    losses = [((s.get("metrics") or {}).get("train_loss"), round_examples(s)) for s in states]
+    losses = [(float(loss), n) for loss, n in losses  # null: not measured (fedmvp_formats.strict_json)
+              if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss) and n > 0]
     if not losses:
         raise RunError(f"{run.path}: rounds {rounds[0]}-{last} record no finite train_loss")
     mean_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
@@ -197,6 +199,7 @@ def region_update(region: str | Path, out: str | Path) -> RegionUpdate:
     norm = math.sqrt(sum(float(np.sum((lora[k].astype(np.float64) - start[k]) ** 2)) for k in lora))
     metadata = {"bundle_id": link.checkpoint_sha256, "bundle_round": base, "num_examples": examples,
                 "mean_loss": mean_loss, "created": fmt.utc_now(), "promptformer_digest": link.promptformer_digest,
+                "base_digest": base_digest(link.promptformer_digest, start),  # central round R's state: its copy
                 **({"run_id": link.central_run_id} if link.central_run_id else {}),
                 **_classes_digest(run), "region_run_id": str(config.get("run_id") or ""),
                 "region_rounds": [rounds[0], last]}

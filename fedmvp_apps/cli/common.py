@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 import click
+
+from fedmvp_formats import strict_json
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the work ran and (part of) it failed
@@ -51,7 +52,7 @@ def site_folder_error(err: Exception) -> BadInput:
 
 
 def emit_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, default=str))
+    click.echo(strict_json.dumps(obj, indent=2, default=str))  # no NaN token: any JSON parser reads it
 
 
 def echo_run_table(result: dict, run_path: Any) -> None:

@@ -125,11 +125,15 @@ def named_site_node_config(preset: str, data: Path | None, name: str, eval_fract
     folder = data.resolve()
     try:
         if classes_from_server:
-            folder_check(folder, parsed.federation.eval_fraction if eval_fraction is None else eval_fraction)
+            copies = folder_check(folder, parsed.federation.eval_fraction if eval_fraction is None else eval_fraction)
         else:
-            load_federation(preset, SiteRequest(name=name, data=str(folder), eval_fraction=eval_fraction))
+            _, federation = load_federation(preset, SiteRequest(name=name, data=str(folder), eval_fraction=eval_fraction))
+            copies = federation.clients[0].duplicate_images
     except SiteFolderError as err:
         raise site_folder_error(err) from None
+    if copies:  # what the site reports is what it holds: an image counts once (fedmvp.data.site_folder)
+        click.echo(f"warning: {folder}: {copies} file{'s' * (copies != 1)} left out as byte-identical copies of "
+                   f"images counted once", err=True)
     parts = [f"{SITE_NAME}={name!r}", f"data={str(folder)!r}", f"preset={_preset_value(preset)!r}"]
     if eval_fraction is not None:
         parts.append(f"eval-fraction={float(eval_fraction)!r}")
@@ -151,13 +155,14 @@ def check_site_name(preset, name: str) -> None:
         raise BadInput(f"--name {name!r}: {name_problem(name)}")
 
 
-def folder_check(folder: Path, eval_fraction: float) -> None:
+def folder_check(folder: Path, eval_fraction: float) -> int:
     """A site folder checked before the run's class set is known: its layout, every class folder not empty,
-    every image decoding (`SiteFolderError`); its class names are matched to the run's with the first message."""
+    every image decoding (`SiteFolderError`); its class names are matched to the run's with the first message.
+    Returns the byte-identical copies left out."""
     from fedmvp.data.site_folder import read_site_folder
 
     split = (folder / "train").is_dir() and (folder / "test").is_dir()
     trees = [folder / "train", folder / "test"] if split else [folder]
     names = sorted({entry.name for tree in trees if tree.is_dir() for entry in os.scandir(tree)
                     if entry.is_dir() and not entry.name.startswith(".")})
-    read_site_folder(folder, names, [], eval_fraction)
+    return read_site_folder(folder, names, [], eval_fraction).duplicates

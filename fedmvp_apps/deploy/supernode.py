@@ -159,7 +159,8 @@ def await_preflight(executor: subprocess.Popen, stopper: Stopper, command: str) 
     """Read the executor's preflight answer (warnings before it go to stderr as they come). Return when
     it passed; else exit: 2 with its one line where it refused, the executor's code where it died, 0 on
     Ctrl-C or SIGTERM. Nothing has connected in any of these."""
-    from fedmvp_apps.deploy.warm_executor import PREFLIGHT_PASSED, PREFLIGHT_REFUSED
+    from fedmvp_apps.deploy.preflight import PASSED as PREFLIGHT_PASSED
+    from fedmvp_apps.deploy.preflight import REFUSED as PREFLIGHT_REFUSED
 
     answer: list[str] = []
 

@@ -38,16 +38,13 @@ from logging import INFO, WARNING
 from types import SimpleNamespace
 from typing import Any
 
+from fedmvp_apps.deploy.preflight import EXIT_REFUSED, PASSED, REFUSED
 from fedmvp_apps.deploy.warm_task import dropped, retry_invoker, run_one
 
 # The SuperExec auth (HMAC) guards AcquireTask: only the holder of the join's secret claims tasks.
 PROTECTED_METHODS = ("/flwr.proto.Runtime/AcquireTask",)
 POLL_SECONDS = 0.2  # between two AcquireTask calls while idle (Flower's SuperExec: 1 s)
 EXIT_FLOWER_CHANGED = 3
-EXIT_REFUSED = 2  # the preflight refused: the join's bad input, nothing connected
-# The preflight's answer on stdout, read by the join before it starts the SuperNode (supernode.py).
-PREFLIGHT_PASSED = "fedmvp-preflight: passed"
-PREFLIGHT_REFUSED = "fedmvp-preflight: refused: "
 
 
 class FlowerChanged(RuntimeError):
@@ -173,12 +170,12 @@ def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
 
 def run_preflight(module: str, argument: str) -> int:
     """``module.preflight(argument)`` (the refusal as one line, or None) before any task is claimed:
-    said on stdout as `PREFLIGHT_REFUSED` + the line (exit `EXIT_REFUSED`) or `PREFLIGHT_PASSED` (0)."""
+    said on stdout as `preflight.REFUSED` + the line (exit `EXIT_REFUSED`) or `preflight.PASSED` (0)."""
     refusal = importlib.import_module(module).preflight(argument)
     if refusal is not None:
-        print(PREFLIGHT_REFUSED + " ".join(str(refusal).split()), flush=True)
+        print(REFUSED + " ".join(str(refusal).split()), flush=True)
         return EXIT_REFUSED
-    print(PREFLIGHT_PASSED, flush=True)
+    print(PASSED, flush=True)
     return 0
 
 

@@ -21,7 +21,7 @@ from fedmvp.run_lock import run_lock
 from fedmvp.run_metrics import read_metrics
 from fedmvp.runs import RunDir
 from tests.concurrency.processes import finish, leftovers, one_error_line, reached, run, start, stderr_line
-from tests.federated.test_ingest import good_update, lora_of, round_promptformer
+from tests.federated.test_ingest import classes_of, good_update, lora_of, round_promptformer
 
 pytestmark = pytest.mark.processes  # starts real processes (see pyproject.toml markers)
 
@@ -34,8 +34,11 @@ def updates(world) -> tuple[Path, Path]:
     lora = lora_of(world / "runs" / "moved")
     folder = world / "updates"
     trained_over = round_promptformer(world / "runs" / "moved", 2)  # what ingest checks the update against
-    return (good_update(folder / "a.safetensors", lora, 0.1, 10, 1.0, run_id=None, promptformer=trained_over),
-            good_update(folder / "b.safetensors", lora, 0.2, 20, 2.0, run_id=None, promptformer=trained_over))
+    classes = classes_of(world / "runs" / "moved")  # the class set its labels index, as a bundle records it
+    return (good_update(folder / "a.safetensors", lora, 0.1, 10, 1.0, run_id=None, promptformer=trained_over,
+                        classes=classes),
+            good_update(folder / "b.safetensors", lora, 0.2, 20, 2.0, run_id=None, promptformer=trained_over,
+                        classes=classes))
 
 
 @pytest.fixture

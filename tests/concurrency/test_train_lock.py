@@ -21,7 +21,7 @@ from fedmvp.runs import RunDir
 from tests.concurrency.processes import finish, holder, leftovers, one_error_line, reached, run, start, stderr_line
 from tests.concurrency.test_run_lock import SAVE, ingested
 from tests.edge_client.edge_helpers import tree_bytes
-from tests.federated.test_ingest import good_update, lora_of, round_promptformer
+from tests.federated.test_ingest import classes_of, good_update, lora_of, round_promptformer
 
 
 
@@ -55,7 +55,8 @@ def test_a_live_training_holds_the_run_and_a_killed_one_is_taken_over(preset, tm
     pid = reached(gate_a, a)
     assert holder(run_dir)["pid"] == pid and holder(run_dir)["command"] == "fedmvp train"
     update = good_update(tmp_path / "updates" / "a.safetensors", lora_of(run_dir, 1), 0.1, 10, 1.0,
-                         round_number=1, run_id=None, promptformer=round_promptformer(run_dir, 1))
+                         round_number=1, run_id=None, promptformer=round_promptformer(run_dir, 1),
+                         classes=classes_of(run_dir))
     before = tree_bytes(run_dir)
     refused = run(["fedmvp", "ingest", "--run", str(run_dir), str(update)], tmp_path)
     one_error_line(refused, busy(run_dir, pid), "(fedmvp train)", "nothing was written", "--wait")

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 def main(files: int = 200, repeats: int = 3) -> dict:
     from fedmvp.federated.ingest import ingest
@@ -30,8 +32,12 @@ def main(files: int = 200, repeats: int = 3) -> dict:
         configure(root / "base", {})
         lora, digest = lora_of(root / "base"), round_promptformer(root / "base", 2)
         (root / "files").mkdir()
-        paths = [good_update(root / "files" / f"u{i}.st", lora, 1e-3 * (i + 1), 10, 1.0, promptformer=digest,
-                             run_id=RUN_ID) for i in range(files)]
+        rng = np.random.default_rng(0)  # each file its own training: a direction of its own, not a scaled copy
+        paths = []
+        for i in range(files):
+            tensors = {k: (v + rng.normal(scale=1e-2, size=v.shape)).astype(np.float32) for k, v in lora.items()}
+            paths.append(good_update(root / "files" / f"u{i}.st", lora, 0.0, 10, 1.0, promptformer=digest,
+                                     run_id=RUN_ID, moved=tensors))
         walls = []
         for repeat in range(repeats):
             run = root / f"run{repeat}"

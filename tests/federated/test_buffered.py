@@ -18,8 +18,10 @@ import subprocess
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from fedmvp_formats.promptformer import state_base_digest
 from tests.federated.processes import ENV, FEDMVP, Processes
 from tests.federated.test_edge_join import local_folder, prepare_run, states, update_files
 
@@ -108,6 +110,12 @@ def test_buffered_versions_fast_devices_never_wait_stale_replies_are_discounted(
     assert sum(by_examples[r["examples"]] == "b" for v in versions if v > killed_after
                for r in versions[v]["replies"]) <= 1
     # The weights themselves: each version from the previous one and the devices' update files.
+    # Every record parses with a strict parser: a version's train_ce, measured by no device, is null, not NaN.
+    from fedmvp_formats.strict_json import loads
+
+    for record in [*run.glob("round-*/state.json"), run / "config.json"]:
+        loads(record.read_text())
+    assert all(loads(line)["train_ce"] is None for line in (run / "metrics.jsonl").read_text().splitlines())
     files = {name: update_files(tmp_path / f"device-{name}" / "updates") for name in "abc"}
     used = {name: 0 for name in "abc"}
     lora = {v: {k: t for k, t in load_file(str(run / f"round-{v:04d}" / "global.safetensors")).items()
@@ -117,8 +125,15 @@ def test_buffered_versions_fast_devices_never_wait_stale_replies_are_discounted(
         step = {k: np.zeros(t.shape, np.float64) for k, t in lora[number - 1].items()}
         for reply in replies:
             name = by_examples[reply["examples"]]
-            update = load_file(str(files[name][used[name]]))
+            path = files[name][used[name]]
+            update = load_file(str(path))
             used[name] += 1
+            # the kept file names the version it was trained from, by number and by state (fedmvp ingest takes it)
+            with safe_open(str(path), "np") as handle:
+                meta = handle.metadata()
+            assert int(meta["bundle_round"]) == reply["base"] and f"update-r{reply['base']:04d}-" in path.name
+            assert meta["base_digest"] == state_base_digest(load_file(str(run / f"round-{reply['base']:04d}" /
+                                                                          "global.safetensors")))
             for key in step:
                 step[key] += reply["weight"] * (update[key].astype(np.float64) - lora[reply["base"]][key])
         for key, value in step.items():

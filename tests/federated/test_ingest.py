@@ -25,7 +25,8 @@ from fedmvp.runs import RunDir, RunError
 RUN_ID = "a" * 32
 SERVER = {"max_staleness": 0, "edge_max_examples": 100}  # round 1 bundles are stale; 101 examples too many
 RECORD_KEYS = {"file", "sha256", "accepted", "reason", "num_examples", "bundle_round", "bundle_id", "mean_loss",
-               "clipped_from", "staleness", "s", "weight", "images_digest"}
+               "clipped_from", "staleness", "s", "weight", "images_digest", "base_digest", "created",
+               "content_digest", "sketch", "step_norm"}
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +36,34 @@ def base_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ingest-run")
     write_run(root / "run", root / "preset.toml", "", "ingesttest")
     PROMPTFORMERS.update({r: round_promptformer(root / "run", r) for r in RunDir(root / "run").rounds()})
+    STATES.update({r: round_state(root / "run", r) for r in RunDir(root / "run").rounds()})
     from fedmvp.attributes.sentences import SentenceStyle
-    from fedmvp.run_classes import RunClass, write_classes
+    from fedmvp.run_classes import RunClass, class_set, write_classes
 
-    write_classes(root / "run", [RunClass("x", ("a photo",), SentenceStyle(prefix="", suffix=""))])  # its class set
+    classes = [RunClass("x", ("a photo",), SentenceStyle(prefix="", suffix=""))]
+    write_classes(root / "run", classes)  # its class set
+    CLASSES.append(class_set(classes).digest)
     return root / "run"
 
 
 PROMPTFORMERS: dict[int, str] = {}  # round -> the digest of its PromptFormer (what a bundle of it holds)
+STATES: dict[int, str] = {}  # round -> its base digest (PromptFormer and LoRA: what a bundle of it records)
+CLASSES: list[str] = []  # the run's class-set digest (what a bundle of it records)
+
+
+def classes_of(run: Path) -> str | None:
+    """The run's class-set digest (what a bundle of it records; None: the run records no class set)."""
+    from fedmvp.run_classes import class_set
+
+    recorded = RunDir(run).class_set()
+    return class_set(recorded).digest if recorded else None
+
+
+def round_state(run: Path, round_number: int) -> str:
+    from fedmvp.federated.wire import to_numpy_state
+    from fedmvp_formats.promptformer import state_base_digest
+
+    return state_base_digest(to_numpy_state(dict(RunDir(run).load_checkpoint(round_number).tensors)))
 
 
 def round_promptformer(run: Path, round_number: int) -> str:
@@ -76,14 +97,21 @@ def lora_of(run: Path, round_number: int = 2) -> dict[str, np.ndarray]:
 
 
 def bundle_for(folder: Path, lora: dict[str, np.ndarray], round_number: int = 2, run_id: str | None = RUN_ID,
-               promptformer: str | None = None, classes: str | None = None):
-    """An edge_client Bundle as `write_update` reads it: manifest.json with the source round, run_id, LoRA shapes,
-    the PromptFormer it holds (default: the run's round's) and, given one, its class-set digest."""
+               promptformer: str | None = None, classes: str | None = None, base: str | None = None):
+    """An edge_client Bundle as `write_update` reads it: manifest.json with the source round, its state (default:
+    the round's PromptFormer with ``lora``, the LoRA the bundle holds), run_id, LoRA shapes, the PromptFormer it
+    holds (default: the run's round's) and its class-set digest (default: the run's)."""
     from edge_client.bundle import Bundle
     from fedmvp_formats.bundle_manifest import write_manifest
 
     folder.mkdir(parents=True, exist_ok=True)
-    manifest = {"source": {"round": round_number, **({"run_id": run_id} if run_id else {})},
+    classes = classes or (CLASSES[0] if CLASSES else None)
+    if base is None:  # the state of a bundle of that round: its PromptFormer and ``lora``, the LoRA it holds
+        from fedmvp_formats.promptformer import base_digest
+
+        base = base_digest(promptformer or PROMPTFORMERS.get(round_number, "0" * 64), lora)
+    manifest = {"source": {"round": round_number, "base_digest": base,
+                           **({"run_id": run_id} if run_id else {})},
                 "lora": {"tensors": {k: list(v.shape) for k, v in lora.items()}},
                 "promptformer": {"digest": promptformer or PROMPTFORMERS.get(round_number, "0" * 64)},
                 "classes": {"names": ["x"], **({"digest": classes} if classes else {})}}
@@ -93,11 +121,15 @@ def bundle_for(folder: Path, lora: dict[str, np.ndarray], round_number: int = 2,
 
 def good_update(path: Path, lora: dict[str, np.ndarray], shift: float, examples: int, loss: float,
                 round_number: int = 2, run_id: str | None = RUN_ID, promptformer: str | None = None,
-                classes: str | None = None, **extra) -> Path:
+                classes: str | None = None, base: str | None = None, moved: dict[str, np.ndarray] | None = None,
+                **extra) -> Path:
+    """An update file of a bundle holding ``lora``: its values ``moved``, else ``lora`` shifted by ``shift`` times
+    the tensor's place (1, 2, ...)."""
     from edge_client.update import write_update
 
-    bundle = bundle_for(path.parent / f"bundle-{path.stem}", lora, round_number, run_id, promptformer, classes)
-    tensors = {k: v + shift * (i + 1) for i, (k, v) in enumerate(sorted(lora.items()))}
+    bundle = bundle_for(path.parent / f"bundle-{path.stem}", lora, round_number, run_id, promptformer, classes, base)
+    tensors = moved if moved is not None else \
+        {k: v + shift * (i + 1) for i, (k, v) in enumerate(sorted(lora.items()))}
     return write_update(path, tensors, bundle=bundle, num_examples=examples, mean_loss=loss, **extra)
 
 

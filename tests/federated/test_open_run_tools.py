@@ -229,13 +229,13 @@ def test_an_edge_update_is_ingested_into_an_open_run(run, tmp_path):
     """A device's update file (the device's writer, on a bundle of round 2 of this run) becomes round 3:
     its LoRA, the rest round 2's; the file recorded, no site claimed to have trained it, the sites' ids kept."""
     from fedmvp.runs import RunDir
-    from tests.federated.test_ingest import good_update, lora_of, round_promptformer
+    from tests.federated.test_ingest import classes_of, good_update, lora_of, round_promptformer
 
     before = lora_of(run, 2)
     run_id = RunDir(run).read_config()["run_id"]
     sites_json = (run / "sites.json").read_text()
     update = good_update(tmp_path / "device.safetensors", before, 0.01, 9, 1.25, round_number=2, run_id=run_id,
-                         promptformer=round_promptformer(run, 2))
+                         promptformer=round_promptformer(run, 2), classes=classes_of(run))
     result = cli(ingest, "--run", run, update, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["round"] == 3

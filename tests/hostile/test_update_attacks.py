@@ -28,7 +28,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from disk import run, tree_digest  # noqa: E402
 from tests.federated.test_ingest import (PROMPTFORMERS, RUN_ID, SERVER, bundle_for, configure,  # noqa: E402
-                                         lora_of, round_promptformer)
+                                         lora_of, round_promptformer, round_state)
 
 META = {"format": "fedmvp-edge-update", "format_version": "1", "bundle_id": "0" * 64, "bundle_round": "2",
         "num_examples": "10", "mean_loss": "1.0", "created": "2025-01-01T00:00:00Z", "run_id": RUN_ID}
@@ -182,6 +182,22 @@ ATTACKS = [
            "promptformer_digest"),
     Attack("another-class-set", lambda lora: update(lora, classes_digest="c" * 64), "trained on another class set",
            None),
+    Attack("no-class-set", lambda lora: update(lora, classes_digest=None), "names no class set (classes_digest)", None),
+    # the state it started from, on content (a round number is only a claim): none, another run's or round's
+    Attack("no-base", lambda lora: update(lora, base_digest=None), "names no base state (base_digest", None),
+    Attack("foreign-base", lambda lora: update(lora, base_digest="e" * 64),
+           "is the state of none of this run's rounds 2-2", None),
+    Attack("ansi-in-base", lambda lora: update(lora, base_digest=ANSI), "is not a sha256", "base_digest"),
+    # finite is not enough: what a sender reports is bounded (an example-weighted mean of 1e308 is not finite)
+    Attack("mean-loss-1e308", lambda lora: update(lora, mean_loss="1e308"), "mean_loss '1e308' is not within 0 to 1e+06",
+           "mean_loss"),
+    Attack("negative-loss", lambda lora: update(lora, mean_loss="-1.0"), "is not within 0 to", "mean_loss"),
+    Attack("final-loss-1e300", lambda lora: update(lora, final_loss="1e300"), "final_loss", "final_loss"),
+    Attack("lora-value-3e38", lambda lora: update({k: (v + (3e38 if i == 0 else 0)).astype(np.float32)
+                                                   for i, (k, v) in enumerate(sorted(lora.items()))}),
+           "a value of 3e+38, beyond the 10000 no trained weight reaches", "beyond the 10000"),
+    Attack("train-seconds-infinite", lambda lora: update(lora, train_seconds="inf"), "train_seconds 'inf' is not within",
+           "train_seconds"),
     Attack("created-in-the-future", lambda lora: update(lora, created="2999-01-01T00:00:00Z"), "", "", accepted=True),
 ]
 
@@ -196,10 +212,13 @@ def root(tmp_path_factory) -> Path:
     configure(root / "run", SERVER)
     PROMPTFORMERS.update({r: round_promptformer(root / "run", r) for r in (1, 2)})
     META["promptformer_digest"] = PROMPTFORMERS[2]  # what a good update of round 2 names
+    META["base_digest"] = round_state(root / "run", 2)  # and the state it started from
     from fedmvp.attributes.sentences import SentenceStyle
-    from fedmvp.run_classes import RunClass, write_classes
+    from fedmvp.run_classes import RunClass, class_set, write_classes
 
-    write_classes(root / "run", [RunClass("x", ("a photo",), SentenceStyle(prefix="", suffix=""))])
+    classes = [RunClass("x", ("a photo",), SentenceStyle(prefix="", suffix=""))]
+    write_classes(root / "run", classes)
+    META["classes_digest"] = class_set(classes).digest
     return root
 
 
