@@ -117,9 +117,9 @@ def test_site_folder_problems_are_each_one_line_naming_the_path(tmp_path, case, 
 
 
 def test_split_is_stable_by_name_and_new_classes_are_evaluated_only(tmp_path):
-    for i in range(10):
+    for i in range(10):  # distinct pictures: byte-identical files count once (site_folder)
         png(tmp_path / "one" / f"{i}.png", i)
-        png(tmp_path / "seven" / f"{i}.png", i)
+        png(tmp_path / "seven" / f"{i}.png", 100 + i)
     first = read_site_folder(tmp_path, CLASSES, ["seven"], 0.2)
     again = read_site_folder(tmp_path, CLASSES, ["seven"], 0.2)
     assert first.train == again.train and first.test == again.test
@@ -131,7 +131,7 @@ def test_split_is_stable_by_name_and_new_classes_are_evaluated_only(tmp_path):
 
 def test_train_and_test_folders_are_used_when_both_exist(tmp_path):
     png(tmp_path / "train" / "one" / "a.png")
-    png(tmp_path / "test" / "one" / "b.png")
+    png(tmp_path / "test" / "one" / "b.png", 1)
     site = read_site_folder(tmp_path, CLASSES, [], 0.2)
     assert [Path(p).name for p, _ in site.train] == ["a.png"] and [Path(p).name for p, _ in site.test] == ["b.png"]
 
