@@ -58,7 +58,7 @@ class Update:
     tensors it started from (``base``; None: the state it is applied to, i.e. fresh)."""
 
     arrays: dict[str, np.ndarray]
-    examples: int
+    examples: float  # its weight: the examples it counts, capped by the round (count_cap.py)
     staleness: int = 0
     base: dict[str, np.ndarray] | None = None
 

@@ -60,8 +60,8 @@ MAX_REASON = 300  # a rejection reason is one line of at most this many characte
 
 
 # The server rules an ingest applies (fedmvp/presets/server.py), recorded with the round it writes.
-INGEST_RULES = ("max_staleness", "edge_max_examples", "max_update_norm", "update_norm_action", "staleness_exponent",
-                "server_lr")
+INGEST_RULES = ("max_staleness", "edge_max_examples", "count_cap", "max_update_norm", "update_norm_action",
+                "staleness_exponent", "server_lr")
 INGEST_SAMPLING_RATE = 1.0  # the server samples no sender of an update file: no amplification is claimed
 
 

@@ -27,6 +27,7 @@ from fedmvp.federated.aggregate import Aggregate, Update
 from fedmvp.federated.privacy_budget import BudgetExceeded, Event, charge
 from fedmvp.federated.private_rounds import Draw, release
 from fedmvp.federated.robust_rules import privacy_problem
+from fedmvp.federated.count_cap import cap_counts
 from fedmvp.federated.update_rules import DEFAULT_RULE, takes_server, update_rule
 from fedmvp.presets.server import ServerSpec
 
@@ -130,6 +131,7 @@ class RoundWriter:
         if problem is not None:
             raise fail(problem)
         self.rule_options = {"server": self.server} if takes_server(self.rule) else {}
+        self.count_cap: dict[str, Any] | None = None  # the last ``apply``'s cap on example counts (count_cap.py)
 
     def charge(self, rate: float, round_number: int) -> dict[str, Any] | None:
         """The round's privacy record at sampling rate ``rate`` (None: no [privacy]); past max_epsilon the
@@ -157,6 +159,7 @@ class RoundWriter:
         problem = privacy_problem(self.server.update_rule, self.privacy)  # privacy set after construction
         if problem is not None:
             raise self.fail(problem)
+        updates, self.count_cap = cap_counts(updates, self.server.count_cap, senders)  # recorded by ``save``
         step = self.rule(theta, updates, server_lr=self.server.server_lr, exponent=self.server.staleness_exponent,
                          privacy=self.privacy, **self.rule_options)
         bad = next((k for k, v in step.tensors.items() if not np.all(np.isfinite(v))), None)
@@ -190,7 +193,10 @@ class RoundWriter:
         from fedmvp.run_metrics import append_metrics, plot
 
         tensors = {k: to_torch_state({k: v})[k] if isinstance(v, np.ndarray) else v for k, v in state.items()}
-        self.run.save_checkpoint(record.round, tensors, record.to_json(), replace=replace)
+        recorded = record.to_json()
+        if self.count_cap is not None and self.count_cap["capped"]:  # the cap, where it changed a weight
+            recorded["count_cap"] = self.count_cap
+        self.run.save_checkpoint(record.round, tensors, recorded, replace=replace)
         append_metrics(self.run, record.metrics)
         if "hm" in record.metrics:
             plot(self.run)

@@ -49,6 +49,9 @@ class ServerSpec(Record):
     site_max_examples: int = record_field(10000, "most images a [federation] site's reply may count when the server "
                                                "cannot bound its training set (shots unset: the site's own folder, "
                                                "which the server never sees)", Bound(1))
+    count_cap: float = record_field(3.0, "an update's example count weighs at most this times the median count of "
+                                         "the round's updates, whatever it claims (0: no cap; "
+                                         "fedmvp/federated/count_cap.py)", Bound(0, finite=True, shows=str))
     max_staleness: int = record_field(5, "`fedmvp ingest`: rounds an update's bundle may be behind the run's "
                                        "last round (0: only updates of bundles exported from that round); "
                                        "mode = 'buffered': versions a reply's base may be behind", Bound(0))

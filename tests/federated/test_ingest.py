@@ -218,7 +218,8 @@ def test_only_the_good_updates_are_averaged_into_the_next_round(run, tmp_path):
     assert set(before.state) - {"complete", "round"} <= set(state)
     assert state["method"] == before.state["method"] and state["lora_clients"] == before.state["lora_clients"]
     assert state["source"] == "ingest" and state["ingested_onto"] == 2
-    assert state["ingest_rules"] == {"max_staleness": 0, "edge_max_examples": 100, "max_update_norm": None,
+    assert state["ingest_rules"] == {"max_staleness": 0, "edge_max_examples": 100, "count_cap": 3.0,
+                                     "max_update_norm": None,
                                      "update_norm_action": "reject", "staleness_exponent": 0.5, "server_lr": 1.0}
     assert [r["file"] for r in state["ingest"]] == [str(f) for f in files]
     assert all(set(r) == RECORD_KEYS for r in state["ingest"])
