@@ -24,12 +24,15 @@ class BaseLoras:
 
     def __init__(self, run: RunDir, last: int, lora: dict[str, np.ndarray], tensors: dict[str, Any] | None = None):
         self.run, self.loaded, self.digests = run, {last: lora}, {}
+        self.states: dict[int, str] = {}  # round -> its base digest, hashed once per ingest, not once per file
         if tensors is not None:
             self.digests[last] = promptformer_digest(to_numpy_state(_promptformer(tensors)))
 
     def state(self, round_number: int) -> str:
         """Round ``round_number``'s base digest (its PromptFormer and LoRA): what an update of it names."""
-        return base_digest(self.promptformer(round_number), self(round_number))
+        if round_number not in self.states:
+            self.states[round_number] = base_digest(self.promptformer(round_number), self(round_number))
+        return self.states[round_number]
 
     def find(self, digest: str, rounds: range) -> int | None:
         """The newest of ``rounds`` the run holds whose state is ``digest``, or None."""
