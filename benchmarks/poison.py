@@ -6,7 +6,9 @@ The demo's edge task as ``benchmarks/privacy.py`` runs it (its helpers: the trai
 exported bundle once (``edge_client.train.train_local``, the demo's recipe: what `edge-client train`
 runs), and the update files are ingested (``fedmvp.federated.ingest.ingest``, what `fedmvp ingest` runs).
 Devices 0 .. m-1 are malicious, m = 1 and 2 of 10, with the attacks of ``benchmarks.poison_attacks``:
-a backdoor trained into the attacker's LoRA, its honest delta scaled, its honest delta negated.
+a backdoor trained into the attacker's LoRA, its honest delta scaled, its honest delta negated, the backdoor
+boosted, the backdoor claiming the most examples the run accepts; then the boosted backdoor's file, once taken,
+replayed into the next round three ways (``replay_round``).
 
 Devices train once per attack; each update rule of the registry present at run time
 (``fedmvp.federated.update_rules.UPDATE_RULES``) then aggregates the same files, on its own copy of the
@@ -40,6 +42,8 @@ SHOTS = 8  # local images per new class, as `fedmvp demo`
 # A rule's knobs in the benchmark (only those this fedmvp's [server] record knows are set): Multi-Krum is
 # told the largest number of attackers the benchmark runs; the trimmed mean trims that share of 10.
 RULE_KNOBS = {"multi_krum": {"assumed_malicious": 2}, "trimmed_mean": {"trim_fraction": 0.2}}
+UNCAPPED = "fedavg_uncapped"  # FedAvg with no cap on claimed example counts: the claimed-count attack's no-defence row
+CLAIMED = "backdoor_claimed"
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class Plan:
 
 PLANS = {"full": Plan(devices=10, malicious=(1, 2), epochs=10, attacker_epochs=20, scale=20.0),
          "quick": Plan(devices=5, malicious=(1,), epochs=2, attacker_epochs=10, scale=20.0)}
-BACKDOORS = ("none", "backdoor", "backdoor_boosted")  # the settings whose triggered images are judged
+BACKDOORS = ("none", "backdoor", "backdoor_boosted", CLAIMED)  # the settings whose triggered images are judged
 ATTACKER_LR = 0.1  # `edge-client train --lr 0.1`: at the demo's 0.01 the LoRA does not learn the trigger
 
 
@@ -67,13 +71,24 @@ def rule_names() -> list[str]:
 
 
 def rule_record(name: str, plan: Plan) -> dict[str, Any]:
-    """``[server]`` keys that select rule ``name`` with the benchmark's knobs (those the record knows)."""
+    """``[server]`` keys that select rule ``name`` for the devices' round with the benchmark's knobs (those
+    the record knows); ``UNCAPPED``: FedAvg with ``count_cap`` 0."""
     from fedmvp.presets.server import ServerSpec
 
+    if name == UNCAPPED:
+        return {"update_rule": "fedavg", "device_rule": "fedavg", "count_cap": 0}
     knobs = dict(RULE_KNOBS.get(name, {}))
     if "assumed_malicious" in knobs:
         knobs["assumed_malicious"] = max(plan.malicious)
-    return {"update_rule": name, **{k: v for k, v in knobs.items() if k in ServerSpec.keys()}}
+    return {"update_rule": name, "device_rule": name, **{k: v for k, v in knobs.items() if k in ServerSpec.keys()}}
+
+
+def default_device_rule() -> str:
+    """The rule an ingested round of devices goes through when the run sets none (docs/howto/robust.md)."""
+    from fedmvp.federated.update_rules import device_rule_name
+    from fedmvp.presets.server import ServerSpec
+
+    return device_rule_name(ServerSpec(), None)
 
 
 # ---- the devices' update files ---------------------------------------------------------------------------
@@ -87,7 +102,8 @@ def train(data: Path, bundle: Path, out: Path, epochs: int, seed: int, **recipe:
                        seed=seed, privacy=None, **{**EDGE_TRAIN, "epochs": epochs, **recipe})
 
 
-def update_files(work: Path, devices: list[Path], bundle: Path, target: str, plan: Plan) -> dict[str, Any]:
+def update_files(work: Path, devices: list[Path], bundle: Path, target: str, plan: Plan,
+                 claimed: int) -> dict[str, Any]:
     """Every device's honest update, and the attackers' files of each attack (devices 0 .. max m - 1)."""
     from edge_client.bundle import read_bundle
 
@@ -112,6 +128,9 @@ def update_files(work: Path, devices: list[Path], bundle: Path, target: str, pla
         crafted_update(work / "updates" / f"attacker-backdoor_boosted-{k:02d}.safetensors", opened, start,
                        trained.tensors, float(plan.devices), trained.num_examples, trained.mean_loss)
         for k, trained in zip(attackers, attacks["backdoor"])]
+    attacks[CLAIMED] = [  # the trained backdoor as it is, claiming ``claimed`` examples (edge_max_examples)
+        crafted_update(work / "updates" / f"attacker-{CLAIMED}-{k:02d}.safetensors", opened, start, trained.tensors,
+                       1.0, claimed, trained.mean_loss) for k, trained in zip(attackers, attacks["backdoor"])]
     return {"start": start, "honest": honest, "attacks": attacks}
 
 
@@ -151,6 +170,31 @@ def aggregate(source: Path, dest: Path, server: dict[str, Any], files: list[Path
             "weights": {Path(v.file).name: v.weight for v in fed.accepted}}
 
 
+def replay_round(work: Path, judge: Any, made: dict[str, Any], rule: str) -> dict[str, Any]:
+    """The boosted backdoor's file, taken into round R+1 of the run where ``rule`` aggregated it with one
+    attacker, replayed three ways into round R+2 (``poison_attacks.replays``): which were accepted, why the
+    others were refused, and the backdoor's success on the LoRA written after (where one was)."""
+    from benchmarks.poison_attacks import replays
+    from benchmarks.privacy import round_tensors
+    from fedmvp.federated.ingest import ingest
+    from fedmvp.runs import RunDir
+    from fedmvp_formats.names import LORA_PREFIX
+
+    run = RunDir(work / f"run-backdoor_boosted-1-{rule}")
+    taken = run.last_round()
+    files = replays(made["attacks"]["backdoor_boosted"][0], work / "replays", taken, round_tensors(run, taken))
+    fed = ingest(run, list(files.values()))
+    accepted = {Path(v.file).name for v in fed.accepted}
+    out = {"rule": rule, "into_round": taken + 1, "offered": len(files),
+           "accepted": [name for name, path in files.items() if path.name in accepted],
+           "refused": {name: next(v.reason for v in fed.rejected if v.file == str(path))
+                       for name, path in files.items() if path.name not in accepted}}
+    if fed.round is not None:
+        lora = {k: v for k, v in round_tensors(run, fed.round).items() if k.startswith(LORA_PREFIX)}
+        out["success_after"] = judge.success(lora)
+    return out
+
+
 def screened_attackers(screened: list[dict[str, Any]]) -> int:
     """How many screened entries name an attacker's file (its name holds ``attacker``)."""
     return sum(1 for entry in screened if "attacker" in " ".join(str(v) for v in entry.values()))
@@ -181,7 +225,8 @@ def run(options: Options) -> Section:
         bundle = export_bundle(base.path, out=work / "bundle", options=ExportOptions(parity_images=32)).path
         judge = Judge(bundle, held_out, triggered_held_out(held_out, work / "triggered", target), target)
         devices = deal(local, work / "devices", plan.devices)
-        made = update_files(work, devices, bundle, target, plan)
+        claimed = base.server().edge_max_examples  # the most examples an update file may claim in the run
+        made = update_files(work, devices, bundle, target, plan, claimed)
         start, honest, backdoor = made["start"], made["honest"][0], made["attacks"]["backdoor"][0]
         before = judge.clean(start)  # the exported bundle's own LoRA: what the round starts from
         attacker = {"honest_target_rate": judge.success(honest.tensors),
@@ -198,7 +243,7 @@ def run(options: Options) -> Section:
               f"(honest {attacker['honest_target_rate']:.3f})", file=sys.stderr, flush=True)
         results = {}
         for (attack, m), files in settings(made, plan).items():
-            for rule in rules:
+            for rule in rules + ([UNCAPPED] if attack == CLAIMED else []):
                 found = aggregate(source, work / f"run-{attack}-{m}-{rule}", rule_record(rule, plan), files)
                 if "lora" in found:
                     lora = found.pop("lora")
@@ -206,13 +251,16 @@ def run(options: Options) -> Section:
                     found["success"] = judge.success(lora) if attack in BACKDOORS else None
                 results[(attack, m, rule)] = found
             print(f"[poison] {attack} {m}/{plan.devices} done", file=sys.stderr, flush=True)
+        replayed = replay_round(work, judge, made, default_device_rule())
         start_round = trained_round(base)
     section = Section("poison", config={
         "run": str(source), "run_origin": origin, "start_round": start_round, "devices": plan.devices,
         "malicious": list(plan.malicious), "epochs": plan.epochs, "attacker_epochs": plan.attacker_epochs,
         "attacker_lr": ATTACKER_LR, "scale_factor": plan.scale, "target_class": target,
         "rules": rules, "rule_settings": {r: rule_record(r, plan) for r in rules}, "attacker_local": attacker,
-        "new_classes": len(classes), "hm": "not applicable: the edge task's held-out images are new classes only"})
+        "new_classes": len(classes), "hm": "not applicable: the edge task's held-out images are new classes only",
+        "default_device_rule": default_device_rule(), "claimed_examples": claimed,
+        "replays": replayed})
     section.ratios["clean_acc_before_training"] = before
     fill(section, results, rules, plan)
     section.seconds = round(time.perf_counter() - began, 1)
@@ -250,7 +298,7 @@ def fill(section: Section, results: dict[tuple[str, int, str], dict], rules: lis
                     key=lambda r: (one[r]["success"], -(one[r].get("clean") or 0.0)))
     best = ranked[0] if ranked else None
     section.config["best_rule"] = best
-    default = ServerSpec().update_rule
+    default = section.config.get("default_device_rule") or ServerSpec().update_rule
     r = section.ratios
     r["backdoor_success_no_defence"] = one.get("fedavg", {}).get("success")
     r["backdoor_success_best_rule"] = None if best is None else one[best]["success"]
@@ -263,11 +311,23 @@ def fill(section: Section, results: dict[tuple[str, int, str], dict], rules: lis
     section.config["best_rule_boosted"] = hardest[0] if hardest else None
     r["boosted_backdoor_success_no_defence"] = boosted.get("fedavg", {}).get("success")
     r["boosted_backdoor_success_best_rule"] = boosted[hardest[0]]["success"] if hardest else None
+    r["boosted_backdoor_success_default_rule"] = boosted.get(default, {}).get("success")
+    r["backdoor_success_default_rule"] = one.get(default, {}).get("success")
+    claimed = {rule: results.get((CLAIMED, 1, rule), {}) for rule in [*rules, UNCAPPED]}
+    r["claimed_count_success_no_defence"] = claimed[UNCAPPED].get("success")  # fedavg, no count cap
+    r["claimed_count_success_fedavg_capped"] = claimed.get("fedavg", {}).get("success")
+    r["claimed_count_success_default_rule"] = claimed.get(default, {}).get("success")
+    replayed = section.config.get("replays") or {}
+    r["replays_accepted"] = len(replayed.get("accepted", [])) if replayed else None
     r["clean_acc_no_attack_fedavg"] = reference
     r["backdoor_success_no_attacker_fedavg"] = results.get(("none", 0, "fedavg"), {}).get("success")
     attacker = section.config["attacker_local"]
     r["attacker_local_backdoor_target_rate"] = attacker["backdoor_target_rate"]
     r["attacker_local_honest_target_rate"] = attacker["honest_target_rate"]
+    section.notes.append(f"the devices' default rule (no [server] key set): {default}; claimed count: the "
+                         f"backdoor claiming {section.config.get('claimed_examples')} examples; replays of the "
+                         f"boosted backdoor into the next round accepted: {r['replays_accepted']} of "
+                         f"{replayed.get('offered')}")
     section.notes.append(f"one round, {plan.devices} devices x {plan.epochs} local epochs; attackers are devices "
                          f"0 .. m-1; scaling x{plan.scale:g}, sign flipping x-1 of the attacker's honest delta; "
                          f"backdoor target {section.config['target_class']}; best rule (least backdoor success at 1 of "

@@ -11,6 +11,11 @@ file a malicious device could sync, and the two figures that judge an aggregate.
 - sign flipping: the honest delta negated, by the same writer.
 - boosted backdoor (model replacement): the backdoor's trained delta times the round's devices, by the same
   writer, so FedAvg's share of it is the whole backdoor.
+- claimed count: the backdoor's trained delta, unboosted, claiming the most examples the run accepts
+  (``[server] edge_max_examples``), so FedAvg would give it nearly all the weight of the round.
+- replay (``replays``): a file already taken into a round sent again into the next one, three ways: the
+  same bytes, its metadata written anew (another ``created``, ``images_digest`` and device), and re-based
+  (``bundle_round`` and ``base_digest`` naming the round it went into, so it would count as fresh there).
 
 Clean accuracy is top-1 on the held-out new-class images; attack success is the share of triggered
 held-out images of the other classes classified as the target.
@@ -27,7 +32,7 @@ import numpy as np
 TRIGGER_FRACTION = 0.4  # the trigger's side as a share of the shorter side (13 px on the demo's 32: at 8 px the
 # frozen image encoder barely sees it and the LoRA, in the PromptFormer only, does not learn it)
 CHECKER = 2  # checker cells of this many pixels: visible at 32 px, not a flat colour the model could ignore
-ATTACKS = ("backdoor", "scaling", "sign_flip", "backdoor_boosted")
+ATTACKS = ("backdoor", "scaling", "sign_flip", "backdoor_boosted", "backdoor_claimed")
 
 
 def add_trigger(source: Path, dest: Path) -> None:
@@ -67,6 +72,32 @@ def crafted_update(path: Path, bundle: Any, start: dict[str, np.ndarray], traine
 
     tensors = {k: (start[k] + factor * (trained[k] - start[k])).astype(np.float32) for k in start}
     return write_update(path, tensors, bundle=bundle, num_examples=num_examples, mean_loss=mean_loss)
+
+
+def replays(file: Path, dest: Path, next_round: int, next_state: dict[str, np.ndarray]) -> dict[str, Path]:
+    """``file`` (taken into round ``next_round``) made into three replays for the round after it: ``same``
+    (its bytes), ``metadata`` (new created, images digest and device id) and ``rebased`` (claims to start from
+    round ``next_round``, whose whole state ``next_state`` it names by digest). Written as an attacker could,
+    through the format's writer (``fedmvp_formats.update.update_bytes``: it passes every form check)."""
+    import hashlib
+    import secrets
+
+    from fedmvp_formats import update as fmt
+    from fedmvp_formats.promptformer import state_base_digest
+
+    dest.mkdir(parents=True, exist_ok=True)
+    data = file.read_bytes()
+    tensors, metadata = fmt.parse_update(data)
+    kept = {k: v for k, v in metadata.items() if k not in ("format", "format_version")}
+    fresh = {**kept, "created": "2030-01-01T00:00:00Z", "device_id": secrets.token_hex(16),
+             "images_digest": hashlib.sha256(secrets.token_bytes(16)).hexdigest()}
+    rebased = {**fresh, "bundle_round": next_round, "base_digest": state_base_digest(next_state)}
+    out = {"same": dest / "replay-same.safetensors"}
+    out["same"].write_bytes(data)
+    for name, meta in (("metadata", fresh), ("rebased", rebased)):
+        out[name] = dest / f"replay-{name}.safetensors"
+        out[name].write_bytes(fmt.update_bytes(tensors, meta))
+    return out
 
 
 def delta_norm(start: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> float:

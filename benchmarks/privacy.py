@@ -159,6 +159,7 @@ def protocol(run, bundle: Path, devices: list[Path], held_out: Path, plan: Plan,
     from fedmvp.federated.ingest import ingest
     from fedmvp.federated.privacy_budget import round_privacy
     from fedmvp_apps.cli.demo import EDGE_BATCH, EDGE_TRAIN
+    from fedmvp_formats.bundle_manifest import DEVICE_ID_FILE
     from fedmvp_formats.privacy import delta_norm
     from fedmvp_formats.promptformer import promptformer_digest
 
@@ -168,6 +169,9 @@ def protocol(run, bundle: Path, devices: list[Path], held_out: Path, plan: Plan,
         start = read_bundle(bundle).lora()
         files, norms = [], []
         for k, data in enumerate(devices):
+            # one bundle folder stands for every device here: device k's id is put in it before k trains, so
+            # each update names its own device (a private ingest takes one update per device: ingest_devices)
+            (Path(bundle) / DEVICE_ID_FILE).write_text(f"{k + 1:032x}\n")
             result = train_local(str(data), bundle, out=str(updates / f"round-{number}-device-{k:02d}.safetensors"),
                                  batch_size=EDGE_BATCH, start="bundle", apply=False, seed=seed + 1000 * number + k,
                                  privacy=privacy, **recipe)

@@ -225,7 +225,20 @@ def _keep(result: TrainResult, data: bytes, bundle: Bundle, o: TrainOptions, tar
             written = f"the update file {target} was written, " if target is not None else ""
             raise TrainingError(f"{state_dir(bundle)}: cannot apply the update ({err.strerror or err}); "
                                 f"{written}the device's LoRA is unchanged") from None
+    if target is not None or o.apply:
+        _keep_device_id(bundle)
     return result
+
+
+def _keep_device_id(bundle: Bundle) -> None:
+    """The device id the update names, kept in the bundle (``edge_client.device_id``) now that it is written."""
+    from edge_client.device_id import keep_device_id
+
+    try:
+        keep_device_id(bundle.path)
+    except OSError as err:
+        raise TrainingError(f"{bundle.path}: the update was written but the device's id could not be kept "
+                            f"({err.strerror or err}); the next update will name another id") from None
 
 
 def _torch() -> Any:

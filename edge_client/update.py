@@ -103,7 +103,7 @@ def update_bytes(tensors: Mapping[str, Any], *, bundle: Bundle, num_examples: in
     check_lora(arrays, bundle.lora_shapes, where, UpdateError)
     base = base or Base.of_bundle(bundle)
     metadata = {"bundle_id": bundle.id, "bundle_round": base.round, "num_examples": int(num_examples),
-                "mean_loss": float(mean_loss), "created": utc_now(),
+                "mean_loss": float(mean_loss), "created": utc_now(), "device_id": _device_id(bundle, where),
                 **({"base_digest": base.digest} if base.digest else {}),
                 **({"run_id": bundle.run_id} if bundle.run_id else {}),
                 **({"promptformer_digest": bundle.promptformer_digest} if bundle.promptformer_digest else {}),
@@ -114,12 +114,26 @@ def update_bytes(tensors: Mapping[str, Any], *, bundle: Bundle, num_examples: in
         raise UpdateError(f"{where}: {err}") from None
 
 
+def _device_id(bundle: Bundle, where: str | os.PathLike) -> str:
+    """The device's id (``edge_client.device_id``), as the update's error type."""
+    from edge_client.device_id import DeviceIdError, device_id
+
+    try:
+        return device_id(bundle.path)
+    except (DeviceIdError, OSError) as err:
+        raise UpdateError(f"{where}: {err}") from None
+
+
 def write_update(path: str | os.PathLike, tensors: Mapping[str, Any], *, bundle: Bundle, num_examples: int,
                  mean_loss: float, **extra: Any) -> Path:
     """Write an update file for ``bundle`` (`update_bytes`: checked against it) atomically."""
+    from edge_client.device_id import keep_device_id
+
     path = Path(path)
-    return write_bytes(path, update_bytes(tensors, bundle=bundle, num_examples=num_examples, mean_loss=mean_loss,
-                                          where=path, **extra))
+    written = write_bytes(path, update_bytes(tensors, bundle=bundle, num_examples=num_examples, mean_loss=mean_loss,
+                                             where=path, **extra))
+    keep_device_id(bundle.path)
+    return written
 
 
 def check_lora(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, list[int]], path: str | os.PathLike,

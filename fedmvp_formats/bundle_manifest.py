@@ -141,6 +141,7 @@ SECTION_HELP: dict[str, str] = {
 
 # What a device adds to a bundle directory, and a refresh's names (edge_client.refresh, edge_client.journal).
 PERSONALISED = "personalised"  # the device's own LoRAs (edge_client.lora_store)
+DEVICE_ID_FILE = "device-id"  # the device's random id, which its update files carry (edge_client.device_id)
 PREVIOUS = "previous"  # what the last refresh replaced, for `edge-client rollback --refresh`
 REFRESH_JOURNAL = "refresh.json"  # present only while a refresh or its rollback is under way
 JOURNAL_FORMAT = "fedmvp-edge-refresh-journal"

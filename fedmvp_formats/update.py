@@ -62,6 +62,9 @@ FIELDS: dict[str, str] = {  # metadata key: its meaning
     "device": "where it trained (``cpu``, ``cuda``)",
     "images_digest": "sha256 of the images it trained on (each image's class and decoded pixels, in no order): "
                      "two updates over the same images count their examples once (`fedmvp ingest`)",
+    "device_id": "the device that trained it: 32 hex digits, drawn at random once and kept in its bundle "
+                 "directory (``device-id``); under ``[privacy]`` `fedmvp ingest` takes one update per device per "
+                 "release and refuses an update without it (docs/howto/privacy.md)",
     "region_run_id": "a region's update (`fedmvp region-update`, docs/howto/regions.md): the regional run whose "
                      "rounds it sums; ``num_examples`` is then the examples of every device update of those rounds",
     "region_rounds": "a region's update: JSON ``[first, last]``, the regional rounds it sums",
@@ -76,6 +79,7 @@ MAX_HEADER_BYTES = 1 << 20  # names, shapes and metadata (a class list) are KBs
 MAX_UPDATE_BYTES = 64 << 20  # without a bundle or a round to size it by
 _INTEGER = re.compile(r"0|-?[1-9][0-9]{0,17}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+DEVICE_ID = re.compile(r"[0-9a-f]{32}")  # ``device_id``: 128 random bits, hex
 
 
 class UpdateFormatError(ValueError):
@@ -254,6 +258,8 @@ def check_metadata(raw: Mapping[str, str]) -> dict[str, Any]:
         raise UpdateFormatError(f"created {shown(raw['created'])} is not an ISO 8601 time") from None
     if "images_digest" in raw and not _SHA256.fullmatch(raw["images_digest"]):
         raise UpdateFormatError(f"images_digest {shown(raw['images_digest'], 80)} is not a sha256 hex digest")
+    if "device_id" in raw and not DEVICE_ID.fullmatch(raw["device_id"]):
+        raise UpdateFormatError(f"device_id {shown(raw['device_id'], 80)} is not 32 hex digits")
     if "classes" in raw:
         try:
             out["classes"] = json.loads(raw["classes"])

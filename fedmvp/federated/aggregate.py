@@ -102,6 +102,9 @@ def apply_updates(theta: Mapping[str, np.ndarray], updates: Sequence[Update], *,
     return out
 
 
+apply_updates.implements_central_dp = True  # type: ignore[attr-defined]  # update_rules.declares_central_dp
+
+
 def _weighted_steps(deltas: list[dict[str, np.ndarray]], updates: Sequence[Update], s: list[float],
                     exclude: set[str]) -> dict[str, np.ndarray]:
     """sum_i n_i s_i delta_i / sum_i n_i per tensor, over the updates that sent it."""

@@ -26,7 +26,8 @@ started from (``base_digest``: PromptFormer and LoRA) must be this run's round `
 its staleness is that of a round it really started from, and the class set its labels index
 (``classes_digest``, required) the run's (docs/security.md: an update trained over another run's
 weights). One training counts once, whatever its metadata says: equal or nearly equal tensors, or a
-region's rounds taken before, are duplicates (``ingest_duplicates``).
+region's rounds taken before, are duplicates (``ingest_duplicates``); under ``[privacy]`` a device (its
+``device_id``) is one participant of a release (``ingest_devices``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from fedmvp_formats.update import UpdateFormatError
 from fedmvp.federated import ingest_duplicates as dupes
 from fedmvp.federated.aggregate import Update
 from fedmvp.federated.ingest_bases import BaseLoras
+from fedmvp.federated.ingest_devices import one_per_device
 from fedmvp.federated.privacy_budget import run_events
 from fedmvp.federated.replies import ReplyRules, bound_update
 from fedmvp.federated.round_writer import RoundRecord, RoundWriter
@@ -60,8 +62,8 @@ MAX_REASON = 300  # a rejection reason is one line of at most this many characte
 
 
 # The server rules an ingest applies (fedmvp/presets/server.py), recorded with the round it writes.
-INGEST_RULES = ("max_staleness", "edge_max_examples", "count_cap", "max_update_norm", "update_norm_action",
-                "staleness_exponent", "server_lr")
+INGEST_RULES = ("max_staleness", "edge_max_examples", "count_cap", "max_update_norm", "max_update_rms", "update_norm_action",
+                "staleness_exponent", "server_lr", "device_rule")
 INGEST_SAMPLING_RATE = 1.0  # the server samples no sender of an update file: no amplification is claimed
 
 
@@ -95,6 +97,7 @@ class FileVerdict:
     images_digest: str | None = None  # the images it trained on (update file ``images_digest``)
     created: str = ""  # when the device wrote it: of two over the same images, the newer counts
     base_digest: str | None = None  # the state it names as its base, verified to be round bundle_round's
+    device_id: str | None = None  # the device that trained it (under [privacy]: one update per device a release)
     region: dict[str, Any] = field(default_factory=dict)  # a region's file: region_run_id, region_rounds
     content: dict[str, Any] = field(default_factory=dict)  # its training's identity (ingest_duplicates)
     arrays: dict[str, np.ndarray] | None = field(default=None, repr=False)
@@ -108,7 +111,8 @@ class FileVerdict:
                 "num_examples": self.num_examples, "bundle_round": self.bundle_round,
                 "bundle_id": self.bundle_id, "mean_loss": self.mean_loss, "clipped_from": self.clipped_from,
                 "staleness": self.staleness, "s": self.s, "weight": self.weight, "images_digest": self.images_digest,
-                "base_digest": self.base_digest, "created": self.created or None, **self.region,
+                "base_digest": self.base_digest, "device_id": self.device_id, "created": self.created or None,
+                **self.region,
                 **dict.fromkeys(dupes.RECORD_KEYS), **self.content}
 
     def identity(self) -> dict[str, Any]:
@@ -183,12 +187,14 @@ def _ingest_locked(run: RunDir, config: dict[str, Any], files: Sequence[str | Pa
             seen.setdefault(verdict.sha256, f"given earlier in this command ({verdict.file})")
         verdicts.append(verdict)
     count_images_once(verdicts)
+    privacy = run.privacy()
+    if privacy is not None:  # one participant per device (ingest_devices), before one training's copies are
+        one_per_device(verdicts, MAX_REASON)  # resolved: a copy under another id must not let an older file in
     count_trainings_once(verdicts)
     result = IngestResult(run=run.path, base_round=base, round=None, files=verdicts)
     accepted = sorted(result.accepted, key=lambda v: v.sha256 or "")  # argument order must not change the sums
     if not accepted:
         return result
-    privacy = run.privacy()
     writer = RoundWriter(run, rules.server, privacy, run_events(run) if privacy is not None else (),
                          fail=lambda line: RunError(f"{run.path}: {line}"))
     spent = writer.charge(INGEST_SAMPLING_RATE, base + 1)
@@ -278,7 +284,7 @@ def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen:
         verdict.bundle_id, verdict.bundle_round = metadata["bundle_id"], metadata["bundle_round"]
         verdict.num_examples, verdict.mean_loss = metadata["num_examples"], metadata["mean_loss"]
         verdict.images_digest, verdict.created = metadata.get("images_digest"), str(metadata["created"])
-        verdict.base_digest = metadata.get("base_digest")
+        verdict.base_digest, verdict.device_id = metadata.get("base_digest"), metadata.get("device_id")
         if metadata.get("region_run_id"):
             verdict.region = {"region_run_id": str(metadata["region_run_id"]),
                               "region_rounds": metadata.get("region_rounds")}
@@ -299,8 +305,7 @@ def check_file(path: Path, rules: ReplyRules, lora: dict[str, np.ndarray], seen:
         repeated = None if taken is None else taken.why_again(verdict.identity())
         if repeated is not None:
             raise _Rejected(repeated)
-        kept, reason, verdict.clipped_from = bound_update(arrays, base, rules.server.max_update_norm,
-                                                                rules.server.update_norm_action)
+        kept, reason, verdict.clipped_from = bound_update(arrays, base, rules.server)
         if reason is not None:
             raise _Rejected(reason)
         verdict.arrays = kept

@@ -51,15 +51,14 @@ def method_config(train: Any) -> FedMVPConfig:
 def check_startable(preset: Any, simulation: bool) -> None:
     """What a started run would otherwise find only once its directory is written (RunError naming the
     preset, exit 2 with nothing written): the CLIP round 0 builds, for the simulation its server mode, for a
-    deployment each site's node_key (fedmvp.federated.site_keys), and [server] update_rule a registered rule
+    deployment each site's node_key (fedmvp.federated.site_keys), and [server] update_rule and device_rule registered rules
     (update_rules.py; checked here, in the server's process, where rules from outside the package are registered)."""
     from fedmvp.clip import ClipLoadError, check_clip
-    from fedmvp.federated.update_rules import update_rule
+    from fedmvp.federated.update_rules import unknown_rule_problem
 
-    try:
-        update_rule(preset.server.update_rule)
-    except ValueError as err:
-        raise RunError(f"{preset.path}: {err}") from None
+    problem = unknown_rule_problem(preset.server)
+    if problem:
+        raise RunError(f"{preset.path}: {problem}")
 
     try:
         check_clip(preset.model.clip, preset.model.pretrained)

@@ -236,8 +236,7 @@ def check_reply(arrays: WireTensors | dict[str, np.ndarray], metrics: Any, *, ru
     if problem is not None:
         return Verdict(site, role=role, reason=problem)
     as_float32 = {k: np.asarray(arrays[k], dtype=np.float32) for k in sorted(arrays)}
-    kept, reason, clipped_from = bound_update(as_float32, global_state, rules.server.max_update_norm,
-                                               rules.server.update_norm_action)
+    kept, reason, clipped_from = bound_update(as_float32, global_state, rules.server)
     return Verdict(site, arrays=kept, reason=reason, clipped_from=clipped_from, role=role, identity=identity,
                    classes=classes)
 
@@ -253,18 +252,24 @@ def wire_arrays(wire: WireTensors, reference: dict[str, np.ndarray], wanted: set
         return str(err)
 
 
-def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], max_norm: float | None,
-                 action: str) -> tuple[dict[str, np.ndarray] | None, str | None, float | None]:
+def bound_update(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray], server: Any
+                 ) -> tuple[dict[str, np.ndarray] | None, str | None, float | None]:
     """The L2 bound on an update's distance to ``reference``: ``(arrays, None, None)`` within it,
-    ``(clipped, None, norm)`` clipped onto it, ``(None, reason, None)`` rejected (``action``)."""
-    if max_norm is None:
-        return arrays, None, None
+    ``(clipped, None, norm)`` clipped onto it, ``(None, reason, None)`` rejected (``update_norm_action``).
+    The bound is ``server.max_update_norm``; unset, ``max_update_rms`` times the square root of the values
+    the update sends, so no update is unbounded (docs/howto/robust.md, "Devices: a robust default")."""
     deltas = {k: arrays[k].astype(np.float64) - reference[k].astype(np.float64) for k in arrays}
     norm = math.sqrt(sum(float(np.sum(d * d)) for d in deltas.values()))
+    if server.max_update_norm is not None:
+        max_norm, named = float(server.max_update_norm), f"the bound {server.max_update_norm:g}"
+    else:
+        values = sum(d.size for d in deltas.values())
+        max_norm = float(server.max_update_rms) * math.sqrt(values)
+        named = f"the default bound {max_norm:.4g} (max_update_rms {server.max_update_rms:g} x sqrt({values} values))"
     if norm <= max_norm:
         return arrays, None, None
-    if action == "reject":
-        return None, f"update norm {norm:.4g} exceeds the bound {max_norm:g}", None
+    if server.update_norm_action == "reject":
+        return None, f"update norm {norm:.4g} exceeds {named}", None
     scale = max_norm / norm
     clipped = {k: (reference[k].astype(np.float64) + deltas[k] * scale).astype(np.float32) for k in arrays}
     return clipped, None, norm

@@ -16,8 +16,8 @@ multiplies a delta before any norm, distance or order statistic sees it, and the
   max(n - f, 1) lowest scores are kept and step = sum n_i v_i / sum n_i over the kept (FedAvg of them).
 
 Every update a rule does not take whole is in ``Aggregate.screened`` (index, action, reason, weight);
-``round_writer`` names its node in state.json's ``screened``. Central DP is refused with every robust
-rule (``privacy_problem``): docs/howto/robust.md says why.
+``round_writer`` names its node in state.json's ``screened``. None of them declares central DP, so each is
+refused under ``[privacy] mode = "central"`` (``update_rules.privacy_problem``): docs/howto/robust.md says why.
 """
 
 from __future__ import annotations
@@ -28,21 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from fedmvp_formats.privacy import CENTRAL, PrivacyRecord
+from fedmvp_formats.privacy import PrivacyRecord
 
 from fedmvp.federated.aggregate import Aggregate, Update, staleness_weight
 
 Deltas = list[dict[str, np.ndarray]]
-
-
-def privacy_problem(rule: str, privacy: PrivacyRecord | None) -> str | None:
-    """The one line refusing a robust rule under central DP (None: the combination is allowed)."""
-    if rule not in ROBUST_RULES or privacy is None or privacy.mode != CENTRAL:
-        return None
-    return (f"[server] update_rule = {rule!r} with [privacy] mode = 'central' is refused: the central clip "
-            f"and noise are calibrated to FedAvg of clipped deltas (sensitivity clip_norm / m), which a rule that "
-            f"drops, trims or rescales by the other updates breaks; use update_rule = 'fedavg' (clip_norm bounds "
-            f"each update) or mode = 'local' (docs/howto/robust.md)")
 
 
 def _discounted(theta: Mapping[str, np.ndarray], updates: Sequence[Update], exponent: float

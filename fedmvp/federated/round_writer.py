@@ -3,8 +3,9 @@
 Whatever produced the updates (a Flower round's checked replies, a buffer of device deltas, update
 files), a round is written the same way: the updates are checked (every tensor finite and shaped as
 the tensor it updates), the round is charged to the privacy budget (``privacy_budget.charge``; past
-``max_epsilon`` nothing is written), the run's update rule (``update_rules``: [server] update_rule) is
-applied, the result must be finite, the round is summarised into one `RoundRecord` (its ``to_json`` is
+``max_epsilon`` nothing is written), the run's update rule (``update_rules``: [server] update_rule, or
+``device_rule`` where every update comes from an edge device) is applied (under central DP it must return
+its noise record), the result must be finite, the round is summarised into one `RoundRecord` (its ``to_json`` is
 the round's state.json; a rule other than fedavg adds ``screened``: the updates it did not take whole, with one
 log line per round) and saved whole (``RunDir.save_checkpoint``, atomic), then its metrics row is
 appended and the progress shown. docs/method.md §6 (the rule), docs/howto/privacy.md (the charge).
@@ -21,14 +22,15 @@ from typing import Any
 import numpy as np
 from flwr.supercore import log
 
-from fedmvp_formats.privacy import PrivacyRecord
+from fedmvp_formats.names import LORA_PREFIX
+from fedmvp_formats.privacy import CENTRAL, PrivacyRecord
 
 from fedmvp.federated.aggregate import Aggregate, Update
 from fedmvp.federated.privacy_budget import BudgetExceeded, Event, charge
 from fedmvp.federated.private_rounds import Draw, release
-from fedmvp.federated.robust_rules import privacy_problem
 from fedmvp.federated.count_cap import cap_counts
-from fedmvp.federated.update_rules import DEFAULT_RULE, takes_server, update_rule
+from fedmvp.federated.update_rules import (DEFAULT_RULE, privacy_problem, rule_name, takes_server,
+                                           unknown_rule_problem, update_rule)
 from fedmvp.presets.server import ServerSpec
 
 
@@ -123,14 +125,11 @@ class RoundWriter:
         self.run, self.server, self.privacy = run, server or ServerSpec(), privacy
         self.events: list[Event] = list(events)
         self.fail, self.progress = fail, progress
-        try:
-            self.rule = update_rule(self.server.update_rule)
-        except ValueError as err:  # a rule this fedmvp does not know (a run of a newer one, a typo)
-            raise fail(str(err)) from None
-        problem = privacy_problem(self.server.update_rule, privacy)  # a run record edited after the preset check
+        problem = unknown_rule_problem(self.server)  # a rule this fedmvp does not know (a newer run's, a typo)
+        problem = problem or privacy_problem(self.server, privacy)  # a run record edited after the preset check
         if problem is not None:
             raise fail(problem)
-        self.rule_options = {"server": self.server} if takes_server(self.rule) else {}
+        self.applied = self.server.update_rule  # the rule the last ``apply`` used (``rule_name``)
         self.count_cap: dict[str, Any] | None = None  # the last ``apply``'s cap on example counts (count_cap.py)
 
     def charge(self, rate: float, round_number: int) -> dict[str, Any] | None:
@@ -156,23 +155,30 @@ class RoundWriter:
                                     f"state it updates does not hold")
                 if not np.all(np.isfinite(value)):
                     raise self.fail(f"{label}: update {i} holds NaN or infinite values in {key}")
-        problem = privacy_problem(self.server.update_rule, self.privacy)  # privacy set after construction
+        problem = privacy_problem(self.server, self.privacy)  # privacy set after construction
         if problem is not None:
             raise self.fail(problem)
+        name = rule_name(self.server, self.privacy, [role for _, role in senders])
+        rule = update_rule(name)
+        self.applied = name
         updates, self.count_cap = cap_counts(updates, self.server.count_cap, senders)  # recorded by ``save``
-        step = self.rule(theta, updates, server_lr=self.server.server_lr, exponent=self.server.staleness_exponent,
-                         privacy=self.privacy, **self.rule_options)
+        step = rule(theta, updates, server_lr=self.server.server_lr, exponent=self.server.staleness_exponent,
+                    privacy=self.privacy, **({"server": self.server} if takes_server(rule) else {}))
         bad = next((k for k, v in step.tensors.items() if not np.all(np.isfinite(v))), None)
         if bad is not None:  # never publish (or train on) a NaN global state
             raise self.fail(f"{label}: the averaged tensor {bad} holds NaN or infinite values; the run stops")
-        if self.server.update_rule != DEFAULT_RULE:
+        if self.privacy is not None and self.privacy.mode == CENTRAL and step.privacy is None and any(
+                k.startswith(LORA_PREFIX) for u in updates for k in u.arrays):
+            raise self.fail(f"{label}: update rule {name} returned no central-DP noise record for the LoRA "
+                            f"([privacy] mode = 'central'); nothing is written (docs/howto/robust.md)")
+        if name != DEFAULT_RULE:
             step.screened = [_named(entry, senders) for entry in step.screened]
-            log(INFO, "%s", screening_line(label, self.server.update_rule, step.screened, len(updates)))
+            log(INFO, "%s", screening_line(label, name, step.screened, len(updates)))
         return step
 
     def screened(self, step: Aggregate) -> list[dict] | None:
         """The round record's ``screened`` (None under fedavg: its record keeps its keys)."""
-        return None if self.server.update_rule == DEFAULT_RULE else list(step.screened)
+        return None if self.applied == DEFAULT_RULE else list(step.screened)
 
     def released(self, charged: dict[str, Any] | None, step: Aggregate, round_number: int, draw: Draw | None,
                  contents: Sequence[tuple[int | None, str, int | None, Collection[str]]] = ()) -> dict[str, Any]:

@@ -325,12 +325,13 @@ def _check_values(preset: Preset, err: Any) -> None:
 
 
 def _check_update_rule(preset: Preset, err: Any) -> None:
-    """[server] update_rule is not a robust rule refused with the [privacy] mode (docs/howto/robust.md): one
-    line at preset load. Whether the name is registered is the server's check (``prepare.check_startable``):
-    a site's process loads the preset without the rules a server registered from outside the package."""
-    from fedmvp.federated.robust_rules import privacy_problem
+    """[server] update_rule and device_rule declare central DP where [privacy] mode = "central"
+    (docs/howto/robust.md): one line at preset load. Whether a name is registered is the server's check
+    (``prepare.check_startable``): a site's process loads the preset without the rules a server registered
+    from outside the package."""
+    from fedmvp.federated.update_rules import privacy_problem
 
-    problem = privacy_problem(preset.server.update_rule, preset.privacy)
+    problem = privacy_problem(preset.server, preset.privacy)
     if problem:
         raise err(problem)
 

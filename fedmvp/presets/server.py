@@ -42,6 +42,10 @@ class ServerSpec(Record):
     round_retries: int = record_field(3, "tries of a round that got fewer than min_nodes replies", Bound(1))
     max_update_norm: float | None = record_field(None, "largest L2 distance of a reply's tensors to the round's "
                                                      "global tensors (none: no bound)", _POSITIVE)
+    max_update_rms: float = record_field(10.0, "where max_update_norm is unset, the bound every update still has: "
+                                               "this times the square root of the values it sends (a root mean "
+                                               "square change of 10 per value is no training: weights sit within "
+                                               "+-1)", _POSITIVE)
     update_norm_action: str = record_field("reject", "beyond max_update_norm: 'reject' the reply or 'clip' it onto "
                                                    "the bound", OneOf(NORM_ACTIONS))
     edge_max_examples: int = record_field(10000, "most images an edge device's reply or update file may count (its "
@@ -63,10 +67,17 @@ class ServerSpec(Record):
     mode: str = record_field("sync", "'sync': rounds with a barrier (sites and devices); 'buffered': edge devices "
                                    "train asynchronously and a version is written every buffer_size updates "
                                    "(FedBuff; `fedmvp serve` only)", OneOf(MODES))
-    update_rule: str = record_field("fedavg", "the server's update rule by name (fedmvp/federated/update_rules.py): "
-                                              "'fedavg', the staleness-weighted FedAvg of the updates' deltas; "
-                                              "robust rules (docs/howto/robust.md): 'norm_clip', 'trimmed_mean', "
-                                              "'median', 'multi_krum' (refused with [privacy] mode = 'central')")
+    update_rule: str = record_field("fedavg", "the server's update rule by name (fedmvp/federated/update_rules.py) "
+                                              "for rounds with a site's update: 'fedavg', the staleness-weighted "
+                                              "FedAvg of the updates' deltas; robust rules (docs/howto/robust.md): "
+                                              "'norm_clip', 'trimmed_mean', 'median', 'multi_krum' (refused with "
+                                              "[privacy] mode = 'central'); set to a robust rule, device rounds "
+                                              "follow it too unless device_rule is set")
+    device_rule: str | None = record_field(None, "the update rule of rounds whose updates all come from edge "
+                                                 "devices (`fedmvp ingest`, buffered versions, a served round of "
+                                                 "devices only); default: update_rule where that is not 'fedavg', "
+                                                 "else 'norm_clip', or 'fedavg' under [privacy] mode = 'central' "
+                                                 "(docs/howto/robust.md, \"Devices: a robust default\")")
     concurrency: int = record_field(4, "mode = 'buffered': edge devices kept training at once")
     buffer_size: int = record_field(2, "mode = 'buffered': accepted device updates that make the next version")
     # -- the robust update rules' keys (fedmvp/federated/robust_rules.py, docs/howto/robust.md)

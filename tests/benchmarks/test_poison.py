@@ -16,7 +16,8 @@ from tests.deadlines import scaled
 
 ROBUST = ("median", "multi_krum", "norm_clip", "trimmed_mean")
 KEYS = ("backdoor_success_best_rule", "clean_drop_points_best_rule", "backdoor_success_no_defence",
-        "default_rule_cost_points_no_attack")
+        "default_rule_cost_points_no_attack", "claimed_count_success_no_defence", "claimed_count_success_default_rule",
+        "boosted_backdoor_success_default_rule", "replays_accepted")
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +47,15 @@ def test_quick_section_has_the_keys_rows_and_plot(quick, quick_trained_run) -> N
     assert all(key in ratios for key in KEYS)
     assert 0.0 <= ratios["clean_acc_before_training"] <= 1.0
     assert config["rules"] == ["fedavg", *ROBUST]  # the registry as it is at run time, the default first
-    settings = [("none", 0)] + [(a, m) for a in ("backdoor", "scaling", "sign_flip", "backdoor_boosted") for m in plan.malicious]
+    attacks = ("backdoor", "scaling", "sign_flip", "backdoor_boosted", poison.CLAIMED)
+    settings = [("none", 0)] + [(a, m) for a in attacks for m in plan.malicious]
     assert [(r["attack"], r["malicious"], r["rule"]) for r in record["rows"]] == [
-        (a, f"{m} of {plan.devices}", rule) for a, m in settings for rule in config["rules"]]
+        (a, f"{m} of {plan.devices}", rule) for a, m in settings
+        for rule in config["rules"] + ([poison.UNCAPPED] if a == poison.CLAIMED else [])]
     assert all(r["error"] is None and 0.0 <= r["clean_acc"] <= 1.0 for r in record["rows"])
-    assert ratios["default_rule_cost_points_no_attack"] == 0.0  # the default is fedavg, the reference
+    assert config["default_device_rule"] == "norm_clip"  # devices' rounds are robust by default
+    assert ratios["default_rule_cost_points_no_attack"] == pytest.approx(
+        config["rule_cost_points_no_attack"]["norm_clip"])
     assert 0.0 <= ratios["backdoor_success_no_defence"] <= 1.0
     assert ratios["backdoor_success_best_rule"] <= ratios["backdoor_success_no_defence"]
     assert (out / "poison.png").stat().st_size > 0  # in --out, and (given --run) beside the run
@@ -77,7 +82,29 @@ def test_quick_rule_named_in_the_run_record_is_the_one_applied(quick) -> None:
     assert len(scaled) == 1
     assert results[("scaling", "multi_krum")]["weights"][scaled[0]] == 0.0
     assert results[("scaling", "fedavg")]["weights"][scaled[0]] > 0.0
-    assert quick[0]["config"]["rule_settings"]["multi_krum"] == {"update_rule": "multi_krum", "assumed_malicious": 1}
+    assert quick[0]["config"]["rule_settings"]["multi_krum"] == {"update_rule": "multi_krum", "device_rule": "multi_krum",
+                                                                 "assumed_malicious": 1}
+
+
+@pytest.mark.deployment  # the section's run and the session's quick training
+@pytest.mark.timeout(900)
+def test_quick_claimed_counts_are_capped_and_replays_refused(quick) -> None:
+    """The backdoor claiming edge_max_examples takes nearly the whole round under FedAvg without the count cap,
+    at most 3 medians' share with it, less again under the devices' default rule; the boosted backdoor's file,
+    once taken, is refused when replayed into the next round (same bytes, new metadata, re-based)."""
+    from benchmarks import poison
+
+    record = quick[0]
+    rows = {r["rule"]: r for r in record["rows"] if r["attack"] == poison.CLAIMED}
+    devices = poison.PLANS["quick"].devices
+    assert rows[poison.UNCAPPED]["attacker_weight"] > 0.9
+    assert rows["fedavg"]["attacker_weight"] <= 1.1 * 3 / (3 + devices - 1)  # 3 medians against ~4 (counts vary by 1)
+    assert rows["norm_clip"]["attacker_weight"] <= rows["fedavg"]["attacker_weight"]
+    replays = record["config"]["replays"]
+    assert replays["rule"] == "norm_clip" and replays["offered"] == 3 and replays["accepted"] == []
+    assert record["ratios"]["replays_accepted"] == 0
+    assert "duplicate" in replays["refused"]["same"]
+    assert all(reason for reason in replays["refused"].values())
 
 
 def test_best_rule_is_the_least_backdoor_success_and_points_are_against_fedavg() -> None:

@@ -292,8 +292,9 @@ def test_a_non_finite_round_stops_the_run_naming_the_round(monkeypatch, what):
             "train-loss": float("nan"), "train-ce": 0.0, "train-consistency": 0.0})
     else:
         from fedmvp.federated.aggregate import Aggregate
+        from fedmvp.federated.update_rules import UPDATE_RULES
 
-        monkeypatch.setattr(strategy.writer, "rule", lambda theta, updates, **_: Aggregate(
+        monkeypatch.setitem(UPDATE_RULES, "fedavg", lambda theta, updates, **_: Aggregate(
             {"promptformer.w": np.full(2, np.inf, np.float32)}, [{}] * len(updates)))
     with pytest.raises(RoundFailed, match="round 5: the (training loss|averaged tensor promptformer.w)"):
         strategy.aggregate_train(1, [reply(0, {"promptformer.w": np.ones(2, np.float32)}, 10, lora=False,

@@ -25,6 +25,7 @@ from fedmvp.runs import RunDir, RunError
 RUN_ID = "a" * 32
 SERVER = {"max_staleness": 0, "edge_max_examples": 100}  # round 1 bundles are stale; 101 examples too many
 RECORD_KEYS = {"file", "sha256", "accepted", "reason", "num_examples", "bundle_round", "bundle_id", "mean_loss",
+               "device_id",
                "clipped_from", "staleness", "s", "weight", "images_digest", "base_digest", "created",
                "content_digest", "sketch", "step_norm"}
 
@@ -219,8 +220,9 @@ def test_only_the_good_updates_are_averaged_into_the_next_round(run, tmp_path):
     assert state["method"] == before.state["method"] and state["lora_clients"] == before.state["lora_clients"]
     assert state["source"] == "ingest" and state["ingested_onto"] == 2
     assert state["ingest_rules"] == {"max_staleness": 0, "edge_max_examples": 100, "count_cap": 3.0,
-                                     "max_update_norm": None,
-                                     "update_norm_action": "reject", "staleness_exponent": 0.5, "server_lr": 1.0}
+                                     "max_update_norm": None, "max_update_rms": 10.0,
+                                     "update_norm_action": "reject", "staleness_exponent": 0.5, "server_lr": 1.0,
+                                     "device_rule": None}
     assert [r["file"] for r in state["ingest"]] == [str(f) for f in files]
     assert all(set(r) == RECORD_KEYS for r in state["ingest"])
     assert [r["accepted"] for r in state["ingest"]] == [True] + [False] * len(bad) + [True, False]

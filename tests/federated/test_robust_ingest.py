@@ -92,7 +92,7 @@ def test_each_key_reaches_the_ingested_round(base_run, tmp_path, name, key, valu
 
 
 def test_fedavg_is_apply_updates_bit_for_bit_and_writes_no_screened_key(run, tmp_path):
-    configure(run, {**SERVER, "max_staleness": 3})
+    configure(run, {**SERVER, "max_staleness": 3, "device_rule": "fedavg"})
     files, updates, theta = _files(run, tmp_path)
     result = ingest(run, files)
     order = [files.index(next(f for f in files if str(f) == v.file)) for v in result.accepted]  # by sha256
@@ -146,6 +146,10 @@ def test_central_privacy_with_a_robust_rule_is_refused_at_ingest(run, tmp_path, 
     ("assumed_malicious = -1", None, "[server]: assumed_malicious must be 0 or more, got -1"),
     ('update_rule = "median"', 'mode = "local"', None),
     ('update_rule = "fedavg"', 'mode = "central"', None),
+    ('device_rule = "norm_clip"', 'mode = "central"', "[server] device_rule = 'norm_clip' with [privacy] mode"),
+    ('device_rule = "median"', 'mode = "local"', None),
+    ('max_update_rms = 0', None, "[server]: max_update_rms must be a finite number > 0, got 0"),
+    ("", 'mode = "central"', None),  # the devices' default rule falls back to fedavg under central DP
 ])
 def test_the_preset_check(preset_file, server, privacy, problem):
     from fedmvp.presets.schema import PresetError, load_preset
@@ -163,10 +167,16 @@ def test_the_preset_check(preset_file, server, privacy, problem):
 def test_an_unknown_rule_is_one_line_before_a_run_is_written(preset_file, tmp_path):
     """The server's preset check (`fedmvp train`, `fedmvp serve`, prepare_run): in the server's process, where
     a rule registered from outside the package is known; a site's process only loads the preset."""
+    preset_file.write_text(preset_file.read_text() + '\n[server]\nupdate_rule = "krum"\n')
+    _refused_before_a_run(preset_file, tmp_path, "update_rule 'krum'")
+    preset_file.write_text(preset_file.read_text().replace('update_rule = "krum"', 'device_rule = "krum"'))
+    _refused_before_a_run(preset_file, tmp_path, "device_rule 'krum'")
+
+
+def _refused_before_a_run(preset_file, tmp_path, named):
     from fedmvp.federated.prepare import check_startable, prepare_run
     from fedmvp.presets.schema import load_preset
 
-    preset_file.write_text(preset_file.read_text() + '\n[server]\nupdate_rule = "krum"\n')
     preset = load_preset(preset_file, check_roots=False)
     for start in (lambda: check_startable(preset, simulation=True),
                   lambda: prepare_run(str(preset_file), str(tmp_path / "r"), None, False, "cpu", with_data=False)):
@@ -174,5 +184,5 @@ def test_an_unknown_rule_is_one_line_before_a_run_is_written(preset_file, tmp_pa
             start()
         line = str(err.value)
         known = "(known: fedavg, median, multi_krum, norm_clip, "
-        assert f"[server] update_rule 'krum' is not a known update rule {known}" in line and "\n" not in line
+        assert f"[server] {named} is not a known update rule {known}" in line and "\n" not in line
     assert not (tmp_path / "r").exists()

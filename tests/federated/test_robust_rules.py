@@ -222,7 +222,7 @@ def test_an_online_round_records_the_screened_node(caplog):
 def test_fedavg_writes_no_screened_key_and_its_numbers_bit_for_bit():
     theta, updates = _world(5)
     fresh = [Update(u.arrays, u.examples) for u in updates]
-    writer = RoundWriter(None, ServerSpec())
+    writer = RoundWriter(None, ServerSpec(device_rule="fedavg"))
     step = writer.apply("round 1", theta, fresh, [(i, "edge") for i in range(len(fresh))])
     expected = weighted_average([(u.arrays, float(u.examples)) for u in fresh])
     assert all(np.array_equal(step.tensors[k], expected[k]) for k in expected)

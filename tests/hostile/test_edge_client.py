@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from fedmvp_formats.bundle_manifest import DEVICE_ID_FILE
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -299,5 +301,13 @@ def test_edge_client_hostile(row: Hostile, pristine_bundle: Path, tmp_path: Path
     assert_one_line_error(done, row.exit_code, row.fragment)
     assert "\x1b" not in done.stdout + done.stderr  # a file name's escape sequence never reaches the terminal raw
     for path in row.unchanged:
-        assert tree_digest(tmp_path / path) == before[path], f"{path} changed"
+        after, expected = tree_digest(tmp_path / path), dict(before[path])
+        if path == "bundle" and row.args[0] == "train" and row.exit_code == 0:
+            # a written update names the device: its id is kept in the bundle from the first one on (never
+            # drawn again once kept; a refused training keeps nothing)
+            assert DEVICE_ID_FILE in after, "an update was written but the device's id was not kept"
+            assert expected.get(DEVICE_ID_FILE, after[DEVICE_ID_FILE]) == after[DEVICE_ID_FILE]
+            after.pop(DEVICE_ID_FILE)
+            expected.pop(DEVICE_ID_FILE, None)
+        assert after == expected, f"{path} changed"
         assert before[path], f"{path}: nothing to compare (the row's setup made no such path)"

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from fedmvp.data.site_folder import SiteFolderError, read_site_folder
+from tests.federated.conftest import small_world  # noqa: F401 (the synthetic world the join test's preset names)
 
 CAFE = unicodedata.normalize("NFC", "café")
 
