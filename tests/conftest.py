@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from fedmvp.federated.ray_token import ensure_ray_token
 from tests.deadlines import FACTOR
 from tests.process_markers import (  # noqa: F401  (hooks: the `processes` marker tells the truth)
     install,
@@ -18,6 +19,9 @@ from tests.priority import GROUP, in_first_group, pytest_runtest_setup  # noqa: 
 from tests.slow_report import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks)
 
 install()
+# Every Ray cluster a test starts (in this process or a command it runs) requires a token, as `fedmvp train`'s
+# does: Ray reads the mode once per process, before anything here may load it (fedmvp/federated/ray_token.py).
+ensure_ray_token()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups

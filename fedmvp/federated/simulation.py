@@ -13,13 +13,17 @@ import sys
 from fedmvp.atomic import os_error_line
 from fedmvp.federated.flower_log import FLOWER_LOG, flower_log
 from fedmvp.federated.prepare import simulation_problem
+from fedmvp.federated.ray_token import RayTokenError, ensure_ray_token
 from fedmvp.runs import RunDir, RunError
 from fedmvp.scoped import environment
 from fedmvp_formats.flower_env import FLOWER_QUIET_ENV
 
 # Flower's quiet environment (fedmvp_formats.flower_env) plus the simulation engine's own: Ray's.
+# RAY_DISABLE_FAILURE_SIGNAL_HANDLER: Ray's native handler would take SIGTERM from the command (a crash dump,
+# exit 134) before `fedmvp train` can stop with its one line (fedmvp_apps.deploy.stopping.end_at_signal).
 SIMULATION_ENV = {**FLOWER_QUIET_ENV, "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
-                  "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+                  "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+                  "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"}
 
 
 def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int | None = None,
@@ -29,7 +33,12 @@ def simulate(run: RunDir, eval_every: int = 0, progress: bool = True, cpus: int 
     server is the deployment's: it samples sites, learns each node's site from its ``partition-id``
     and has the nodes evaluate; only the CPU share of each node (``cpus`` of them) is simulation's.
     ``SIMULATION_ENV`` is this process's environment while the rounds run (Ray's workers inherit it at
-    ``ray.init``), and is put back as it was after (``fedmvp.scoped``)."""
+    ``ray.init``), and is put back as it was after (``fedmvp.scoped``); every Ray listener requires this
+    process's token (``ray_token``)."""
+    try:
+        ensure_ray_token()  # every listener of the Ray cluster requires this process's token (ray_token)
+    except RayTokenError as err:
+        raise RunError(str(err)) from None
     with environment(SIMULATION_ENV):
         return _simulate(run, eval_every, progress, cpus, client_app)
 

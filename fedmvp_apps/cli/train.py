@@ -25,16 +25,41 @@ def train_or_resume(config: str, rounds: int | None, run_dir: str | None, resume
     simulation runs in a thread of this process, takes it again re-entrantly. ``break_lock``: take over a
     lock whose record names another host (docs/security.md)."""
     from fedmvp.run_lock import RunLockError, lock_existing, run_lock
+    from fedmvp_apps.deploy.stopping import end_at_signal
 
+    from pathlib import Path
+
+    # the run directory, once there is one (a resumed run's from the start): what a signal's line names
+    started: list = [Path(run_dir)] if run_dir and Path(run_dir, "config.json").is_file() else []
     try:
-        with lock_existing(run_dir, command, break_lock):
+        with end_at_signal(lambda signum: stopped_line(command, signum, started[0] if started else None)), \
+                lock_existing(run_dir, command, break_lock):
             clip = None if resume else _backbone(config)  # before the run directory is written
             run = _prepare(config, rounds, run_dir, resume, device)
+            started[:] = [run.path]
             check_vocabulary(run, clip)
             with run_lock(run.path, command, can_wait=False, break_lock=break_lock):
                 return _simulate(run, eval_every, progress)
     except RunLockError as err:
         raise BadInput(str(err)) from None
+
+
+def stopped_line(command: str, signum: int, run_dir) -> str:
+    """The one line a signal ends `fedmvp train` / `fedmvp demo` with: what is kept, how to go on. Each
+    round is written whole (docs/tutorials/one-machine.md, "Stopping and resuming")."""
+    from fedmvp.runs import RunDir
+    from fedmvp_apps.deploy.stopping import NAMES
+
+    why = NAMES.get(signum, f"signal {signum}")
+    if run_dir is None:
+        return f"{command}: stopped by {why} before the run directory was written; nothing was kept"
+    try:
+        last = RunDir(run_dir).last_round()
+    except Exception:  # noqa: BLE001 - the line must be printed whatever the run's files hold
+        last = None
+    kept = f"rounds up to {last} are kept" if last else "no round was complete yet"
+    return (f"{command}: stopped by {why}; {kept} in {run_dir}; "
+            f"`fedmvp train --resume --run-dir {run_dir}` continues")
 
 
 def _prepare(config: str, rounds: int | None, run_dir: str | None, resume: bool, device: str) -> RunDir:

@@ -1,6 +1,7 @@
 """How `fedmvp serve`, `fedmvp join` and `edge-client join` stop: within ``STOP_BOUND`` seconds of
-Ctrl-C or SIGTERM, with one line, and no process of theirs left running (docs/tutorials/across-machines.md,
-"Stopping").
+Ctrl-C, SIGTERM or SIGHUP (an operator's SSH session closing), with one line, and no process of theirs
+left running (docs/tutorials/across-machines.md, "Stopping"). `fedmvp train` and `fedmvp demo`, whose
+rounds run in Flower's simulation engine, end at once instead (`end_at_signal`).
 
 A signal only sets an event (`Stopper`): raising KeyboardInterrupt wherever the main thread happens
 to be can leave a library's lock held, or a wait on a child unbounded, so a stop that follows can
@@ -15,17 +16,61 @@ a grandchild (the ServerApp a SuperExec started) is not left behind either. Impo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 STOP_BOUND = 15.0  # seconds from the signal to the command's exit, whatever blocks
 ORDERLY = 11.0  # the orderly stop's share; then SIGKILL, and the watchdog at STOP_BOUND - 1
-NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+
+
+@contextlib.contextmanager
+def end_at_signal(last_words: Callable[[int], str]) -> Iterator[None]:
+    """Inside the block, SIGINT, SIGTERM and SIGHUP print ``last_words(signum)`` (one line), kill every
+    descendant (Ray's cluster) and end this process with 128 + the signal's number; the handlers before
+    are put back after (a test's process keeps its own). For a command whose work cannot be stopped in
+    order from outside (a simulation's rounds run in Flower's threads and Ray's processes: raising
+    KeyboardInterrupt there left a thread that kept the process alive) and whose results are safe at any
+    instant (every round is written whole, atomically, and a run resumes from the last). A thread does
+    the ending, so the handler returns at once. Inside the block nothing else may take these signals over
+    (``signal.signal`` keeps ours: Ray's driver sets SIGTERM to ``sys.exit``, which raised in the main thread
+    and left Flower's thread holding the process). Outside the main thread (no signals there) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def end(signum: int) -> None:
+        try:  # on a line of its own: a progress bar may hold the line
+            print("\n" + last_words(signum), file=sys.stderr, flush=True)
+        finally:
+            kill_tree(os.getpid())
+            os._exit(128 + signum)
+
+    def handle(signum: int, _frame) -> None:
+        threading.Thread(target=end, args=(signum,), daemon=True, name="end-at-signal").start()
+
+    previous = {sig: signal.signal(sig, handle) for sig in NAMES}
+    set_handler = signal.signal
+
+    def keep_ours(sig, handler):  # ray.init sets SIGTERM to sys.exit, which would leave the process hanging
+        if sig in NAMES:
+            return handle
+        return set_handler(sig, handler)
+
+    signal.signal = keep_ours  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = set_handler  # type: ignore[assignment]
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class Interrupted(Exception):

@@ -198,11 +198,12 @@ with Stopper("blocked: stopped") as stopper:
 
 @pytest.mark.timed  # asserts on the wall clock: runs where the cores go first (docs/testing.md)
 @pytest.mark.processes  # starts real processes (see pyproject.toml markers)
-@pytest.mark.parametrize("how", ["block", "order"])
-def test_a_stop_is_bounded_whatever_blocks_and_kills_every_descendant(tmp_path, how):
+@pytest.mark.parametrize("how, sig", [("block", signal.SIGTERM), ("order", signal.SIGTERM), ("order", signal.SIGHUP)])
+def test_a_stop_is_bounded_whatever_blocks_and_kills_every_descendant(tmp_path, how, sig):
     """The guarantee under the commands' stops: SIGTERM ends the process within STOP_BOUND seconds even
     when its main thread never looks at the event again (the watchdog kills its descendants and exits
-    with its line); where it does look, a running command is ended at once."""
+    with its line); where it does look, a running command is ended at once. SIGHUP (an operator's SSH
+    session closing) is a stop like SIGTERM: it used to kill `serve` at once and orphan its SuperLink."""
     script = tmp_path / "blocked.py"
     script.write_text(BLOCKED)
     proc = subprocess.Popen([sys.executable, str(script), how], env=ENV, stderr=subprocess.PIPE, text=True,
@@ -213,7 +214,7 @@ def test_a_stop_is_bounded_whatever_blocks_and_kills_every_descendant(tmp_path, 
         time.sleep(0.1)
     family = descendants(proc.pid)
     started = time.monotonic()
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=BOUND + 5)
     took = time.monotonic() - started
     assert took < BOUND
