@@ -45,7 +45,8 @@ from edge_client.requirements import runtime_blocker
 from edge_client.runtime import ProviderError, _one_line, default_threads
 
 CACHE_FORMAT = "fedmvp-runtime-verdicts"
-CACHE_VERSION = 2  # 2: verdicts judge reduced precisions on images not near-tied (parity_rules)
+CACHE_VERSION = 3  # 2: verdicts judge reduced precisions on images not near-tied; 3: on at least MIN_DECISIVE
+# of them (parity_rules): a verdict cached by an older rule is judged again
 CACHE_FOLDER = "edge-runtime"
 CHECK_BATCH = 8  # `edge-client infer`'s default batch: the one timed
 

@@ -3,8 +3,8 @@
 ``write_bundle`` needs only a model with its round loaded, a class set and parity images
 (``BundleInputs``; how to write: ``BundleOptions``; the steps: ``export.bundle_steps``);
 ``export_bundle`` finds those in a run directory (what ``fedmvp-export`` and ``fedmvp demo``
-call). Everything is written into ``OUT.tmp-xxxx`` and renamed to ``OUT`` once complete and
-verified; with ``force`` an existing ``OUT`` is replaced only then, and only if it is a bundle
+call). Everything is written into ``OUT.tmp-<pid>-xxxx`` and renamed to ``OUT`` once complete and
+verified (one a killed export left is removed by the next: ``export.staging``); with ``force`` an existing ``OUT`` is replaced only then, and only if it is a bundle
 (or empty) without device state (``discard_device_state`` allows that too) that no device command
 is changing (``export.publish``). Nothing in the files
 depends on time or on the output path, so the same round exported twice is byte-identical.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from export.errors import ExportError
 from export.int8 import Int8Plan
 from export.int8_scheme import int8_scheme_for
 from export.publish import check_out, publish
+from export.staging import clean_stale_staging, staging_dir
 from export.run_inputs import export_images, find_run, images_folder, load_checkpoint, read_config, rebuild_model
 from fedmvp.clip import LoadedClip
 from fedmvp.federated.privacy_budget import round_privacy
@@ -101,7 +101,9 @@ def write_bundle(model: FedMVP, clip: LoadedClip, classes: ClassSet, out: str | 
     bar = tqdm(total=len(steps), desc="export", unit="step", disable=not options.progress, file=sys.stderr,
                leave=False)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    for line in clean_stale_staging(out):  # what an export killed outright left (export.staging)
+        warn(line)
+    tmp = staging_dir(out)
     writing = BundleWrite(tmp, model, clip, classes, inputs, options, bar)
     try:
         manifest = writing.run()

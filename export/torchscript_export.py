@@ -92,7 +92,37 @@ def export_torchscript(edge: EdgeClassifier, image_size: int, path: Path, batch:
         traced = torch.jit.trace(wrapper, (example, *lora), check_trace=False)
         buffer = io.BytesIO()
         torch.jit.save(traced, buffer)
-    Path(path).write_bytes(fixed_serialization_id(buffer.getvalue()))
+    Path(path).write_bytes(portable_archive(buffer.getvalue()))
+
+
+def portable_archive(archive: bytes) -> bytes:
+    """What a traced module's archive keeps: the same bytes from any machine (`without_debug_info`, then
+    `fixed_serialization_id`)."""
+    return fixed_serialization_id(without_debug_info(archive))
+
+
+def without_debug_info(archive: bytes) -> bytes:
+    """``archive`` without its ``*.debug_pkl`` records.
+
+    Why: they map the module's code back to the Python source it was traced from, by absolute path (about
+    33 paths of the exporting machine: its home, its site-packages), so the same round exported in two
+    environments gave different bytes and showed where it was built. torch.jit.load reads a module without
+    them (its errors then name no Python line). The rest is copied in order, stored, each record's data
+    aligned to 64 bytes as torch.jit.save aligns it, with a fixed time stamp."""
+    source = zipfile.ZipFile(io.BytesIO(archive))
+    kept = [info for info in source.infolist() if not info.filename.endswith(".debug_pkl")]
+    if len(kept) == len(source.infolist()):
+        return archive
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as target:
+        for info in kept:
+            record = zipfile.ZipInfo(info.filename, date_time=(1980, 1, 1, 0, 0, 0))
+            record.compress_type = zipfile.ZIP_STORED
+            header = 30 + len(info.filename.encode())
+            pad = (-(out.tell() + header + 4)) % 64  # the data after a 4-byte extra field header and the pad
+            record.extra = struct.pack("<HH", 0xFA17, pad) + b"\0" * pad  # an ignored extra field, as torch pads
+            target.writestr(record, source.read(info))
+    return out.getvalue()
 
 
 def fixed_serialization_id(archive: bytes) -> bytes:

@@ -31,7 +31,7 @@ from fedmvp_formats.parity_rules import FP32_MAX_ABS_DIFF
 
 from export.edge_module import EdgeClassifier, no_mha_fastpath
 from export.onnx_export import plain_attention
-from export.torchscript_export import fixed_serialization_id, quiet_torchscript, tensors_as_inputs
+from export.torchscript_export import portable_archive, quiet_torchscript, tensors_as_inputs
 from export.training_artifact import INPUT_NAMES, OUTPUT_NAMES
 
 # The LoRA gradients of the module against the eager module's: max |diff| over max |eager gradient|, per
@@ -79,7 +79,7 @@ def export_training_module(edge: EdgeClassifier, image_size: int, path: Path, ba
                                f"every tensor must be an input")
         buffer = io.BytesIO()
         torch.jit.save(traced, buffer)
-    Path(path).write_bytes(fixed_serialization_id(buffer.getvalue()))
+    Path(path).write_bytes(portable_archive(buffer.getvalue()))
 
 
 @dataclass(frozen=True)

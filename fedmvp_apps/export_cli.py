@@ -1,4 +1,5 @@
-"""`fedmvp-export`: one round of a run -> an edge bundle. Exit codes: 0 ok, 1 parity failed, 2 bad input."""
+"""`fedmvp-export`: one round of a run -> an edge bundle. Exit codes: 0 ok, 1 parity failed, 2 bad input,
+128 + the signal's number when stopped (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP: nothing written)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import click
+
+from fedmvp_apps.deploy.stopping import NAMES, interrupt_at_signal
 
 EXIT_OK, EXIT_PARITY, EXIT_INPUT = 0, 1, 2
 
@@ -80,6 +83,10 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
     as constants, LoRA as named initializers), a torch.export training program whose only
     trainable inputs are the LoRA tensors, the LoRA tensors, the frozen weights (shared by
     both) and a manifest with sha256 hashes and the ONNX Runtime vs PyTorch parity check.
+
+    Exit codes: 0 written, 1 parity failed (nothing written), 2 bad input, 130/143/129 stopped by
+    Ctrl-C/SIGTERM/SIGHUP (nothing written; an export killed outright leaves OUT.tmp-PID-*, which
+    the next export of OUT removes).
     """
     _quiet_libraries()
     if "executorch" in formats and importlib.util.find_spec("executorch") is None:  # before minutes of export
@@ -94,7 +101,11 @@ def main(run: Path | None, round_number: int | None, out: Path | None, precision
                           executorch="executorch" in formats)
     options = ExportOptions(write, images=images, parity_images=parity_images, attributes=attributes, domain=domain)
     try:
-        result = export_bundle(run, round_number, out, options)
+        with interrupt_at_signal() as heard:  # Ctrl-C, SIGTERM, SIGHUP: the staging folder goes, OUT stays
+            result = export_bundle(run, round_number, out, options)
+    except KeyboardInterrupt:
+        _fail(as_json, 128 + heard["signum"], f"stopped by {NAMES.get(heard['signum'], 'a signal')}: nothing was "
+                                              f"written (an existing bundle directory is as it was)")
     except ParityError as err:
         _fail(as_json, EXIT_PARITY, f"parity failed, no bundle written: {err}",
               {"parity": {k: r.to_manifest() for k, r in err.results.items()}})

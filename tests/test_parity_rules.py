@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedmvp_formats.parity_rules import NEAR_TIE_REL, agreement, top1_margins
+from fedmvp_formats.parity_rules import MIN_DECISIVE, NEAR_TIE_REL, agreement, top1_margins
 
 RANGE = 10.0
 
@@ -34,11 +34,18 @@ TIE = 0.5 * NEAR_TIE_REL * RANGE  # half the near-tie margin
     ("bf16", [DECISIVE] * 31 + [TIE], [31], True),  # the demo's case: one coin toss flipped
     ("bf16", [DECISIVE] * 32, [0], False),  # a decisive image flipped: 31/32 < 99%
     ("bf16", [TIE] * 4 + [DECISIVE] * 28, [0, 1, 2, 3], True),  # only ties flipped
-    ("bf16", [TIE] * 8, [0], True),  # nothing decisive to judge
+    ("bf16", [TIE] * 8, [0], False),  # nothing decisive: nothing verified (it used to pass "on the 0")
+    ("bf16", [TIE] * 32, [], False),  # all near-tied and none flipped: still nothing verified
+    ("bf16", [DECISIVE] * 8 + [TIE] * 24, [9], True),  # MIN_DECISIVE images decide it
+    ("bf16", [DECISIVE] * 7 + [TIE] * 25, [], False),  # one short
+    ("fp16", [DECISIVE] * 4, [], True),  # fewer images than MIN_DECISIVE checked: every one decides
+    ("fp16", [DECISIVE] * 3 + [TIE], [], False),
     ("fp32", [DECISIVE] * 31 + [TIE], [31], False),  # fp32 agrees on every image, ties included
+    ("fp32", [TIE] * 8, [], True),  # fp32 has no near-tie rule: every image is judged
     ("int8", [DECISIVE] * 200, [0], True),  # 199/200 >= 99%
     ("int8", [DECISIVE] * 200, [0, 1, 2], False),
-], ids=["bf16-tie-flip", "bf16-decisive-flip", "bf16-ties-only", "bf16-all-ties", "fp32-tie-flip",
+], ids=["bf16-tie-flip", "bf16-decisive-flip", "bf16-ties-only", "bf16-all-ties", "bf16-32-ties",
+        "bf16-8-decisive", "bf16-7-decisive", "fp16-4-of-4", "fp16-3-of-4", "fp32-tie-flip", "fp32-ties",
         "int8-1-in-200", "int8-3-in-200"])
 def test_a_reduced_precision_is_judged_on_decisive_images(precision, margins, flips, passed):
     reference = logits(margins)
@@ -48,6 +55,8 @@ def test_a_reduced_precision_is_judged_on_decisive_images(precision, margins, fl
     if precision != "fp32":
         assert found.decisive_images == sum(m >= NEAR_TIE_REL * RANGE for m in margins)
         assert "not near-tied" in found.describe()
+        if found.decisive_images < min(MIN_DECISIVE, len(margins)):
+            assert "too few decide it" in found.describe() and "not verified" in found.describe()
 
 
 def test_the_logit_bound_still_holds_reduced_precisions_to_scale():

@@ -5,7 +5,9 @@ two update files into one release would be in it twice: under central DP its dat
 result by twice the clipped bound the noise is calibrated to, under local DP it would have spent two
 releases where one is recorded. So before a private round is written, each device's newest accepted
 file is kept and its others are refused with one line; a later ingest (another release, charged again)
-may take them. A device is its update files' ``device_id`` (``edge_client.device_id``: trusted, since it
+may take them. It runs before one training's copies are resolved (``ingest_duplicates``): a copy of a
+device's newest file under another id must not let the device's older file in beside it. A device is its
+update files' ``device_id`` (``edge_client.device_id``: trusted, since it
 protects the device's own data), a region its ``region_run_id``; a file naming neither is refused,
 because it could not be charged once (docs/howto/privacy.md, "One device, one participant").
 """

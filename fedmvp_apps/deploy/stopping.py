@@ -73,6 +73,28 @@ def end_at_signal(last_words: Callable[[int], str]) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def interrupt_at_signal() -> Iterator[dict[str, int]]:
+    """Inside the block SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does, so a
+    command whose work is its own Python code (an export) cleans up the one way, whatever stopped it; the
+    dict gets ``signum``, the signal heard. The handlers before are put back after."""
+    heard: dict[str, int] = {"signum": signal.SIGINT}
+    if threading.current_thread() is not threading.main_thread():
+        yield heard
+        return
+
+    def handle(signum: int, _frame) -> None:
+        heard["signum"] = signum
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handle) for sig in NAMES}
+    try:
+        yield heard
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class Interrupted(Exception):
     """The command was told to stop (SIGINT or SIGTERM); ``str`` is the one line it prints."""
 

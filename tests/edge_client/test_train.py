@@ -22,7 +22,7 @@ from edge_client.batch_fit import find_batch_size
 from edge_client.local_data import decode_dataset, scan_folder
 from edge_client.train import train_local
 from edge_client.train_options import TrainingError, TrainInputError, TrainOptions
-from fedmvp_formats.bundle_manifest import manifest_bytes
+from fedmvp_formats.bundle_manifest import DEVICE_ID_FILE, manifest_bytes
 from edge_client.update import UpdateError, read_update, write_update
 from fedmvp_formats.objective import fedmvp_objective
 
@@ -82,7 +82,9 @@ def test_training_lowers_the_loss_and_changes_only_lora(trained):
     assert sorted(update.tensors) == sorted(LORA)
     assert all(not np.array_equal(update.tensors[k], trained["lora_before"][k]) for k in LORA)
     after = tree_bytes(trained["bundle"])
-    assert {k: v for k, v in after.items() if not k.startswith("personalised/")} == trained["files_before"]
+    assert DEVICE_ID_FILE in after  # the device's id, kept with its first update (edge_client.device_id)
+    kept = {k: v for k, v in after.items() if not k.startswith("personalised/") and k != DEVICE_ID_FILE}
+    assert kept == {k: v for k, v in trained["files_before"].items() if k != DEVICE_ID_FILE}
     assert sorted(k for k in after if k.startswith("personalised/")) == \
         ["personalised/lora-0001.safetensors", "personalised/state.json"]
 
@@ -123,7 +125,9 @@ def test_training_without_out_keeps_the_lora_in_memory_and_personalises_from_it(
     before = {p for p in tmp_path.rglob("*") if "personalised" not in p.parts}
     result = train_local(data, path, epochs=1, batch_size=4, lr=0.05, threads=1, start="bundle", out=None)
     assert result.update_path is None and result.to_json()["update"] is None
-    assert {p for p in tmp_path.rglob("*") if "personalised" not in p.parts} == before  # no update file
+    after = {p for p in tmp_path.rglob("*") if "personalised" not in p.parts}
+    assert after - {path / DEVICE_ID_FILE} == before - {path / DEVICE_ID_FILE}  # no update file
+    assert (path / DEVICE_ID_FILE).is_file()  # personalised: the device's id is kept
     bundle = read_bundle(path)
     assert sorted(result.tensors) == sorted(LORA)
     assert all(v.dtype == np.float32 and list(v.shape) == bundle.lora_shapes[k] for k, v in result.tensors.items())
@@ -272,7 +276,10 @@ def test_cli_train_json_no_apply(bundle_dir, tmp_path):
     assert len(report["skipped"]) == 2 and any("broken.png" in s for s in report["skipped"])
     update = read_update(report["update"], read_bundle(bundle_dir))
     assert update.num_examples == 4 and Path(report["update"]).parent == tmp_path / "upd"
-    assert tree_bytes(bundle_dir) == before  # --no-apply: the device keeps its LoRA
+    after = tree_bytes(bundle_dir)  # --no-apply: the device keeps its LoRA; its id is kept from the first update
+    assert DEVICE_ID_FILE in after and before.get(DEVICE_ID_FILE, after[DEVICE_ID_FILE]) == after[DEVICE_ID_FILE]
+    assert {k: v for k, v in after.items() if k != DEVICE_ID_FILE} == \
+        {k: v for k, v in before.items() if k != DEVICE_ID_FILE}
 
 
 @pytest.mark.parametrize(("optimizer", "lr"), [("sgd", 0.02), ("adamw", 0.01)])

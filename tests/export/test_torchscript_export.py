@@ -114,3 +114,25 @@ def test_the_archive_does_not_carry_a_random_id(tmp_path):
         loaded = torch.jit.load(str(path))
     x = torch.randn(4, 3)
     assert torch.equal(loaded(x), module(x))
+
+
+def test_the_module_carries_no_path_of_the_exporting_machine(ts_bundle):
+    """No ``*.debug_pkl`` (they named the traced Python files by absolute path), every record's data aligned
+    to 64 bytes as torch.jit.save aligns it, and the module still loads and runs (examples/cpp reads it too)."""
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    path = ts_bundle[0] / "model.torchscript.pt"
+    data = path.read_bytes()
+    archive = zipfile.ZipFile(path)
+    assert not [i.filename for i in archive.infolist() if i.filename.endswith(".debug_pkl")]
+    assert archive.testzip() is None
+    for info in archive.infolist():
+        name_len, extra_len = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little"), \
+            int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+        assert (info.header_offset + 30 + name_len + extra_len) % 64 == 0, info.filename
+    for prefix in {sys.prefix, str(Path(__file__).resolve().parents[2]), str(Path.home())}:
+        assert prefix.encode() not in data, prefix
+    with quiet_torchscript():
+        torch.jit.load(str(path))

@@ -92,6 +92,11 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
                           "--auth-key", str(certs / "node-2")], "stranger.log")
         sites = [start([*join, "--site", str(site), "--root-certificates", str(certs / "ca.crt"),
                         "--auth-key", str(certs / f"node-{site}")], f"site-{site}.log") for site in range(3)]
+        deadline = time.time() + scaled(180)
+        while not (tmp_path / "runs" / "tls" / "round-0001" / "state.json").exists():  # the deployment is live
+            assert server.poll() is None and time.time() < deadline, log("serve.log")
+            time.sleep(0.5)
+        _listens_only_where_it_authenticates(server, sites, port)
         assert server.wait(timeout=scaled(240)) == 0, log("serve.log") + log("site-0.log")
         assert intruder.wait(timeout=scaled(30)) == 1 and keyless.wait(timeout=scaled(30)) == 2 and stranger.wait(timeout=scaled(30)) != 0
         # The run ended: each site says so and leaves, exit 0, within the stop bound.
@@ -146,6 +151,20 @@ def test_tls_and_node_auth_three_sites_two_rounds_and_refusals(tmp_path, world6)
     assert checkpoint.state["metrics"]["eval_sites"] == 3 and federated["hm"] is not None
     central = evaluate_global(task_context(str(preset), record.method(checkpoint)), checkpoint.tensors)
     assert federated == pytest.approx(central, abs=1e-12)
+
+
+def _listens_only_where_it_authenticates(server: subprocess.Popen, sites: list[subprocess.Popen], port: int) -> None:
+    """Every listening socket of a live deployment (docs/security.md, "Listeners"): `serve`'s whole tree
+    (SuperLink, SuperExec, ServerApp) listens on the SuperLink's one port only (TLS and node keys: Fleet,
+    Control and Runtime APIs), each site's (join, SuperNode, warm executor) on 127.0.0.1 only."""
+    from fedmvp_apps.deploy.stopping import descendants
+    from tests.listeners import listeners
+
+    served = listeners({server.pid, *descendants(server.pid)})
+    assert {entry.port for entry in served} == {port}, served
+    for site in sites:
+        found = listeners({site.pid, *descendants(site.pid)})
+        assert found and all(entry.loopback for entry in found), found
 
 
 @pytest.mark.deployment  # starts a federation (see pyproject.toml markers)

@@ -115,6 +115,55 @@ def test_export_refuses(export_root: Path, row: Hostile) -> None:
     assert not list(export_root.glob("*.tmp-*")) and not list(export_root.glob("*.old-*"))
 
 
+def _staging_of(proc, out: Path, seconds: float = 120) -> Path:
+    """The export's staging folder (OUT.tmp-PID-*), once it has one."""
+    from tests.deadlines import scaled
+
+    deadline = time.monotonic() + scaled(seconds)
+    while not (found := list(out.parent.glob(f"{out.name}.tmp-{proc.pid}-*"))):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "the export made no staging folder"
+        time.sleep(0.05)
+    return found[0]
+
+
+@pytest.mark.processes  # two real `fedmvp-export` processes, stopped mid-export
+def test_a_stopped_export_writes_nothing_and_a_killed_ones_folder_goes_with_the_next(export_root: Path) -> None:
+    """SIGTERM: one line, exit 143 within the stop bound, its staging folder removed and OUT not written;
+    SIGKILL leaves the staging folder, which the next export of the same OUT removes with one line."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.deadlines import scaled
+
+    out = export_root / "stopped"
+    command = [str(Path(sys.executable).parent / "fedmvp-export"), "--run", str(export_root / "runs" / "r1"),
+               "--out", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    staging = _staging_of(proc, out)
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=scaled(30))
+    assert proc.returncode == 143 and time.monotonic() - began < 15, err[-2000:]
+    assert err.strip().splitlines()[-1] == ("error: stopped by SIGTERM: nothing was written (an existing bundle "
+                                             "directory is as it was)")
+    assert not staging.exists() and not out.exists() and "Traceback" not in err
+
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    staging = _staging_of(proc, out)
+    proc.kill()
+    proc.wait(timeout=scaled(30))
+    assert staging.exists() and not out.exists()  # killed outright: nothing could remove it
+    done = run("fedmvp-export", ["--run", str(export_root / "runs" / "r1"), "--out", str(out)], cwd=export_root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"warning: removed {staging}: the staging folder of an export (pid {proc.pid}) that was killed" \
+        in done.stderr
+    assert not staging.exists() and (out / "manifest.json").is_file()
+    assert not list(export_root.glob("stopped.tmp-*"))
+
+
 def test_export_discards_device_state_only_when_told_and_says_what(export_root: Path, tmp_path: Path) -> None:
     out = tmp_path / "bundle"
     shutil.copytree(export_root / "bundle", out)
