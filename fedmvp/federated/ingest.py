@@ -49,7 +49,7 @@ from fedmvp_formats.update import UpdateFormatError
 from fedmvp.federated import ingest_duplicates as dupes
 from fedmvp.federated.aggregate import Update
 from fedmvp.federated.ingest_bases import BaseLoras
-from fedmvp.federated.ingest_devices import one_per_device
+from fedmvp.federated.ingest_devices import newest_first, one_per_device
 from fedmvp.federated.privacy_budget import run_events
 from fedmvp.federated.replies import ReplyRules, bound_update
 from fedmvp.federated.round_writer import RoundRecord, RoundWriter
@@ -232,7 +232,7 @@ def count_images_once(verdicts: list[FileVerdict]) -> None:
         if verdict.accepted and verdict.images_digest:
             groups.setdefault(verdict.images_digest, []).append(verdict)
     for digest, group in groups.items():
-        kept, *others = sorted(group, key=lambda v: (v.created, v.sha256 or ""), reverse=True)
+        kept, *others = newest_first(group)
         for verdict in others:
             verdict.arrays = None
             verdict.reason = (f"same images as {kept.file} (images_digest {digest[:12]}), which is newer: "

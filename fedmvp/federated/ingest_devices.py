@@ -34,6 +34,12 @@ class _Verdict(Protocol):
     def accepted(self) -> bool: ...
 
 
+def newest_first(group: Sequence[_Verdict]) -> list[_Verdict]:
+    """Of files of which one counts, the newest first (time written, then sha256): the one order every such
+    choice of `fedmvp ingest` uses, so it depends on the files, never on argument order."""
+    return sorted(group, key=lambda v: (v.created, v.sha256 or ""), reverse=True)
+
+
 def participant(verdict: _Verdict) -> str | None:
     """Who a file's release charges: ``device <id>``, ``region <run id>``, or None (unknown)."""
     if verdict.region.get("region_run_id"):
@@ -54,7 +60,7 @@ def one_per_device(verdicts: Sequence[_Verdict], max_reason: int) -> None:
             continue
         groups.setdefault(who, []).append(verdict)
     for who, group in groups.items():
-        kept, *others = sorted(group, key=lambda v: (v.created, v.sha256 or ""), reverse=True)
+        kept, *others = newest_first(group)
         for verdict in others:
             verdict.arrays = None
             verdict.reason = (f"{who[:19]} sent {kept.file} into this release too, which is newer: under [privacy] "
